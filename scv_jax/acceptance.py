@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -51,14 +53,20 @@ def accept_greedy(draft_token_ids, cu_num_draft_tokens, target_token_ids, bonus_
                                                      bonus_token_ids, max_spec_len)
     require_int_vector(op, "target_token_ids", target_token_ids, num_slots, "int32[T] (same T as drafts)")
     impl = resolve_backend(backend, op=op)
-    draft, cu, target, bonus = (jnp.asarray(x, jnp.int32) for x in
-                                (draft_token_ids, cu_num_draft_tokens, target_token_ids, bonus_token_ids))
-    if num_requests == 0 or num_slots == 0 or impl == "xla":
-        if num_requests == 0:
-            return _empty_result(num_slots, 0, k)
-        return acceptance_ref.accept_greedy_reference(draft, cu, target, bonus, max_spec_len=k)
+    return _accept_greedy(*(jnp.asarray(x, jnp.int32) for x in (draft_token_ids, cu_num_draft_tokens,
+                                                                 target_token_ids, bonus_token_ids)),
+                          max_spec_len=k, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("max_spec_len", "impl"))
+def _accept_greedy(draft, cu, target, bonus, *, max_spec_len: int, impl: str) -> AcceptResult:
+    num_slots, num_requests = draft.shape[0], bonus.shape[0]
+    if num_requests == 0:
+        return _empty_result(num_slots, 0, max_spec_len)
+    if num_slots == 0 or impl == "xla":
+        return acceptance_ref.accept_greedy_reference(draft, cu, target, bonus, max_spec_len=max_spec_len)
     from pallas_kernels.accept_scan import accept_greedy_kernel
-    return AcceptResult(*accept_greedy_kernel(draft, cu, target, bonus, max_spec_len=k,
+    return AcceptResult(*accept_greedy_kernel(draft, cu, target, bonus, max_spec_len=max_spec_len,
                                               interpret=impl == "interpret"))
 
 
@@ -94,18 +102,25 @@ def rejection_sample(draft_token_ids, cu_num_draft_tokens, draft_probs, target_p
                              f"got {jnp.shape(draft_probs)}")
     keys = normalize_keys(op, key, num_requests)
     impl = resolve_backend(backend, op=op)
-    vocab_size = jnp.shape(target_probs)[1]
-    draft, cu = jnp.asarray(draft_token_ids, jnp.int32), jnp.asarray(cu_num_draft_tokens, jnp.int32)
-    bonus = jnp.clip(jnp.asarray(bonus_token_ids, jnp.int32), 0, vocab_size - 1)
+    return _rejection_sample(jnp.asarray(draft_token_ids, jnp.int32), jnp.asarray(cu_num_draft_tokens, jnp.int32),
+                             draft_probs, target_probs, jnp.asarray(bonus_token_ids, jnp.int32), keys,
+                             max_spec_len=k, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("max_spec_len", "impl"))
+def _rejection_sample(draft, cu, draft_probs, target_probs, bonus, keys, *, max_spec_len: int,
+                      impl: str) -> AcceptResult:
+    num_slots, num_requests = draft.shape[0], bonus.shape[0]
     if num_requests == 0:
-        return _empty_result(num_slots, 0, k)
+        return _empty_result(num_slots, 0, max_spec_len)
+    bonus = jnp.clip(bonus, 0, target_probs.shape[1] - 1)
     uniforms, seeds = slot_randomness(keys, cu, num_slots)
     if num_slots == 0 or impl == "xla":
         return acceptance_ref.rejection_sample_reference(draft, cu, draft_probs, target_probs, bonus,
-                                                         uniforms, seeds, max_spec_len=k)
+                                                         uniforms, seeds, max_spec_len=max_spec_len)
     from pallas_kernels.accept_scan import rejection_scan_kernel
     from pallas_kernels.recovered_tokens import recovered_token_splits
     interpret = impl == "interpret"
     scores, indices = recovered_token_splits(draft, draft_probs, target_probs, seeds, interpret=interpret)
     return AcceptResult(*rejection_scan_kernel(draft, cu, draft_probs, target_probs, bonus, uniforms,
-                                               scores, indices, max_spec_len=k, interpret=interpret))
+                                               scores, indices, max_spec_len=max_spec_len, interpret=interpret))

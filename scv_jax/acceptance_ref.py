@@ -12,6 +12,8 @@ from scv_jax.sampling_math import accepts_draft, race_scores, race_weights
 
 def _per_request(values: jax.Array, starts: jax.Array, max_spec_len: int) -> jax.Array:
     """Gathers a [T] slot array into [B, max_spec_len] (clamped indices; mask separately)."""
+    if values.shape[0] == 0:
+        return jnp.zeros((starts.shape[0], max_spec_len), values.dtype)
     idx = starts[:, None] + jnp.arange(max_spec_len, dtype=jnp.int32)[None, :]
     return values[jnp.clip(idx, 0, values.shape[0] - 1)]
 
