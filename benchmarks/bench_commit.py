@@ -14,12 +14,9 @@ Run: ``.venv/bin/python benchmarks/bench_commit.py [--quick] [--append]`` (CPU: 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import os
-import platform
 import sys
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -27,34 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import scv_jax
+from harness import append_results, copy_bandwidth, median_seconds, results_header
 from scv_jax.backends import cuda_available
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 CACHE_DTYPES = ("bfloat16", "fp8")
 ACCEPTANCE = (0.3, 0.6, 0.9)
 INPUT_DTYPE = jnp.bfloat16
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Device copy bandwidth in bytes/s (read + write) of a jitted ``x + 1`` over ``num_bytes``."""
-    x = jnp.zeros(num_bytes // 4, jnp.uint32)
-    step = jax.jit(lambda a: a + 1, donate_argnums=0)
-    x = jax.block_until_ready(step(x))
-    holder = [x]
-
-    def once():
-        holder[0] = step(holder[0])
-        return holder[0]
-    return 2 * num_bytes / _median_seconds(once, repeats)
 
 
 def bytes_moved(num_written: int, cache_dtype: str) -> int:
@@ -65,7 +41,7 @@ def bytes_moved(num_written: int, cache_dtype: str) -> int:
 
 
 def time_commit(num_tokens: int, cache_dtype: str, backend: str, accept_mask: np.ndarray | None,
-                repeats: int, seed: int = 0) -> float:
+                repeats: int, seed: int = 0, inner: int = 1) -> float:
     """Median seconds of one donated commit of T tokens (``accept_mask`` None: all written); the cache
     holds 2 * T slots, rounded up to blocks."""
     rng = np.random.default_rng(seed)
@@ -84,17 +60,18 @@ def time_commit(num_tokens: int, cache_dtype: str, backend: str, accept_mask: np
     def once():
         holder[0] = commit(holder[0], keys, values, slots, mask)
         return holder[0]
-    return _median_seconds(once, repeats)
+    return median_seconds(once, repeats, inner)
 
 
 def run(sizes: Sequence[int] = (16, 256, 4096), backends: Sequence[str] | None = None, *,
         cache_dtypes: Sequence[str] = CACHE_DTYPES, acceptance: Sequence[float] = ACCEPTANCE,
-        repeats: int = 20, progress: Callable[[str], None] | None = print) -> list[dict]:
+        repeats: int = 20, inner: int = 1, progress: Callable[[str], None] | None = print) -> list[dict]:
     """Times every (T, cache dtype, backend, acceptance) for accepted-only and write-all commits.
 
     Args:
       sizes: token counts T.
       backends: default ("pallas", "xla") with a CUDA GPU, else ("xla",).
+      inner: calls dispatched back to back per timing sample (amortises the host's wait).
     Returns:
       One dict per configuration: tokens, cache_dtype, backend, acceptance, written (accepted tokens),
       accepted_s / all_s (median seconds), accepted_bytes / all_bytes, accepted_gbps / all_gbps,
@@ -109,8 +86,8 @@ def run(sizes: Sequence[int] = (16, 256, 4096), backends: Sequence[str] | None =
             progress(f"[{i + 1}/{len(configs)}] T={tokens} {dtype} {backend} acceptance={rate}")
         accept_mask = np.random.default_rng(i).random(tokens) < rate
         written = int(accept_mask.sum())
-        accepted_s = time_commit(tokens, dtype, backend, accept_mask, repeats)
-        all_s = time_commit(tokens, dtype, backend, None, repeats)
+        accepted_s = time_commit(tokens, dtype, backend, accept_mask, repeats, inner=inner)
+        all_s = time_commit(tokens, dtype, backend, None, repeats, inner=inner)
         row = dict(tokens=tokens, cache_dtype=dtype, backend=backend, acceptance=rate, written=written,
                    accepted_s=accepted_s, all_s=all_s, accepted_bytes=bytes_moved(written, dtype),
                    all_bytes=bytes_moved(tokens, dtype))
@@ -141,12 +118,6 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    if cuda_available():
-        return f"{jax.devices()[0].device_kind}, {os.cpu_count()}-core host"
-    return f"{os.cpu_count()}-core CPU, no GPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="T in {16, 256} only, fewer repeats (CPU)")
@@ -160,14 +131,12 @@ def main() -> None:
     rows = run(sizes, args.backends, repeats=repeats)
     table = markdown_table(rows)
     command = "python " + " ".join([os.path.relpath(__file__, os.getcwd())] + sys.argv[1:])
-    header = (f"\n## bench_commit: NWOR commit, accepted-only vs write-all ({datetime.date.today()})\n\n"
-              f"Machine: {machine()}; jax {jax.__version__}; Python {platform.python_version()}. "
-              f"{LAYERS} layers, {HEADS} kv heads, head_dim {HEAD_DIM}, bf16 inputs, block_size {BLOCK_SIZE}, "
-              f"donated cache, median of {repeats}. Command: `{command}`\n\n")
+    header = results_header("bench_commit: NWOR commit, accepted-only vs write-all", command,
+                            f"{LAYERS} layers, {HEADS} kv heads, head_dim {HEAD_DIM}, bf16 inputs, "
+                            f"block_size {BLOCK_SIZE}, donated cache, median of {repeats}. ")
     print(header + table)
     if args.append:
-        with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as f:
-            f.write(header + table + "\n")
+        append_results(header + table)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""Timing utilities shared by the benchmarks: medians of async-dispatched calls, device ceilings,
+machine description and RESULTS.md appending. Imported by the scripts in this folder."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scv_jax.backends import cuda_available
+
+RESULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
+    """Median wall seconds per call of ``fn``: each sample dispatches ``inner`` calls back to back and
+    waits once, so per-call host overhead overlaps device work as in a real decode loop."""
+    jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner - 1):
+            fn()
+        jax.block_until_ready(fn())
+        samples.append((time.perf_counter() - start) / inner)
+    return float(np.median(samples))
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device copy bandwidth in bytes/s (read + write) of a donated, jitted ``x + 1``."""
+    step = jax.jit(lambda a: a + 1, donate_argnums=0)
+    holder = [jnp.zeros(num_bytes // 4, jnp.uint32)]
+
+    def once():
+        holder[0] = step(holder[0])
+        return holder[0]
+    return 2 * num_bytes / median_seconds(once, repeats)
+
+
+def launch_floor(repeats: int = 20, inner: int = 50) -> float:
+    """Seconds per call of the cheapest jitted op (one tiny kernel): the floor of any op's time."""
+    step = jax.jit(lambda a: a + 1)
+    x = jnp.zeros((8,), jnp.int32)
+    return median_seconds(lambda: step(x), repeats, inner)
+
+
+def machine() -> str:
+    if cuda_available():
+        return f"{jax.devices()[0].device_kind}, {os.cpu_count()}-core host"
+    return f"{os.cpu_count()}-core CPU, no GPU"
+
+
+def results_header(title: str, command: str, details: str = "") -> str:
+    """A RESULTS.md section header with date, machine, versions and the command."""
+    return (f"\n## {title} ({datetime.date.today()})\n\n"
+            f"Machine: {machine()}; jax {jax.__version__}; Python {platform.python_version()}. "
+            f"{details}Command: `{command}`\n\n")
+
+
+def append_results(text: str) -> None:
+    with open(RESULTS_PATH, "a") as f:
+        f.write(text.rstrip("\n") + "\n")
