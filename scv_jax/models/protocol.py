@@ -1,0 +1,55 @@
+"""The model interface the speculative decoder needs (target and draft alike)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import jax
+
+
+class StagedKV(NamedTuple):
+    """K/V of in-flight tokens that are not committed to the paged cache.
+
+    Attributes:
+      keys, values: [layers, B, S, kv_heads, head_dim]; entry s of request b is the token at
+        position ``context_lens[b] + s``.
+      lengths: int32[B]; entries s < lengths[b] are valid.
+    """
+
+    keys: jax.Array
+    values: jax.Array
+    lengths: jax.Array
+
+
+class PagedForwardOutput(NamedTuple):
+    """What one paged forward returns.
+
+    Attributes:
+      logits: float32[B, T, vocab_size].
+      keys, values: the new tokens' K/V, [layers, B, T, kv_heads, head_dim] (to stage, then commit).
+    """
+
+    logits: jax.Array
+    keys: jax.Array
+    values: jax.Array
+
+
+@runtime_checkable
+class PagedModel(Protocol):
+    """A decoder-only LM the decoder can drive (an ``nnx.Module``; the decoder splits it once).
+
+    ``config`` must expose ``vocab_size``, ``num_layers``, ``num_kv_heads`` and ``head_dim``
+    (the paged caches are sized from them).
+    """
+
+    config: object
+
+    def forward_paged(self, tokens: jax.Array, cache, block_tables: jax.Array, context_lens: jax.Array,
+                      staged: StagedKV | None = None) -> PagedForwardOutput:
+        """Run ``tokens`` int32[B, T] at positions ``context_lens + staged.lengths + t``.
+
+        Attention reads the committed K/V (positions < ``context_lens[b]``) from ``cache`` through
+        ``block_tables`` int32[B, max_blocks], then ``staged`` entries, then the new tokens causally.
+        Must not write ``cache``: the decoder commits the accepted K/V.
+        """
+        ...
