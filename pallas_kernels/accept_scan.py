@@ -44,7 +44,7 @@ def _scan_body(rule_factory, num_requests: int, num_slots: int, max_spec_len: in
 
         @pl.when(in_request)
         def _():
-            mask_ref[slot] = still_alive
+            mask_ref[slot] = still_alive.astype(jnp.int32)
 
         return still_alive, num_accepted + still_alive.astype(jnp.int32)
 
@@ -65,7 +65,7 @@ def _scan_body(rule_factory, num_requests: int, num_slots: int, max_spec_len: in
 
         @pl.when(slot < num_slots)
         def _():
-            mask_ref[slot] = jnp.bool_(False)
+            mask_ref[slot] = jnp.int32(0)
 
     lax.fori_loop(0, num_rounds, clear_padding, None)
 
@@ -76,12 +76,12 @@ def _run_scan(rule_factory, cu, draft_token_ids, bonus_token_ids, rule_inputs, *
     num_slots = draft_token_ids.shape[0]
     out_type = (jax.ShapeDtypeStruct((num_requests, max_spec_len + 1), jnp.int32),
                 jax.ShapeDtypeStruct((num_requests,), jnp.int32),
-                jax.ShapeDtypeStruct((num_slots,), jnp.bool_))
+                jax.ShapeDtypeStruct((num_slots,), jnp.int32))
     body = functools.partial(_scan_body, rule_factory, num_requests, num_slots, max_spec_len)
     tokens, num_accepted, mask = plgpu.kernel(
         body, out_type=out_type, grid=(num_requests,), grid_names=("b",),
         interpret=interpret_params(interpret))(cu, draft_token_ids, bonus_token_ids, *rule_inputs)
-    return tokens, num_accepted, mask
+    return tokens, num_accepted, mask.astype(jnp.bool_)
 
 
 def _greedy_rule(target_ref) -> SlotRule:

@@ -2,9 +2,8 @@
 
 Grid (T, S): CTA (t, s) streams its share of the vocabulary in tiles of ``TILE`` tokens straight
 from global memory (coalesced 16-byte vector loads across the warpgroup), computes race scores
-w_v / E_v (``scv_jax.sampling_math``) and keeps, per lane, the running best score and its first
-index (one cross-lane reduction per CTA, at the end). The S per-split winners are combined by the
-accept scan, which reads only the rows it needs. The last
+w_v / E_v (``scv_jax.sampling_math``) and keeps the running best score and its first index. The S
+per-split winners are combined by the accept scan, which reads only the rows it needs. The last
 tile is read shifted back to end at V, so no load is ever out of bounds; tokens already seen are
 masked out.
 """
@@ -26,7 +25,7 @@ LANES = 128            # threads of one warpgroup
 VECTOR = 4             # 32-bit elements per 16-byte load
 SMALL_TILE = LANES * VECTOR
 LARGE_TILE = 4 * SMALL_TILE
-TARGET_CTAS = 16 * 132  # CTAs to keep an H100/H200's 132 SMs busy (a 1-warpgroup CTA hides little latency)
+TARGET_CTAS = 16 * 132  # CTAs to keep an H100/H200's 132 SMs busy (one warpgroup per CTA hides little latency)
 _NO_INDEX = 2**30
 
 
@@ -55,7 +54,7 @@ def _race_body(vocab_size: int, tile: int, tiles_per_split: int, num_tiles: int,
     last_tile = jnp.minimum(first_tile + tiles_per_split, num_tiles)
 
     def step(j, carry):
-        lane_best, lane_index = carry
+        best_score, best_index = carry
         tile_start = j * tile
         load_start = jnp.minimum(tile_start, vocab_size - tile)
         token_ids = lane_ids + load_start
@@ -65,15 +64,14 @@ def _race_body(vocab_size: int, tile: int, tiles_per_split: int, num_tiles: int,
         else:
             q = (token_ids == draft).astype(jnp.float32)
         scores = race_scores(race_weights(p, q), seed, token_ids)
-        better = (scores > lane_best) & (token_ids >= tile_start)
-        return jnp.where(better, scores, lane_best), jnp.where(better, token_ids, lane_index)
+        scores = jnp.where(token_ids >= tile_start, scores, -1.0)
+        tile_best = jnp.max(scores)
+        tile_index = jnp.min(jnp.where(scores == tile_best, token_ids, _NO_INDEX))
+        better = tile_best > best_score
+        return jnp.where(better, tile_best, best_score), jnp.where(better, tile_index, best_index)
 
-    # Each lane keeps its own running best (strict >: its first index wins ties); one cross-lane
-    # reduction at the end picks the best score and, among equal scores, the smallest token id.
-    no_score = (lane_ids * 0).astype(jnp.float32) - 1.0
-    lane_best, lane_index = lax.fori_loop(first_tile, last_tile, step, (no_score, lane_ids * 0))
-    best_score = jnp.max(lane_best)
-    best_index = jnp.min(jnp.where(lane_best == best_score, lane_index, _NO_INDEX))
+    best_score, best_index = lax.fori_loop(first_tile, last_tile, step,
+                                           (jnp.float32(-1.0), jnp.int32(0)))
     score_ref[t, s] = best_score
     index_ref[t, s] = best_index
 
