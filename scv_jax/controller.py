@@ -199,7 +199,9 @@ class AdaptiveController:
 
     # ----------------------------------------------------------------- decisions
     def next_k(self, batch_size: int) -> int:
-        """The number of drafts for the coming step of ``batch_size`` requests."""
+        """The number of drafts for the coming step of ``batch_size`` requests (the batch the step
+        computes, padding included: the cost model's batch size; the choice does not depend on how
+        many of them are real)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"AdaptiveController.next_k: batch_size must be a positive int, got {batch_size!r}")
         cfg = self.config
@@ -285,7 +287,8 @@ class AdaptiveController:
           num_draft_tokens: int[B] drafts each request had this step (<= k_max).
           num_accepted: int[B] drafts accepted per request (<= num_draft_tokens).
           step_seconds: measured wall time of the step (draft + verify), or None if not timed.
-          batch_size: requests in the step, for the cost model; default B.
+          batch_size: requests the step computed, for the cost model (B plus padding rows, which
+            draft max(num_draft_tokens) each); default B.
           request_ids: [B] hashable ids, for ``per_request`` estimates.
         """
         drafts = np.asarray(num_draft_tokens)
@@ -293,7 +296,7 @@ class AdaptiveController:
         self._check_counts(drafts, accepted)
         drafts = drafts.astype(np.int64)
         accepted = accepted.astype(np.int64)
-        batch = drafts.shape[0] if batch_size is None else int(batch_size)
+        batch = drafts.shape[0] if batch_size is None else max(int(batch_size), drafts.shape[0])
         self._last_batch = max(batch, 1)
         cfg = self.config
         # Request b reached positions 1..min(d_b, n_b + 1) and accepted 1..n_b.
@@ -303,8 +306,10 @@ class AdaptiveController:
         self._success = cfg.acceptance_decay * self._success + at_least(accepted)
         self._acceptance = None
         if step_seconds is not None:
-            forwards = int(self._draft_forwards(np.array(drafts.max(initial=0))))
-            self._cost.observe(step_features(batch, drafts.sum(), forwards), float(step_seconds))
+            most = int(drafts.max(initial=0))
+            padded_drafts = drafts.sum() + (batch - drafts.shape[0]) * most
+            self._cost.observe(step_features(batch, padded_drafts, int(self._draft_forwards(np.array(most)))),
+                               float(step_seconds))
             self._totals[3] += float(step_seconds)
         if cfg.per_request and request_ids is not None:
             self._update_requests(list(request_ids), reached_upto, accepted)

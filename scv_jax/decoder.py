@@ -321,7 +321,10 @@ class SpeculativeDecoder:
     def _step(self, active: list[_Request], base_key: np.ndarray, temperature: float, max_new_tokens: int,
               eos_token_id: int | None, counts: "_AcceptanceCounts", stats: GenerateStats) -> None:
         step_start = time.perf_counter()
-        k = self._next_k(len(active))
+        # the controller sees the batch the executable computes (padding rows cost like real ones)
+        computed_batch = self._decode.dims["batch"].bucket(len(active)) or len(active)
+        misses = self._decode.stats.misses
+        k = self._next_k(computed_batch)
         for r in active:
             r.table.ensure(len(r.tokens) + k)
         catch_up = np.array([len(r.tokens) - r.draft_len if self.has_draft else 1 for r in active], np.int32)
@@ -337,11 +340,12 @@ class SpeculativeDecoder:
             temperature=np.float32(max(temperature, 1e-6)), k=k, greedy=temperature == 0.0)
         host = fetch_step_output(_Summary(summary), len(active))        # the step's one transfer
         step_seconds = time.perf_counter() - step_start
+        compiled = self._decode.stats.misses != misses  # a compile is no step cost: leave it untimed
         for r, emitted, accepted in zip(active, host.token_lists(), host.num_accepted):
             self._advance(r, emitted, int(accepted), k, max_new_tokens, eos_token_id)
         if self.controller:
             self.controller.update(np.full(len(active), k, np.int64), host.num_accepted.astype(np.int64),
-                                   step_seconds, len(active))
+                                   None if compiled else step_seconds, computed_batch)
         counts.add(k, host.num_accepted, host.num_emitted)
         stats.steps += 1
         stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1

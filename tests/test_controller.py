@@ -226,3 +226,15 @@ def test_bad_step_seconds_and_batch_size_raise():
         ctrl.next_k(0)
     with pytest.raises(ValueError, match="per_request"):
         ctrl.request_k([0])
+
+
+def test_padding_rows_are_charged_their_drafts():
+    # the decoder reports the padded batch (16) of a step with 5 real requests: the padding rows
+    # also draft k tokens each, so the cost model must see 16 * k draft tokens, not 5 * k
+    truth = np.array([0.01, 2e-4, 1e-3, 5e-5])
+    ctrl = AdaptiveController(k_max=8, draft_sync="forward", cost_decay=1.0)
+    for k in (2, 8) * 30:
+        ctrl.update(np.full(5, k), np.zeros(5, np.int64), float(step_features(16, 16 * k, k) @ truth), 16)
+    ks = np.array([2, 8])
+    np.testing.assert_allclose(ctrl.predicted_step_cost(16, ks), step_features(16, 16 * ks, ks) @ truth,
+                               rtol=0.05)
