@@ -100,17 +100,17 @@ def rejection_sample(draft_token_ids, cu_num_draft_tokens, draft_probs, target_p
         if jnp.shape(draft_probs) != jnp.shape(target_probs):
             raise ValueError(f"{op}: draft_probs must have target_probs' shape {jnp.shape(target_probs)}, "
                              f"got {jnp.shape(draft_probs)}")
-    keys = normalize_keys(op, key, num_requests)
     impl = resolve_backend(backend, op=op)
     return _rejection_sample(jnp.asarray(draft_token_ids, jnp.int32), jnp.asarray(cu_num_draft_tokens, jnp.int32),
-                             draft_probs, target_probs, jnp.asarray(bonus_token_ids, jnp.int32), keys,
+                             draft_probs, target_probs, jnp.asarray(bonus_token_ids, jnp.int32), key,
                              max_spec_len=k, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=("max_spec_len", "impl"))
-def _rejection_sample(draft, cu, draft_probs, target_probs, bonus, keys, *, max_spec_len: int,
+def _rejection_sample(draft, cu, draft_probs, target_probs, bonus, key, *, max_spec_len: int,
                       impl: str) -> AcceptResult:
     num_slots, num_requests = draft.shape[0], bonus.shape[0]
+    keys = normalize_keys("rejection_sample", key, num_requests)   # static checks run at trace time
     if num_requests == 0:
         return _empty_result(num_slots, 0, max_spec_len)
     bonus = jnp.clip(bonus, 0, target_probs.shape[1] - 1)
