@@ -11,27 +11,20 @@ Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_e2e.py [--quick] [--a
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import pathlib
-import platform
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-
+from harness import append_results, results_header  # noqa: E402
 from scv_jax.demo.e2e import format_table, run_e2e  # noqa: E402
 from scv_jax.models import load_demo  # noqa: E402
-
-RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="batch 1 only, greedy only")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--append", action="store_true", help=f"append the table to {RESULTS}")
+    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     target, draft = load_demo()
     batch_sizes, temperatures = ((1,), (0.0,)) if args.quick else ((1, 4, 16), (0.0, 1.0))
@@ -40,14 +33,11 @@ def main() -> None:
     table = format_table(rows)
     print(table)
     if args.append:
-        machine = "2-core CPU, no GPU" if jax.devices()[0].platform == "cpu" else jax.devices()[0].device_kind
         command = "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
-        with open(RESULTS, "a") as f:
-            f.write(f"\n## End-to-end speculative decoding on the demo models ({datetime.date.today()})\n\n"
-                    f"Machine: {machine} ({platform.machine()}); jax {jax.__version__}; command: `{command}`. "
-                    f"Byte-level demo target (6 layers, d=384) and draft (1 layer, d=128); "
-                    f"{args.max_new_tokens} new tokens per request, prompts from held-out stdlib source; "
-                    "compilation excluded.\n\n" + table + "\n")
+        append_results(results_header(
+            "End-to-end speculative decoding on the demo models", command,
+            f"Byte-level demo target (6 layers, d=384) and draft (1 layer, d=128); {args.max_new_tokens} new "
+            "tokens per request, prompts from held-out stdlib source; compilation excluded. ") + table)
 
 
 if __name__ == "__main__":

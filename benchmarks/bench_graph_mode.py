@@ -13,9 +13,7 @@ Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_graph_mode.py [--step
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import sys
 import time
 
@@ -24,6 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from harness import append_results, results_header  # noqa: E402
 from scv_jax import Buckets, PagedKVCache, fetch_step_output, verify_step, verify_step_cache  # noqa: E402
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, VOCAB = 2, 512, 16, 2, 32, 1000
@@ -147,12 +146,8 @@ def main() -> None:
 
     stats = graph.stats
     lines = [
-        "",
-        f"## Graph mode: bucketed AOT executables vs jax.jit ({datetime.date.today()})",
-        "",
-        f"Machine: 2-core CPU, no GPU ({platform.machine()}); jax {jax.__version__}; "
-        f"command: `JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_graph_mode.py --steps {opts.steps}`",
-        "",
+        results_header("Graph mode: bucketed AOT executables vs jax.jit",
+                       f"JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_graph_mode.py --steps {opts.steps}"),
         f"Verify step (greedy, XLA path, bf16 paged cache {LAYERS}x{BLOCKS}x{BLOCK_SIZE}x{HEADS}x{HEAD_DIM}) "
         f"over {opts.steps} steps whose batch size walks in 1..{MAX_BATCH} with k in {{2, 4}} and ragged "
         f"drafts. Graph mode buckets: batch {graph.dims['batch'].sizes}, k (2, 4), tokens = batch * k; "
@@ -170,8 +165,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if opts.append:
-        with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as f:
-            f.write(text)
+        append_results(text)
 
 
 if __name__ == "__main__":
