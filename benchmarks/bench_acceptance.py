@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import scv_jax
 from harness import append_results, median_seconds, results_header
-from scv_jax.backends import cuda_available
+from scv_jax.ops.registry import cuda_available
 
 BATCHES = (1, 8, 64, 256)
 SPEC_LENS = (1, 4, 8)

@@ -25,7 +25,7 @@ import numpy as np
 
 import scv_jax
 from harness import append_results, copy_bandwidth, median_seconds, results_header
-from scv_jax.backends import cuda_available
+from scv_jax.ops.registry import cuda_available
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 CACHE_DTYPES = ("bfloat16", "fp8")

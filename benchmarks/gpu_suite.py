@@ -33,7 +33,7 @@ import bench_acceptance
 import bench_commit
 import harness
 import scv_jax
-from scv_jax.backends import cuda_available
+from scv_jax.ops.registry import cuda_available
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,12 +60,12 @@ FULL = Sizes(copy_bytes=1 << 30, greedy_batches=(1, 8, 64, 256), greedy_spec_len
                                 (256, 8, 151_936)),
              commit_tokens=(16, 256, 4096), commit_acceptance=(0.3, 0.9), check_vocab=151_936,
              check_commit_shape=(4, 8, 128, 300), repeats=10, inner=10,
-             pytest_files=("tests/test_acceptance.py", "tests/test_commit.py"),
+             pytest_files=("tests/ops/acceptance/test_acceptance.py", "tests/ops/commit/test_commit.py"),
              pytest_filter="pallas or gpu or lowers")
 DRY = Sizes(copy_bytes=1 << 20, greedy_batches=(1, 4), greedy_spec_lens=(2,),
             rejection_configs=((2, 2, 600),), commit_tokens=(4,), commit_acceptance=(0.5,), check_vocab=600,
             check_commit_shape=(2, 2, 64, 5), repeats=1, inner=1,
-            pytest_files=("tests/test_acceptance.py",), pytest_filter="greedy_kernel_lowers")
+            pytest_files=("tests/ops/acceptance/test_acceptance.py",), pytest_filter="greedy_kernel_lowers")
 
 
 class Report:

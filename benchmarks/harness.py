@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scv_jax.backends import cuda_available
+from scv_jax.ops.registry import cuda_available
 
 RESULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 

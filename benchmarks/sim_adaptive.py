@@ -1,6 +1,6 @@
 """Speculation-length policies in simulation: fixed k (every k), target mode, goodput mode, oracle.
 
-Runs the scenarios of ``scv_jax.adaptive_sim.standard_scenarios`` (stationary, per-position decaying,
+Runs the scenarios of ``adaptive_sim.standard_scenarios`` (stationary, per-position decaying,
 drifting, bursty, a load spike, mixed requests; draft/target cost ratio c from 0.02 to 0.3; batch-dependent
 target cost where noted), prints a markdown table of throughput (emitted tokens per simulated second)
 relative to the oracle, and saves a plot of k and throughput over time (benchmarks/adaptive_sim.png).
@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from scv_jax import AdaptiveController
-from scv_jax.adaptive_sim import K_MAX, FixedPolicy, OraclePolicy, Scenario, Trace, simulate, standard_scenarios
+from adaptive_sim import K_MAX, FixedPolicy, OraclePolicy, Scenario, Trace, simulate, standard_scenarios
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ADAPTIVE = {  # column -> controller factory

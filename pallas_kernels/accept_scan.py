@@ -18,9 +18,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpret_params
-from scv_jax.draft_batch import request_span
-from scv_jax.sampling_math import accepts_draft
+from pallas_kernels.platform import interpret_params
+from pallas_kernels.ragged_batch import request_span
+from pallas_kernels.sampling_math import accepts_draft
 
 # (slot index, draft id) -> (draft accepted?, token emitted if accepted, token emitted if rejected)
 SlotRule = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]

@@ -4,7 +4,7 @@ Grid ``(T, layers)``: one CTA (a warpgroup of 128 threads) per (token, layer) pa
 is skipped (slot -1) exits at once. Otherwise it loads the token's ``[kv_heads, head_dim]`` keys and
 values from global memory straight into registers with a strided warpgroup layout (each thread reads
 ``vector`` consecutive elements, up to 16 bytes of the narrower of the input and cache dtypes),
-quantises them with ``scv_jax.fp8`` and stores them at the slot: one contiguous row in NHD, ``kv_heads``
+quantises them with ``pallas_kernels.fp8`` and stores them at the slot: one contiguous row in NHD, ``kv_heads``
 rows ``block_size * head_dim`` apart in HND. No SMEM, no TMA: every byte is touched exactly once.
 
 The pages are mutable refs (``jax.new_ref``) that the kernel writes through; under
@@ -30,8 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpret_params
-from scv_jax.fp8 import dynamic_scale, quantize
+from pallas_kernels.platform import interpret_params
+from pallas_kernels.fp8 import dynamic_scale, quantize
 
 WARPGROUP_SIZE = 128
 MAX_VECTOR_BYTES = 16
@@ -115,7 +115,7 @@ def commit_kv_kernel(k_pages: jax.Array, v_pages: jax.Array, k_scale: jax.Array 
     """Writes token t of every layer at ``slots[t]`` (int32[T], -1 = skip), in place.
 
     Args:
-      k_pages, v_pages: the cache pages in ``layout`` (see ``scv_jax.kv_cache``).
+      k_pages, v_pages: the cache pages in ``layout`` (see ``scv_jax.ops.commit.kv_cache``).
       k_scale, v_scale: None; float32[1] ("tensor"); float32[kv_heads] ("head"); or float32 scale pages
         [layers, num_blocks, block_size, kv_heads] ("token_head", updated in place).
       new_keys, new_values: [layers, T, kv_heads, head_dim] float32/float16/bfloat16.

@@ -2,7 +2,7 @@
 
 Grid (T, S): CTA (t, s) streams its share of the vocabulary in tiles of ``TILE`` tokens straight
 from global memory (coalesced 16-byte vector loads across the warpgroup), computes race scores
-w_v / E_v (``scv_jax.sampling_math``) and keeps the running best score and its first index. The S
+w_v / E_v (``pallas_kernels.sampling_math``) and keeps the running best score and its first index. The S
 per-split winners are combined by the accept scan, which reads only the rows it needs. The last
 tile is read shifted back to end at V, so no load is ever out of bounds; tokens already seen are
 masked out.
@@ -18,8 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._common import interpret_params
-from scv_jax.sampling_math import race_scores, race_weights
+from pallas_kernels.platform import interpret_params
+from pallas_kernels.sampling_math import race_scores, race_weights
 
 LANES = 128            # threads of one warpgroup
 VECTOR = 4             # 32-bit elements per 16-byte load

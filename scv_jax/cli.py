@@ -40,7 +40,7 @@ def _text(tokens: list[int]) -> str:
 
 
 def run_demo(args, target, draft) -> int:
-    from scv_jax.decoder import DecoderConfig, SpeculativeDecoder
+    from scv_jax.decoding.decoder import DecoderConfig, SpeculativeDecoder
 
     prompt = list(args.prompt.encode("utf-8"))
     if not prompt:

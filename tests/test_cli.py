@@ -9,7 +9,7 @@ import pytest
 
 from scv_jax import cli
 from scv_jax.models import TransformerConfig
-from tests.model_fixtures import tiny_model
+from tests.models.fixtures import tiny_model
 
 BYTE_TARGET = TransformerConfig(vocab_size=256, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
                                 head_dim=16, ffn_dim=64)

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from scv_jax.decoder import DecoderConfig, GenerateOutput, SpeculativeDecoder
+from scv_jax.decoding.decoder import DecoderConfig, GenerateOutput, SpeculativeDecoder
 from scv_jax.demo.corpus import split_corpus, stdlib_bytes
 
 

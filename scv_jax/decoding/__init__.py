@@ -1,0 +1,1 @@
+"""The decoding loop: host loop, device step, block pool and statistics."""

@@ -1,0 +1,457 @@
+"""Graph mode: a cache of ahead-of-time compiled executables, one per shape bucket.
+
+The JAX analogue of CUDA-graph capture in serving engines. A step function is compiled once per
+bucket (``warmup()``), every call pads its arguments up to a bucket and runs that bucket's
+executable, so shapes never wander and nothing recompiles mid-decoding. Bucket keys come from the
+static shapes of the arguments and from Python ints (host metadata): computing a key never moves
+data between host and device.
+
+    step = ExecutableCache(fn, dims={"batch": [1, 2, 4, 8], "tokens": [4, 8, 16, 32]},
+                           pads={"cu": Pad("batch", fill="edge", extra=1), "ids": Pad("tokens")},
+                           bucketed_statics={"max_spec_len": [2, 4]}, donate_argnames=("kv",),
+                           fallback={"backend": "xla"})
+    step.warmup(**example_args)        # compiles every bucket (progress on stderr)
+    out = step(**args)                 # padded outputs: rows past the real batch are padding
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import inspect
+import itertools
+import logging
+import sys
+import threading
+import time
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from scv_jax.graph.buckets import (Buckets, Pad, array_leaves, as_buckets, is_array_leaf, map_arrays,
+                             pad_leaf, real_size)
+
+logger = logging.getLogger(__name__)
+
+# (dim buckets in ``dims`` order, static values in ``static_argnames`` order, names of the arguments
+# given and not None: optional arguments change the executable's signature)
+BucketKey = tuple
+
+
+class BucketPlan(NamedTuple):
+    """Where one call lands. ``key`` is None when a size exceeds the largest bucket."""
+
+    key: BucketKey | None
+    real: dict[str, int]        # dim -> unpadded size
+    padded: dict[str, int]      # dim -> bucket size
+    statics: dict[str, Any]     # static argument -> (bucketed) value
+
+
+@dataclasses.dataclass
+class GraphModeStats:
+    """Counters of an ``ExecutableCache`` (host-side, cheap to read).
+
+    ``padding_ratio(dim)`` is padded / real size summed over all bucketed calls (1.0 = no waste).
+    """
+
+    hits: int = 0
+    misses: int = 0
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    fallbacks: int = 0
+    failed_buckets: int = 0
+    oversize: int = 0
+    device_pads: int = 0
+    unaliased_donations: int = 0
+    real_totals: dict[str, int] = dataclasses.field(default_factory=dict)
+    padded_totals: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def padding_ratio(self, dim: str) -> float:
+        real = self.real_totals.get(dim, 0)
+        return self.padded_totals.get(dim, 0) / real if real else float("nan")
+
+
+class WarmupReport(NamedTuple):
+    buckets: int            # buckets considered
+    compiled: int           # executables compiled now (bucket executables and fallbacks)
+    failed: int             # buckets whose executable failed to compile (served by the fallback)
+    wall_seconds: float
+    compile_seconds: float  # summed over buckets (exceeds wall time with parallel threads)
+
+
+@dataclasses.dataclass
+class _Entry:
+    executable: Any          # jax.stages.Compiled
+    is_fallback: bool
+    fixed: frozenset = frozenset()   # arguments the executable does not take (bound by the fallback)
+
+    def __call__(self, args: dict[str, Any]):
+        if self.fixed:
+            args = {a: v for a, v in args.items() if a not in self.fixed}
+        return self.executable(**args)
+
+
+def enable_persistent_cache(cache_dir: str, *, min_compile_time_secs: float = 0.0,
+                            min_entry_size_bytes: int = 0) -> None:
+    """Turns on JAX's persistent compilation cache in ``cache_dir`` (process-wide JAX config)."""
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_secs)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", min_entry_size_bytes)
+    if jax.config.jax_compilation_cache_dir != cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        from jax.experimental.compilation_cache import compilation_cache
+        compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+
+
+def _nbytes(leaf: Any) -> int:
+    return int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize if is_array_leaf(leaf) else 0
+
+
+class ExecutableCache:
+    """Wraps a step function with bucketed, ahead-of-time compiled executables.
+
+    Args:
+      fn: the step function; its arguments are passed by name (positional calls are bound to the
+        parameter names). It must be traceable by ``jax.jit``.
+      dims: dimension name -> ``Buckets`` (or a list of sizes) it is padded up to, or a function
+        deriving its bucket from the other dims' buckets and the bucketed statics (e.g.
+        ``lambda b: b["batch"] * b["max_spec_len"]``); derived dims add no buckets of their own.
+      pads: argument name -> ``Pad`` (or a list of them) saying which axis carries which dim and the
+        fill value. Every array leaf of the argument is padded; ``None`` arguments are skipped.
+      bucketed_statics: static argument name -> allowed values; a call's value is rounded up to the
+        smallest allowed one (e.g. ``max_spec_len`` from ``[1, 2, 4, 8]``).
+      static_argnames: further static arguments (hashable; part of the key as given).
+      donate_argnames: arguments donated to the executable (e.g. the KV cache; updated in place).
+        Each compile checks ``memory_analysis()`` that the donated bytes are aliased.
+      masks: argument name -> dim, for bool[dim] validity masks (True at real entries) that the
+        cache builds itself when the caller passes None (or omits them); a given mask is padded
+        with False.
+      fallback: what serves a bucket whose executable fails to compile or to run: a mapping of
+        argument overrides for ``fn`` (e.g. ``{"backend": "xla"}``), or a function taking ``fn``'s
+        arguments (a ``functools.partial``'s bound keywords replace the call's); None lets such
+        errors propagate.
+      cache_dir: opt-in JAX persistent compilation cache directory (process-wide; see
+        ``enable_persistent_cache``) so that a restart loads executables instead of compiling.
+      keep: a default ``warmup`` filter of buckets that can never occur (see ``all_keys``).
+      name: a label for progress lines and logs.
+    """
+
+    def __init__(self, fn: Callable, *,
+                 dims: Mapping[str, Buckets | Sequence[int] | Callable[[dict[str, Any]], int]],
+                 pads: Mapping[str, Pad | Sequence[Pad]],
+                 bucketed_statics: Mapping[str, Buckets | Sequence[int]] | None = None,
+                 static_argnames: Sequence[str] = (), donate_argnames: Sequence[str] = (),
+                 masks: Mapping[str, str] | None = None,
+                 fallback: Callable | Mapping[str, Any] | None = None,
+                 cache_dir: str | None = None, keep: Callable[[dict[str, int]], bool] | None = None,
+                 name: str | None = None):
+        self.name = name or getattr(fn, "__name__", "step")
+        parameters = inspect.signature(fn).parameters
+        self._params = tuple(parameters)
+        self._defaults = {a: p.default for a, p in parameters.items()
+                          if p.default is not inspect.Parameter.empty}
+        self.dims = {dim: b if callable(b) else as_buckets(b) for dim, b in dims.items()}
+        self._grid_dims = {dim: b for dim, b in self.dims.items() if isinstance(b, Buckets)}
+        self.keep = keep
+        self.pads = {arg: (p,) if isinstance(p, Pad) else tuple(p) for arg, p in pads.items()}
+        self.masks = dict(masks or {})
+        for arg, dim in self.masks.items():
+            self.pads.setdefault(arg, (Pad(dim, fill=False),))
+        self.bucketed_statics = {a: as_buckets(v) for a, v in (bucketed_statics or {}).items()}
+        self.static_argnames = tuple(self.bucketed_statics) + tuple(
+            a for a in static_argnames if a not in self.bucketed_statics)
+        self.donate_argnames = tuple(donate_argnames)
+        for arg in (*self.pads, *self.static_argnames, *self.donate_argnames):
+            if arg not in self._params:
+                raise ValueError(f"ExecutableCache: {arg!r} is not a parameter of {self.name} "
+                                 f"(parameters: {self._params})")
+        for arg, arg_pads in self.pads.items():
+            for p in arg_pads:
+                if p.dim not in self.dims:
+                    raise ValueError(f"ExecutableCache: pads[{arg!r}] uses dim {p.dim!r}, "
+                                     f"not one of dims {tuple(self.dims)}")
+        self._carriers = {dim: [(a, p) for a, ps in self.pads.items() for p in ps if p.dim == dim]
+                          for dim in self.dims}
+        jit_options = dict(static_argnames=self.static_argnames, donate_argnames=self.donate_argnames)
+        self._jitted = jax.jit(fn, **jit_options)
+        if isinstance(fallback, Mapping):
+            fallback = functools.partial(fn, **fallback)
+        self._fallback_jitted = jax.jit(fallback, **jit_options) if fallback is not None else None
+        self._fallback_fixed = frozenset(getattr(fallback, "keywords", None) or ())
+        if cache_dir is not None:
+            enable_persistent_cache(cache_dir)
+        self.stats = GraphModeStats()
+        self.failed: dict[BucketKey, str] = {}   # bucket -> why its executable is not used
+        self._entries: dict[BucketKey, _Entry] = {}
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------------------- host-side keys
+    def _bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if len(args) > len(self._params):
+            raise TypeError(f"{self.name}: takes {len(self._params)} arguments, got {len(args)}")
+        bound = dict(zip(self._params, args))
+        bound.update(kwargs)
+        return bound
+
+    def _plan(self, bound: Mapping[str, Any]) -> BucketPlan:
+        real, padded = {}, {}
+        for dim, buckets in self.dims.items():
+            size, source = None, None
+            for arg, pad in self._carriers[dim]:
+                value = bound.get(arg)
+                if value is None:
+                    continue
+                for leaf in array_leaves(value):
+                    n = real_size(leaf, pad, arg)
+                    if size is None:
+                        size, source = n, arg
+                    elif n != size:
+                        raise ValueError(f"{self.name}: {arg!r} says {dim}={n} but {source!r} says "
+                                         f"{dim}={size}")
+            if size is None:
+                raise ValueError(f"{self.name}: no argument carries dim {dim!r} "
+                                 f"(carriers: {[a for a, _ in self._carriers[dim]]})")
+            real[dim] = size
+            if dim in self._grid_dims:
+                padded[dim] = buckets.bucket(size)
+        statics = {}
+        for arg in self.static_argnames:
+            if arg not in bound and arg not in self._defaults:
+                raise TypeError(f"{self.name}: missing static argument {arg!r}")
+            value = bound.get(arg, self._defaults.get(arg))
+            statics[arg] = (self.bucketed_statics[arg].bucket(value)
+                            if arg in self.bucketed_statics else value)
+        grid = {**padded, **{a: statics[a] for a in self.bucketed_statics}}
+        if any(v is None for v in grid.values()):
+            return BucketPlan(None, real, padded, statics)
+        padded = self._derive(grid)
+        if any(real[dim] > padded[dim] for dim in real):
+            return BucketPlan(None, real, padded, statics)
+        key = (tuple(padded.values()), tuple(statics.values()), self._present(bound))
+        return BucketPlan(key, real, padded, statics)
+
+    def _present(self, bound: Mapping[str, Any]) -> frozenset[str]:
+        return frozenset(a for a, v in bound.items() if v is not None and a not in self.static_argnames)
+
+    def _derive(self, grid: dict[str, int]) -> dict[str, int]:
+        """All dims' bucket sizes (in ``dims`` order) from the grid dims and bucketed statics."""
+        sizes = dict(grid)
+        for dim, buckets in self.dims.items():
+            if dim not in self._grid_dims:
+                sizes[dim] = int(buckets(sizes))
+        return {dim: sizes[dim] for dim in self.dims}
+
+    def plan(self, *args, **kwargs) -> BucketPlan:
+        """The bucket a call would use, from static shapes and Python values only (no transfers)."""
+        return self._plan(self._bind(args, kwargs))
+
+    def describe(self, key: BucketKey) -> str:
+        dims, statics, _ = key
+        parts = [f"{d}={s}" for d, s in zip(self.dims, dims)]
+        parts += [f"{a}={v}" for a, v in zip(self.static_argnames, statics)]
+        return ", ".join(parts)
+
+    # ------------------------------------------------------------------------------------ padding
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def _validity_mask(real: int, padded: int) -> np.ndarray:
+        mask = np.arange(padded) < real
+        mask.setflags(write=False)
+        return mask
+
+    def _padded_args(self, bound: dict[str, Any], plan: BucketPlan) -> dict[str, Any]:
+        out = dict(bound)
+        for arg, dim in self.masks.items():
+            if out.get(arg) is None:
+                out[arg] = self._validity_mask(plan.real[dim], plan.padded[dim])
+        device_pads = 0
+        for arg, arg_pads in self.pads.items():
+            value = out.get(arg)
+            if value is None:
+                continue
+            for pad in arg_pads:
+                def one(leaf, pad=pad):
+                    nonlocal device_pads
+                    padded, on_device = pad_leaf(leaf, pad, plan.padded[pad.dim])
+                    device_pads += on_device
+                    return padded
+                value = map_arrays(one, value)
+            out[arg] = value
+        out.update(plan.statics)
+        self.stats.device_pads += device_pads
+        return out
+
+    def _abstract_args(self, bound: dict[str, Any], key: BucketKey) -> dict[str, Any]:
+        """Example arguments turned into the bucket's abstract signature (for warm-up)."""
+        padded = dict(zip(self.dims, key[0]))
+        out = dict(bound)
+        for arg, arg_pads in self.pads.items():
+            if out.get(arg) is None:
+                continue
+            def abstract(leaf, arg_pads=arg_pads):
+                shape = list(np.shape(leaf))
+                for pad in arg_pads:
+                    shape[pad.axis] = padded[pad.dim] + pad.extra
+                dtype = jax.dtypes.canonicalize_dtype(leaf.dtype if is_array_leaf(leaf)
+                                                      else np.asarray(leaf).dtype)
+                return jax.ShapeDtypeStruct(tuple(shape), dtype,
+                                            sharding=getattr(leaf, "sharding", None))
+            out[arg] = map_arrays(abstract, out[arg])
+        for arg, dim in self.masks.items():
+            if out.get(arg) is None:
+                out[arg] = jax.ShapeDtypeStruct((padded[dim],), np.bool_)
+        out.update(zip(self.static_argnames, key[1]))
+        return out
+
+    # ---------------------------------------------------------------------------------- compiling
+    def _compile_one(self, key: BucketKey, trace_args: dict[str, Any]) -> tuple[_Entry, int]:
+        """Compiles ``key``'s executable (the fallback's if it fails); returns it and #compiles."""
+        compiles = 0
+        for is_fallback, jitted in ((False, self._jitted), (True, self._fallback_jitted)):
+            if jitted is None:
+                break
+            if not is_fallback and key in self.failed:
+                continue
+            start = time.perf_counter()
+            fixed = self._fallback_fixed if is_fallback else frozenset()
+            try:
+                compiled = jitted.trace(**{a: v for a, v in trace_args.items()
+                                           if a not in fixed}).lower().compile()
+            except Exception as error:  # noqa: BLE001 - any capture failure falls back
+                if is_fallback or self._fallback_jitted is None:
+                    raise
+                self._mark_failed(key, f"compile failed: {type(error).__name__}: {error}")
+                continue
+            finally:
+                with self._lock:
+                    self.stats.compile_seconds += time.perf_counter() - start
+            compiles += 1
+            with self._lock:
+                self.stats.compiles += 1
+            self._check_donation(key, compiled, trace_args)
+            return _Entry(compiled, is_fallback, fixed), compiles
+        raise RuntimeError(f"{self.name}: bucket ({self.describe(key)}) has no executable: "
+                           f"{self.failed.get(key)}")
+
+    def _mark_failed(self, key: BucketKey, reason: str) -> None:
+        with self._lock:
+            if key in self.failed:
+                return
+            self.failed[key] = reason
+            self.stats.failed_buckets += 1
+        logger.warning("%s: bucket (%s) falls back to the reference path: %s",
+                       self.name, self.describe(key), reason)
+
+    def _check_donation(self, key: BucketKey, compiled: Any, trace_args: dict[str, Any]) -> None:
+        donated = sum(_nbytes(leaf) for arg in self.donate_argnames
+                      for leaf in jax.tree.leaves(trace_args.get(arg)))
+        if not donated:
+            return
+        analysis = compiled.memory_analysis()
+        aliased = getattr(analysis, "alias_size_in_bytes", None)
+        if aliased is not None and aliased < donated:
+            with self._lock:
+                self.stats.unaliased_donations += 1
+            logger.warning("%s: bucket (%s) aliases %d of %d donated bytes: the donated arguments %s "
+                           "are copied, not updated in place", self.name, self.describe(key),
+                           aliased, donated, self.donate_argnames)
+
+    def executable(self, key: BucketKey) -> Any | None:
+        """The compiled executable serving ``key`` (``jax.stages.Compiled``), or None."""
+        entry = self._entries.get(key)
+        return entry.executable if entry else None
+
+    def all_keys(self, keep: Callable[[dict[str, int]], bool] | None = None) -> list[tuple]:
+        """Every bucket as (dim sizes, bucketed static values): the product of the grid dims' and
+        bucketed statics' values, with derived dims computed, filtered by
+        ``keep({dim or bucketed static: size})`` (default ``self.keep``)."""
+        keep = keep or self.keep
+        names = (*self._grid_dims, *self.bucketed_statics)
+        grids = [b.sizes for b in (*self._grid_dims.values(), *self.bucketed_statics.values())]
+        keys = []
+        for combo in itertools.product(*grids):
+            grid = dict(zip(names, combo))
+            padded = self._derive(grid)
+            if keep is None or keep({**padded, **grid}):
+                keys.append((tuple(padded.values()), combo[len(self._grid_dims):]))
+        return keys
+
+    def warmup(self, *example_args, keep: Callable[[dict[str, int]], bool] | None = None,
+               max_workers: int = 1, progress: bool = True, **example_kwargs) -> WarmupReport:
+        """Compiles every bucket ahead of time from one example call's arguments.
+
+        The example's padded axes may have any size (they are replaced per bucket); its other shapes,
+        dtypes, shardings and its unbucketed static values are what every bucket is compiled for.
+        ``keep`` prunes buckets that can never occur (default: the constructor's);
+        ``max_workers > 1`` compiles in threads (XLA releases the GIL while compiling).
+        """
+        bound = self._bind(example_args, example_kwargs)
+        example_plan = self._plan(bound)
+        other_statics = tuple(example_plan.statics[a] for a in self.static_argnames
+                              if a not in self.bucketed_statics)
+        present = self._present(bound)
+        keys = [(dims, statics + other_statics, present) for dims, statics in self.all_keys(keep)]
+        todo = [k for k in keys if k not in self._entries]
+        start, done, compiled = time.perf_counter(), 0, 0
+        seconds_before = self.stats.compile_seconds
+
+        def build(key):
+            entry, n = self._compile_one(key, self._abstract_args(bound, key))
+            with self._lock:
+                self._entries[key] = entry
+            return key, n
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, max_workers)) as pool:
+            for key, n in pool.map(build, todo):
+                done, compiled = done + 1, compiled + n
+                if progress:
+                    print(f"[{self.name}] warm-up {done}/{len(todo)} ({self.describe(key)})"
+                          f"{' [fallback]' if key in self.failed else ''} "
+                          f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+        report = WarmupReport(len(keys), compiled, sum(k in self.failed for k in keys),
+                              time.perf_counter() - start, self.stats.compile_seconds - seconds_before)
+        if progress:
+            print(f"[{self.name}] warm-up done: {report.compiled} executables for {report.buckets} "
+                  f"buckets in {report.wall_seconds:.2f}s ({report.failed} on the fallback)",
+                  file=sys.stderr, flush=True)
+        return report
+
+    # ------------------------------------------------------------------------------------ calling
+    def __call__(self, *args, **kwargs):
+        """Runs the step: pads to the bucket and calls its executable (compiling it on a miss).
+
+        Returns ``fn``'s outputs at the padded sizes. Sizes beyond the largest bucket run unpadded
+        through plain ``jax.jit`` (counted in ``stats.oversize``).
+        """
+        bound = self._bind(args, kwargs)
+        plan = self._plan(bound)
+        if plan.key is None:
+            self.stats.oversize += 1
+            return self._jitted(**bound)
+        for dim, size in plan.real.items():
+            self.stats.real_totals[dim] = self.stats.real_totals.get(dim, 0) + size
+            self.stats.padded_totals[dim] = self.stats.padded_totals.get(dim, 0) + plan.padded[dim]
+        padded = self._padded_args(bound, plan)
+        entry = self._entries.get(plan.key)
+        if entry is None:
+            self.stats.misses += 1
+            entry, _ = self._compile_one(plan.key, padded)
+            self._entries[plan.key] = entry
+        else:
+            self.stats.hits += 1
+        dynamic = {a: v for a, v in padded.items() if a not in plan.statics}
+        if entry.is_fallback:
+            self.stats.fallbacks += 1
+            return entry(dynamic)
+        try:
+            return entry(dynamic)
+        except jax.errors.JaxRuntimeError as error:
+            if self._fallback_jitted is None:
+                raise
+            self._mark_failed(plan.key, f"run failed: {error}")
+            entry, _ = self._compile_one(plan.key, padded)
+            self._entries[plan.key] = entry
+            self.stats.fallbacks += 1
+            return entry(dynamic)

@@ -1,0 +1,1 @@
+"""Acceptance: greedy exact match and lossless rejection sampling over a ragged draft batch."""

@@ -1,0 +1,1 @@
+"""The fused verify step (acceptance + commit in one executable) and the summary the host fetches."""

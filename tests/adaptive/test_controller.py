@@ -1,0 +1,240 @@
+"""AdaptiveController: estimates, decisions per mode, cost model, configuration errors, simulated throughput."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scv_jax import AdaptiveController, ControllerConfig
+from benchmarks.adaptive_sim import (DECAYING_MARGINALS, FixedPolicy, OraclePolicy, Scenario, StepCost,
+                                  conditional_from_marginal, constant_acceptance, drifting_acceptance, simulate)
+from scv_jax.adaptive.controller import expected_tokens
+from scv_jax.adaptive.cost_model import CostPrior, StepCostModel, step_features
+
+LOADED = StepCost(draft_ratio=0.1, target_saturation_tokens=32.0, draft_saturation_tokens=256.0)
+
+
+def _scenario(acceptance, ticks: int, batch: int | np.ndarray = 1, cost: StepCost = StepCost()) -> Scenario:
+    batch_size = np.broadcast_to(np.asarray(batch, np.int64), (ticks,)).copy()
+    return Scenario("test", constant_acceptance(ticks, acceptance) if np.ndim(acceptance) < 2 else acceptance,
+                    batch_size, cost)
+
+
+def _best_fixed(scenario: Scenario) -> float:
+    return max(simulate(FixedPolicy(k), scenario).throughput for k in range(9))
+
+
+# ----------------------------------------------------------------- estimates
+@given(st.floats(0.01, 0.99), st.integers(1, 8))
+def test_expected_tokens_matches_geometric_formula(a, k_max):
+    emitted = expected_tokens(np.full(k_max, a))
+    k = np.arange(k_max + 1)
+    np.testing.assert_allclose(emitted, (1 - a ** (k + 1)) / (1 - a), rtol=1e-12)
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=20))
+def test_position_counts_match_a_loop(pairs):
+    drafts = np.array([d for d, _ in pairs], np.int32)
+    accepted = np.array([min(n, d) for d, n in pairs], np.int32)
+    ctrl = AdaptiveController(k_max=6, acceptance_decay=1.0, prior_strength=1e-9)
+    ctrl.update(drafts, accepted)
+    trials, successes = np.zeros(6), np.zeros(6)
+    for d, n in zip(drafts, accepted):
+        for j in range(1, d + 1):  # position j is tried when drafts 1..j-1 were accepted
+            if n >= j - 1:
+                trials[j - 1] += 1
+                successes[j - 1] += n >= j
+    seen = trials > 0
+    np.testing.assert_allclose(ctrl.acceptance()[seen], np.minimum(successes[seen] / trials[seen], 0.999),
+                               atol=1e-6)
+
+
+def test_unobserved_positions_extrapolate_from_the_previous_one():
+    ctrl = AdaptiveController(k_max=4, prior_strength=1.0)
+    for _ in range(50):
+        ctrl.update(np.array([1, 1, 1, 1]), np.array([1, 1, 0, 1]))  # only position 1 ever drafted
+    a = ctrl.acceptance()
+    assert abs(a[0] - 0.75) < 0.03 and np.allclose(a[1:], a[0])
+
+
+# ----------------------------------------------------------------- goodput mode
+@pytest.mark.parametrize("a", [0.5, 0.7, 0.8, 0.9])
+@pytest.mark.parametrize("c", [0.02, 0.1, 0.3])
+def test_goodput_converges_to_brute_force_k(a, c):
+    k = np.arange(9)
+    goodput = (1 - a ** (k + 1)) / ((1 - a) * (k * c + 1))
+    scenario = _scenario(a, ticks=10**6, batch=16, cost=StepCost(draft_ratio=c))
+    ctrl = AdaptiveController(seed=1)  # default cost prior c = 0.1: it must learn c from step times
+    simulate(ctrl, scenario, max_steps=300)
+    chosen = ctrl.state()["held_k"]
+    # the argmax, or a near-tie the controller's hysteresis (switch_margin) deliberately does not chase
+    near_tie = goodput[chosen] >= (1 - ctrl.config.switch_margin) * goodput.max()
+    assert chosen == np.argmax(goodput) or near_tie, (chosen, goodput)
+
+
+def test_goodput_within_5_percent_of_best_fixed_on_stationary():
+    for acceptance, c in ((0.8, 0.05), (conditional_from_marginal(DECAYING_MARGINALS), 0.05), (0.6, 0.3)):
+        scenario = _scenario(acceptance, ticks=1000, cost=StepCost(draft_ratio=c))
+        assert simulate(AdaptiveController(), scenario).throughput >= 0.95 * _best_fixed(scenario)
+
+
+def test_goodput_beats_best_fixed_on_drifting():
+    scenario = _scenario(drifting_acceptance(2000, 0.3, 0.9), ticks=2000, cost=StepCost(draft_ratio=0.1))
+    assert simulate(AdaptiveController(), scenario).throughput > _best_fixed(scenario)
+
+
+def test_goodput_stops_speculating_at_high_batch_and_returns():
+    ticks = 3000
+    batch = np.where((np.arange(ticks) >= 1000) & (np.arange(ticks) < 2000), 64, 1)
+    scenario = _scenario(0.7, ticks=ticks, batch=batch, cost=LOADED)
+    oracle = simulate(OraclePolicy(scenario), scenario)
+    trace = simulate(AdaptiveController(), scenario)
+    late_high = (trace.start >= 1500 * 0.02) & (trace.start < 2000 * 0.02)
+    late_low = trace.start >= 2500 * 0.02
+    assert np.all(oracle.k[(oracle.start >= 1000 * 0.02) & (oracle.start < 2000 * 0.02)] == 0)
+    assert np.mean(trace.k[late_high] == 0) >= 0.9
+    assert np.mean(trace.k[late_low] >= 2) >= 0.9  # speculating again, and nearly as well as the oracle:
+    oracle_late = oracle.start >= 2500 * 0.02
+    rate = lambda t, rows: t.emitted[rows].sum() / t.seconds[rows].sum()  # noqa: E731
+    assert rate(trace, late_low) >= 0.95 * rate(oracle, oracle_late)
+    target = simulate(AdaptiveController(mode="target"), scenario)
+    assert trace.throughput > 1.05 * target.throughput  # the acceptance target ignores load
+
+
+def test_exploration_and_warmup_are_deterministic():
+    scenario = _scenario(0.7, ticks=400)
+    first, second = (simulate(AdaptiveController(seed=3), scenario) for _ in range(2))
+    np.testing.assert_array_equal(first.k, second.k)
+    assert first.k[0] == 8 and first.k[1] == 1  # warm-up alternates k_init and the smallest positive k
+
+
+# ----------------------------------------------------------------- target and fixed modes
+def test_target_mode_holds_its_target():
+    ctrl = AdaptiveController(mode="target", target_acceptance=0.5, target_band=0.05)
+    simulate(ctrl, _scenario(0.7, ticks=2000, batch=4))
+    # ratio(k) = (E(k) - 1) / k for a = 0.7: 0.70, 0.60, 0.51, 0.44, ... -> k = 3 is the one in band
+    assert ctrl.state()["held_k"] == 3
+    assert abs(ctrl.summary()["acceptance_ratio"] - 0.5) <= 0.05
+
+
+def test_fixed_mode_is_constant_and_matches_the_fixed_policy():
+    scenario = _scenario(0.6, ticks=300)
+    ctrl = AdaptiveController(mode="fixed", k_init=2)
+    trace = simulate(ctrl, scenario)
+    assert np.all(trace.k == 2)
+    assert trace.throughput == simulate(FixedPolicy(2), scenario).throughput
+    assert ctrl.summary()["k_histogram"] == {2: len(trace.k)}
+
+
+def test_allowed_set_is_respected():
+    trace = simulate(AdaptiveController(allowed_k=(0, 2, 5)), _scenario(0.8, ticks=600))
+    assert set(np.unique(trace.k)) <= {0, 2, 5}
+
+
+# ----------------------------------------------------------------- per-request k
+def test_per_request_k_trims_poor_requests():
+    acceptance = np.broadcast_to(np.where(np.arange(16) % 2 == 0, 0.9, 0.2)[None, :, None], (1500, 16, 8))
+    scenario = _scenario(acceptance, ticks=1500, batch=16, cost=LOADED)
+    ctrl = AdaptiveController(per_request=True)
+    shared = simulate(AdaptiveController(), scenario).throughput
+    assert simulate(ctrl, scenario).throughput > shared
+    ctrl.next_k(16)
+    ks = ctrl.request_k(range(16))
+    assert ks[0::2].mean() > ks[1::2].mean()
+    assert ks.max() <= ctrl.state()["k"]
+
+
+# ----------------------------------------------------------------- cost model
+def test_cost_model_learns_a_linear_cost():
+    truth = np.array([0.01, 2e-5, 1e-3, 5e-6])
+    model = StepCostModel(CostPrior())
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        k, batch = int(rng.integers(0, 9)), int(rng.choice([16, 24]))
+        features = step_features(batch, batch * k, k)
+        model.observe(features, float(features @ truth))
+    features = step_features(20, 20 * np.arange(9), np.arange(9))
+    np.testing.assert_allclose(model.predict(features), features @ truth, rtol=0.02)
+
+
+def test_cost_model_skips_slow_outliers_and_restarts_after_a_slow_first_step():
+    model = StepCostModel(CostPrior())
+    features = step_features(1, 2, 2)
+    model.observe(features, 5.0)  # e.g. a step that compiled
+    model.observe(features, 0.02)
+    assert abs(float(model.predict(features)) - 0.02) < 1e-3
+    assert not model.observe(features, 1.0)
+    assert abs(float(model.predict(features)) - 0.02) < 1e-3
+
+
+def test_draft_sync_forward_charges_k0_a_draft_forward():
+    catch_up, forward = AdaptiveController(), AdaptiveController(draft_sync="forward")
+    assert forward.predicted_step_cost(1, np.array([0]))[0] > catch_up.predicted_step_cost(1, np.array([0]))[0]
+    assert forward.predicted_step_cost(1, np.array([1]))[0] == catch_up.predicted_step_cost(1, np.array([1]))[0]
+
+
+def test_state_and_summary():
+    ctrl = AdaptiveController(k_max=4)
+    k = ctrl.next_k(2)
+    ctrl.update(np.array([k, k]), np.array([1, k]), step_seconds=0.03, batch_size=2)
+    state, summary = ctrl.state(), ctrl.summary()
+    assert state["k"] == k and state["acceptance"].shape == (4,) and state["cost_timed"]
+    assert summary["steps"] == 1 and summary["emitted_tokens"] == 1 + k + 2
+    assert summary["acceptance_ratio"] == pytest.approx((1 + k) / (2 * k))
+
+
+# ----------------------------------------------------------------- errors
+@pytest.mark.parametrize("kwargs, match", [
+    ({"k_min": 5, "k_max": 3}, "k_min"),
+    ({"allowed_k": ()}, "allowed_k"),
+    ({"allowed_k": (9, 10), "k_max": 8}, "allowed_k"),
+    ({"target_acceptance": 0.0}, "target_acceptance"),
+    ({"target_acceptance": 1.0}, "target_acceptance"),
+    ({"target_acceptance": 1.5}, "target_acceptance"),
+    ({"mode": "greedy"}, "mode"),
+    ({"k_init": 3, "allowed_k": (0, 2)}, "k_init"),
+    ({"acceptance_decay": 0.0}, "acceptance_decay"),
+    ({"explore_prob": 1.0}, "explore_prob"),
+    ({"k_max": -1}, "k_max"),
+])
+def test_bad_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ControllerConfig(**kwargs)
+    with pytest.raises(ValueError, match=match):
+        AdaptiveController(**kwargs)
+
+
+@pytest.mark.parametrize("drafts, accepted, match", [
+    (np.array([2, 2]), np.array([1]), "same shape"),
+    (np.array([2, 2]), np.array([3, 0]), "num_accepted"),
+    (np.array([9]), np.array([0]), "num_draft_tokens"),
+    (np.array([2.0]), np.array([1]), "num_draft_tokens"),
+    (np.array([[2]]), np.array([[1]]), "num_draft_tokens"),
+])
+def test_bad_update_raises(drafts, accepted, match):
+    with pytest.raises(ValueError, match=match):
+        AdaptiveController(k_max=8).update(drafts, accepted)
+
+
+def test_bad_step_seconds_and_batch_size_raise():
+    ctrl = AdaptiveController()
+    with pytest.raises(ValueError, match="step_seconds"):
+        ctrl.update(np.array([1]), np.array([1]), step_seconds=-1.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        ctrl.next_k(0)
+    with pytest.raises(ValueError, match="per_request"):
+        ctrl.request_k([0])
+
+
+def test_padding_rows_are_charged_their_drafts():
+    # the decoder reports the padded batch (16) of a step with 5 real requests: the padding rows
+    # also draft k tokens each, so the cost model must see 16 * k draft tokens, not 5 * k
+    truth = np.array([0.01, 2e-4, 1e-3, 5e-5])
+    ctrl = AdaptiveController(k_max=8, draft_sync="forward", cost_decay=1.0)
+    for k in (2, 8) * 30:
+        ctrl.update(np.full(5, k), np.zeros(5, np.int64), float(step_features(16, 16 * k, k) @ truth), 16)
+    ks = np.array([2, 8])
+    np.testing.assert_allclose(ctrl.predicted_step_cost(16, ks), step_features(16, 16 * ks, ks) @ truth,
+                               rtol=0.05)

@@ -1,0 +1,160 @@
+"""The speculative decoding loop: lossless greedy output, sampling distribution, no recompiles, errors."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import scv_jax
+from scv_jax import DecoderConfig, SpeculativeDecoder, generate_autoregressive
+from scv_jax.graph.compile_counter import CompileCounter
+from tests.models.fixtures import TINY, TINY_DRAFT, perturbed_copy, tiny_model
+
+# One bucket per dimension keeps the number of executables (and the test time) small.
+SMALL = DecoderConfig(block_size=8, num_blocks=64, max_seq_len=64, prefill_chunk=16, batch_buckets=(4,),
+                      context_buckets=(8,))
+MAX_NEW = 14
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def partial_draft(target):
+    """Agrees with the target on roughly half of the tokens: every acceptance pattern shows up."""
+    return perturbed_copy(target, noise=0.6)
+
+
+@pytest.fixture(scope="module")
+def autoregressive(target):
+    return SpeculativeDecoder(target, None, config=SMALL)
+
+
+def _prompts(seed: int, batch: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, TINY.vocab_size, rng.integers(1, 20)).tolist() for _ in range(batch)]
+
+
+@pytest.mark.parametrize("k", [0, 2, 5])
+def test_greedy_speculative_equals_autoregressive(target, partial_draft, autoregressive, k):
+    decoder = SpeculativeDecoder(target, partial_draft, config=DecoderConfig(**{**vars(SMALL), "k": k}))
+    patterns = set()
+    for seed, batch in ((0, 1), (1, 3), (2, 4)):
+        prompts = _prompts(seed, batch)
+        expected = autoregressive.generate(prompts, MAX_NEW).tokens
+        out = decoder.generate(prompts, MAX_NEW)
+        assert out.tokens == expected
+        assert all(len(t) == MAX_NEW for t in out.tokens)
+        patterns.add(out.stats.acceptance_rate)
+    assert decoder.pool.num_free == SMALL.num_blocks          # every block went back to the pool
+    if k:
+        assert any(0.0 < a < 1.0 for a in patterns), patterns  # partial acceptance exercised
+
+
+def test_draft_equal_to_target_accepts_everything(target, autoregressive):
+    """All drafts accepted every step: the draft catches up on its missing last token each step."""
+    decoder = SpeculativeDecoder(target, target, config=DecoderConfig(**{**vars(SMALL), "k": 3}))
+    prompts = _prompts(5, 3)
+    out = decoder.generate(prompts, 17)
+    assert out.tokens == autoregressive.generate(prompts, 17).tokens
+    assert out.stats.acceptance_rate == 1.0
+    assert out.stats.acceptance_per_position == [1.0, 1.0, 1.0]
+    assert out.stats.mean_accepted_length == pytest.approx(4.0, abs=0.3)
+
+
+def test_generate_autoregressive_matches_plain_forward(target):
+    """The baseline through the paged cache equals argmax decoding with full-sequence forwards."""
+    prompt = _prompts(7, 1)[0]
+    out = generate_autoregressive(target, [prompt], 6, config=SMALL)
+    graphdef, state = nnx.split(target)
+    forward = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    seq = list(prompt)
+    for _ in range(6):
+        seq.append(int(np.argmax(np.asarray(forward(state, np.array([seq])))[0, -1])))
+    assert out.tokens[0] == seq[len(prompt):]
+
+
+def test_eos_and_different_finish_steps(target, partial_draft, autoregressive):
+    decoder = SpeculativeDecoder(target, partial_draft, config=DecoderConfig(**{**vars(SMALL), "k": 3}))
+    prompts = _prompts(11, 4)
+    free = autoregressive.generate(prompts, MAX_NEW).tokens
+    cut = lambda eos: [t[:t.index(eos) + 1] if eos in t else t for t in free]  # noqa: E731
+    eos = max(range(TINY.vocab_size), key=lambda v: len({len(t) for t in cut(v)}))
+    expected = cut(eos)
+    assert len({len(t) for t in expected}) > 1                # requests finish at different steps
+    out = decoder.generate(prompts, MAX_NEW, eos_token_id=eos)
+    assert out.tokens == expected
+    assert decoder.pool.num_free == SMALL.num_blocks
+
+
+def test_sampling_matches_target_distribution(target):
+    """First sampled token over many seeds ~ softmax(target logits / T) (chi-square, tiny vocab)."""
+    draft = tiny_model(TINY_DRAFT, seed=9, scale=1.0)          # a poor draft: most tokens resampled
+    temperature, batch, rounds = 1.5, 4, 150
+    decoder = SpeculativeDecoder(target, draft, config=DecoderConfig(**{**vars(SMALL), "k": 2}))
+    prompt = [3, 1, 4]
+    probs = np.asarray(scv_jax.models.Transformer.__call__(target, np.array([prompt])))[0, -1]
+    probs = np.exp((probs - probs.max()) / temperature)
+    probs /= probs.sum()
+    counts = np.zeros(TINY.vocab_size)
+    for seed in range(rounds):
+        out = decoder.generate([prompt] * batch, 1, temperature=temperature, seed=seed)
+        for tokens in out.tokens:
+            counts[tokens[0]] += 1
+    n = batch * rounds
+    expected = probs * n
+    keep = expected >= 5
+    chi2 = np.sum((counts[keep] - expected[keep]) ** 2 / expected[keep]) + (
+        (counts[~keep].sum() - expected[~keep].sum()) ** 2 / max(expected[~keep].sum(), 1e-9))
+    dof = int(keep.sum())                                      # bins kept + 1 pooled - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof, counts, expected)   # ~5 sigma
+    assert out.stats.acceptance_rate < 1.0
+
+
+def test_same_seed_same_output(target, partial_draft):
+    decoder = SpeculativeDecoder(target, partial_draft, config=DecoderConfig(**{**vars(SMALL), "k": 2}))
+    prompts = _prompts(3, 3)
+    first = decoder.generate(prompts, 10, temperature=1.0, seed=42).tokens
+    assert decoder.generate(prompts, 10, temperature=1.0, seed=42).tokens == first
+    assert decoder.generate(prompts, 10, temperature=1.0, seed=43).tokens != first
+
+
+def test_no_recompilation_after_warmup_adaptive(target, partial_draft):
+    config = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 2, 4)})
+    decoder = SpeculativeDecoder(target, partial_draft, config=config)
+    compiled = decoder.warmup(4, SMALL.max_seq_len)
+    assert compiled >= 4                                       # prefill + decode for k in {0, 2, 4}
+    with CompileCounter() as compiles:
+        out = decoder.generate([[1], [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [5] * 30, [7, 7]], 20)
+        out_small = decoder.generate([[1, 2]], 9)
+    assert compiles.count == 0 and out.stats.compile_count == 0 and out_small.stats.compile_count == 0
+    assert sum(out.stats.k_histogram.values()) == out.stats.steps
+    assert out.stats.generated_tokens == 4 * 20 and out.stats.tokens_per_second > 0
+
+
+@pytest.mark.parametrize("prompts, max_new, match", [
+    ([], 4, "at least one prompt"),
+    ([[1, 2], []], 4, "prompt 1 must be a non-empty"),
+    ([[1, 16]], 4, "outside \\[0, vocab_size=16\\)"),
+    ([[1, -1]], 4, "outside"),
+    ([[1, 2]], 0, "max_new_tokens must be an int >= 1"),
+    ([[1] * 40], 30, "max_seq_len"),
+    ([[1] * 21] * 9, 43, "KV blocks"),
+])
+def test_clear_errors(autoregressive, prompts, max_new, match):
+    with pytest.raises(ValueError, match=match):
+        autoregressive.generate(prompts, max_new)
+    assert autoregressive.pool.num_free == SMALL.num_blocks
+
+
+def test_bad_models_and_temperature(target):
+    with pytest.raises(TypeError, match="PagedModel"):
+        SpeculativeDecoder(object(), None)
+    with pytest.raises(ValueError, match="vocab_size"):
+        SpeculativeDecoder(target, tiny_model(scv_jax.models.TransformerConfig(vocab_size=8), seed=1))
+    with pytest.raises(ValueError, match="temperature"):
+        SpeculativeDecoder(target, None, config=SMALL).generate([[1]], 2, temperature=-1.0)

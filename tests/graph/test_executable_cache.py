@@ -1,0 +1,234 @@
+"""Graph mode (ExecutableCache): buckets, warm-up without recompiles, host-side keys, fallback,
+donation check and the persistent compilation cache (in subprocesses)."""
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scv_jax
+from scv_jax import Buckets, ExecutableCache, Pad
+
+KV_SIZE = 64
+
+
+def toy_step(kv, ids, cu, weights, *, k, backend="auto"):
+    """A decode-step-shaped function: a donated cache, ragged slots, per-request outputs.
+
+    kv: f32[S]; ids: int32[T] slots to bump (negative = padding); cu: int32[B + 1]; weights: f32[B].
+    """
+    kv = kv.at[jnp.where(ids < 0, KV_SIZE, ids)].add(1.0, mode="drop")
+    counts = jnp.minimum(cu[1:] - cu[:-1], k)
+    return kv, counts.astype(jnp.float32) * weights
+
+
+def picky_step(kv, ids, cu, weights, *, k, backend="auto"):
+    """``toy_step`` whose fast path cannot be built for 4 requests (like a kernel without support)."""
+    if backend != "xla" and cu.shape[0] - 1 == 4:
+        raise NotImplementedError("no kernel for 4 requests")
+    return toy_step(kv, ids, cu, weights, k=k)
+
+
+TOY_PADS = {"ids": Pad("tokens", fill=-1), "cu": Pad("batch", fill="edge", extra=1),
+            "weights": Pad("batch", fill=0.0)}
+
+
+def make_cache(step=toy_step, **overrides):
+    options = dict(dims={"batch": [1, 2, 4], "tokens": lambda b: b["batch"] * b["k"]}, pads=TOY_PADS,
+                   bucketed_statics={"k": [2, 4]}, static_argnames=("backend",),
+                   donate_argnames=("kv",), fallback=functools.partial(step, backend="xla"))
+    options.update(overrides)
+    return ExecutableCache(step, **options)
+
+
+def random_batch(rng, num_requests, max_drafts):
+    counts = rng.integers(0, max_drafts + 1, num_requests)
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    ids = rng.integers(0, KV_SIZE, cu[-1]).astype(np.int32)
+    return ids, cu, rng.random(num_requests).astype(np.float32)
+
+
+@contextlib.contextmanager
+def count_compilations():
+    """Counts JAX tracing and backend compilations through jax.monitoring (not the cache's stats)."""
+    counts = {"trace": 0, "compile": 0}
+    events = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+              "/jax/core/compile/backend_compile_duration": "compile"}
+
+    def listener(event, duration, **kwargs):
+        if event in events:
+            counts[events[event]] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_pow2_then_linear_buckets():
+    assert Buckets.pow2_then_linear(256).sizes == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
+    assert Buckets.pow2_then_linear(8).sizes == (1, 2, 4, 8)
+    assert Buckets.pow2_then_linear(100, linear_step=24, min_size=2).sizes == (2, 4, 8, 16, 24, 48, 72,
+                                                                                 96, 100)
+    b = Buckets((1, 4, 16))
+    assert [b.bucket(n) for n in (0, 1, 2, 4, 5, 16, 17)] == [1, 1, 4, 4, 16, 16, None]
+    with pytest.raises(ValueError, match="ascending"):
+        Buckets((4, 2))
+
+
+def test_warmup_then_no_recompiles_and_padding_is_invisible():
+    cache = make_cache()
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    rng = np.random.default_rng(0)
+    report = cache.warmup(kv, *random_batch(rng, 3, 2), k=2, max_workers=2, progress=False)
+    assert report.buckets == report.compiled == 6 and report.failed == 0
+    expected_kv = np.zeros(KV_SIZE, np.float32)
+    with count_compilations() as compiles:
+        for step in range(40):
+            k = int(rng.choice([1, 2, 3, 4]))
+            ids, cu, weights = random_batch(rng, int(rng.integers(0, 5)), k)
+            kv, out = cache(kv, ids, cu, weights, k=k)
+            np.add.at(expected_kv, ids, 1.0)
+            counts = np.diff(cu)
+            np.testing.assert_allclose(np.asarray(out)[:len(counts)], counts * weights, rtol=1e-6)
+            assert not np.any(np.asarray(out)[len(counts):])
+    assert compiles == {"trace": 0, "compile": 0}
+    np.testing.assert_array_equal(np.asarray(kv), expected_kv)
+    assert cache.stats.hits == 40 and cache.stats.misses == 0 and cache.stats.compiles == 6
+    assert cache.stats.padding_ratio("batch") >= 1.0 and cache.stats.unaliased_donations == 0
+
+
+def test_miss_compiles_lazily_once():
+    cache = make_cache()
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        kv, _ = cache(kv, *random_batch(rng, 3, 4), k=4)
+    assert (cache.stats.misses, cache.stats.hits, cache.stats.compiles) == (1, 2, 1)
+
+
+def test_key_computation_makes_no_transfers():
+    cache = make_cache()
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    ids, cu, weights = (jnp.asarray(x) for x in random_batch(np.random.default_rng(2), 3, 2))
+    with jax.transfer_guard("disallow"):
+        plan = cache.plan(kv, ids, cu, weights, k=2)
+    assert plan.real == {"batch": 3, "tokens": int(ids.shape[0])}
+    assert plan.padded == {"batch": 4, "tokens": 8} and plan.statics == {"k": 2, "backend": "auto"}
+    host = random_batch(np.random.default_rng(3), 3, 2)
+    cache.warmup(kv, *host, k=2, progress=False)
+    with jax.transfer_guard_device_to_host("disallow"):   # the whole hit path: no device->host sync
+        kv, out = cache(kv, *host, k=2)
+    assert cache.stats.hits == 1
+
+
+def test_device_arrays_are_padded_on_device():
+    cache = make_cache()
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    ids, cu, weights = random_batch(np.random.default_rng(4), 3, 2)
+    _, out = cache(kv, jnp.asarray(ids), jnp.asarray(cu), jnp.asarray(weights), k=2)
+    assert cache.stats.device_pads == 3 and out.shape == (4,)
+
+
+def test_failed_compile_serves_the_fallback_and_logs_once(caplog):
+    cache = make_cache(picky_step)
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    rng = np.random.default_rng(5)
+    with caplog.at_level(logging.WARNING, logger="scv_jax.graph.executable_cache"):
+        report = cache.warmup(kv, *random_batch(rng, 1, 2), k=2, progress=False)
+        assert report.failed == 2 and report.compiled == 6   # batch=4 buckets (k=2, 4) fall back
+        for num_requests in (3, 4, 2, 3):
+            ids, cu, weights = random_batch(rng, num_requests, 2)
+            kv, out = cache(kv, ids, cu, weights, k=2)
+            np.testing.assert_allclose(np.asarray(out)[:num_requests], np.diff(cu) * weights, rtol=1e-6)
+    assert cache.stats.fallbacks == 3 and cache.stats.failed_buckets == 2
+    assert len(cache.failed) == 2 and all("no kernel" in why for why in cache.failed.values())
+    assert sum("falls back" in r.message for r in caplog.records) == 2   # once per bucket
+
+
+def test_failed_compile_without_fallback_raises():
+    cache = make_cache(picky_step, fallback=None)
+    ids, cu, weights = random_batch(np.random.default_rng(6), 4, 2)
+    with pytest.raises(NotImplementedError, match="no kernel"):
+        cache(jnp.zeros(KV_SIZE), ids, cu, weights, k=2)
+
+
+def test_donation_is_checked():
+    cache = make_cache()
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    ids, cu, weights = random_batch(np.random.default_rng(7), 2, 2)
+    kv, _ = cache(kv, ids, cu, weights, k=2)
+    analysis = cache.executable(cache.plan(kv, ids, cu, weights, k=2).key).memory_analysis()
+    assert analysis.alias_size_in_bytes >= KV_SIZE * 4 and cache.stats.unaliased_donations == 0
+
+    def drops_cache(kv, ids, cu, weights, *, k, backend="auto"):   # nothing to alias the cache with
+        return toy_step(kv, ids, cu, weights, k=k)[1]
+    copying = make_cache(drops_cache)
+    copying(jnp.zeros(KV_SIZE), ids, cu, weights, k=2)
+    assert copying.stats.unaliased_donations == 1
+
+
+def test_oversize_runs_unpadded():
+    cache = make_cache()
+    ids, cu, weights = random_batch(np.random.default_rng(8), 6, 2)
+    assert cache.plan(jnp.zeros(KV_SIZE), ids, cu, weights, k=2).key is None
+    _, out = cache(jnp.zeros(KV_SIZE), ids, cu, weights, k=2)
+    assert out.shape == (6,) and cache.stats.oversize == 1
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="not a parameter"):
+        make_cache(pads={"nope": Pad("batch")})
+    with pytest.raises(ValueError, match="not one of dims"):
+        make_cache(pads={"ids": Pad("seq")})
+    cache = make_cache()
+    ids, cu, weights = random_batch(np.random.default_rng(9), 3, 2)
+    with pytest.raises(ValueError, match="'weights' says batch=2 but 'cu' says batch=3"):
+        cache.plan(jnp.zeros(KV_SIZE), ids, cu, weights[:2], k=2)
+
+
+PERSISTENT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from scv_jax import ExecutableCache, Pad
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+    def step(kv, ids, *, k):
+        return kv.at[jnp.where(ids < 0, kv.shape[0], ids)].add(1.0 * k, mode="drop")
+    cache = ExecutableCache(step, dims={"tokens": [2, 4, 8]}, pads={"ids": Pad("tokens", fill=-1)},
+                            bucketed_statics={"k": [1, 2]}, donate_argnames=("kv",),
+                            cache_dir=sys.argv[1])
+    kv = jnp.zeros(16)
+    hits.clear()
+    report = cache.warmup(kv, np.zeros(3, np.int32), k=1, progress=False)
+    print(json.dumps({"hits": len(hits), "compiled": report.compiled}))
+""")
+
+
+def test_persistent_cache_is_reused_by_a_second_process(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", PERSISTENT_SCRIPT, str(tmp_path / "xla_cache")],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert runs[0] == {"hits": 0, "compiled": 6}
+    assert runs[1] == {"hits": 6, "compiled": 6}
+    assert any((tmp_path / "xla_cache").iterdir())
+
+
+def test_public_names():
+    assert scv_jax.ExecutableCache is ExecutableCache
+    assert {"Buckets", "Pad", "GraphModeStats", "enable_persistent_cache"} <= set(dir(scv_jax))

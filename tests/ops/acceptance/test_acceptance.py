@@ -1,0 +1,291 @@
+"""Acceptance ops: every backend against a numpy loop, kernels against references, losslessness."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import scv_jax
+from scv_jax.ops.acceptance import reference as acceptance_ref
+from scv_jax.ops.acceptance.randomness import normalize_keys, slot_randomness
+from tests.ops.acceptance.cases import (DraftBatch, as_jax, assert_result_equal, draft_batches,
+                                    greedy_oracle, keys_for, random_probs, rejection_oracle)
+
+from scv_jax.ops.registry import cuda_available
+
+# On a GPU the kernels run natively; on CPU in Mosaic GPU interpret mode.
+BACKENDS = ["xla", "pallas" if cuda_available() else "interpret"]
+
+
+def _slot_randomness(key, batch: DraftBatch):
+    keys = normalize_keys("test", key, len(batch.cu) - 1)
+    randomness = jax.jit(slot_randomness, static_argnums=2)(keys, jnp.asarray(batch.cu), len(batch.draft))
+    return [np.asarray(a) for a in randomness]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(batch=draft_batches())
+def test_greedy_matches_oracle(backend, batch):
+    result = scv_jax.accept_greedy(*as_jax(batch.draft, batch.cu, batch.target, batch.bonus),
+                                   max_spec_len=batch.max_spec_len, backend=backend)
+    assert_result_equal(result, greedy_oracle(batch))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(batch=draft_batches(spec_lens=(1, 6), batch_sizes=(2, 6), vocab_sizes=(12,)),
+       kind=st.sampled_from(["dirichlet", "sparse", "onehot", "none"]),
+       seed=st.integers(0, 2**20))
+def test_rejection_matches_oracle(backend, batch, kind, seed):
+    rng = np.random.default_rng(seed)
+    t, v = len(batch.draft), batch.vocab_size
+    target_probs = random_probs(rng, (t, v), "dirichlet" if kind == "none" else kind)
+    draft_probs = None if kind == "none" else random_probs(rng, (t, v), kind)
+    key = jax.random.key(seed)
+    result = scv_jax.rejection_sample(*as_jax(batch.draft, batch.cu), draft_probs, jnp.asarray(target_probs),
+                                      jnp.asarray(batch.bonus), key=key, max_spec_len=batch.max_spec_len,
+                                      backend=backend)
+    uniforms, seeds = _slot_randomness(key, batch)
+    assert_result_equal(result, rejection_oracle(batch, draft_probs, target_probs, uniforms, seeds))
+
+
+@pytest.mark.parametrize("vocab_size,num_slots,with_draft_probs,dtype", [
+    (5000, 3, True, jnp.float32),      # several tiles and splits, V not a multiple of the tile
+    (2048, 1, False, jnp.bfloat16),    # exactly one large tile, q = one-hot(draft)
+    (700, 5, True, jnp.float16),       # between the small and the large tile
+    (3, 2, True, jnp.float32),         # padded up to one small tile
+])
+def test_recovered_token_kernel_matches_reference(vocab_size, num_slots, with_draft_probs, dtype):
+    from pallas_kernels.recovered_tokens import recovered_token_splits
+    rng = np.random.default_rng(vocab_size)
+    p = jnp.asarray(random_probs(rng, (num_slots, vocab_size), "dirichlet"), dtype)
+    q = jnp.asarray(random_probs(rng, (num_slots, vocab_size), "dirichlet"), dtype) if with_draft_probs else None
+    draft = jnp.asarray(rng.integers(0, vocab_size, num_slots), jnp.int32)
+    seeds = jnp.asarray(rng.integers(0, 2**32, num_slots, dtype=np.uint64), jnp.uint32)
+    scores, indices = recovered_token_splits(draft, q, p, seeds, interpret=not cuda_available())
+    best = np.asarray(indices)[np.arange(num_slots), np.argmax(np.asarray(scores), axis=1)]
+    expected = acceptance_ref.recovered_tokens_reference(draft, q, p, seeds)
+    np.testing.assert_array_equal(best, np.asarray(expected))
+
+
+def _lowered_text(fn, *args) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_greedy_kernel_lowers_for_cuda():
+    from pallas_kernels.accept_scan import accept_greedy_kernel
+    b, k = 256, 8
+    t = b * k
+    ints = lambda n: jnp.zeros((n,), jnp.int32)  # noqa: E731
+    text = _lowered_text(lambda d, cu, tg, bo: accept_greedy_kernel(d, cu, tg, bo, max_spec_len=k),
+                         ints(t), ints(b + 1), ints(t), ints(b))
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("with_draft_probs,dtype", [(True, jnp.float32), (False, jnp.bfloat16)])
+def test_rejection_kernels_lower_for_cuda(with_draft_probs, dtype):
+    from pallas_kernels.accept_scan import rejection_scan_kernel
+    from pallas_kernels.recovered_tokens import recovered_token_splits
+    t, b, v, k = 64, 16, 151_936, 4
+
+    def step(draft, cu, q, p, bonus, uniforms, seeds):
+        scores, indices = recovered_token_splits(draft, q, p, seeds)
+        return rejection_scan_kernel(draft, cu, q, p, bonus, uniforms, scores, indices, max_spec_len=k)
+
+    q = jnp.zeros((t, v), dtype) if with_draft_probs else None
+    text = _lowered_text(step, jnp.zeros(t, jnp.int32), jnp.zeros(b + 1, jnp.int32), q,
+                         jnp.zeros((t, v), dtype), jnp.zeros(b, jnp.int32), jnp.zeros(t, jnp.float32),
+                         jnp.zeros(t, jnp.uint32))
+    assert text.count("mosaic_gpu") >= 2
+
+
+def _chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    from math import erfc, sqrt
+    n = counts.sum()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    expected = n * probs[keep]
+    stat = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    # Wilson-Hilferty normal approximation of the chi-square tail.
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / sqrt(2 / (9 * dof))
+    return 0.5 * erfc(z / sqrt(2))
+
+
+def _sample_two_drafts(num_requests: int, p_rows, q_rows, seed: int, backend: str = "xla"):
+    """num_requests independent requests, each drafting 2 tokens from q; returns emitted tokens."""
+    rng = np.random.default_rng(seed)
+    drafts = np.stack([rng.choice(len(q_rows[i]), size=num_requests, p=q_rows[i]) for i in range(2)], 1)
+    t = 2 * num_requests
+    cu = jnp.arange(0, t + 1, 2, dtype=jnp.int32)
+    p = jnp.tile(jnp.asarray(p_rows, jnp.float32), (num_requests, 1))
+    q = jnp.tile(jnp.asarray(q_rows, jnp.float32), (num_requests, 1))
+    bonus = jnp.asarray(rng.integers(0, p_rows.shape[1], num_requests), jnp.int32)
+    result = scv_jax.rejection_sample(jnp.asarray(drafts.reshape(-1), jnp.int32), cu, q, p, bonus,
+                                      key=keys_for(num_requests, seed), max_spec_len=2, backend=backend)
+    return np.asarray(result.output_token_ids), drafts
+
+
+@pytest.mark.parametrize("num_samples", [4_000, 40_000])
+def test_sampling_is_lossless(num_samples):
+    """The first emitted token follows p_0 and, given the first draft was accepted, the second p_1."""
+    rng = np.random.default_rng(7)
+    vocab = 10
+    p_rows = rng.dirichlet(np.ones(vocab), 2)
+    p_rows[0, 3] = 0.0                              # a token the target never emits
+    p_rows /= p_rows.sum(1, keepdims=True)
+    q_rows = rng.dirichlet(np.ones(vocab), 2)       # a draft distribution far from the target
+    tokens, drafts = _sample_two_drafts(num_samples, p_rows, q_rows, seed=num_samples)
+    first = np.bincount(tokens[:, 0], minlength=vocab)
+    assert _chi_square_p_value(first, p_rows[0]) > 1e-4
+    # Not the draft's distribution: the test has the power to tell them apart.
+    assert _chi_square_p_value(first, q_rows[0]) < 1e-6
+    accepted_first = tokens[:, 0] == drafts[:, 0]
+    second = np.bincount(tokens[accepted_first, 1], minlength=vocab)
+    assert _chi_square_p_value(second, p_rows[1]) > 1e-4
+
+
+def test_sampling_lossless_without_draft_probs():
+    """An n-gram style draft (no distribution) still yields the target distribution."""
+    rng = np.random.default_rng(3)
+    vocab, n = 8, 20_000
+    p = rng.dirichlet(np.ones(vocab))
+    drafts = jnp.asarray(rng.integers(0, vocab, n), jnp.int32)
+    result = scv_jax.rejection_sample(drafts, jnp.arange(n + 1, dtype=jnp.int32), None,
+                                      jnp.tile(jnp.asarray(p, jnp.float32), (n, 1)), jnp.zeros(n, jnp.int32),
+                                      key=jax.random.key(1), max_spec_len=1, backend="xla")
+    first = np.bincount(np.asarray(result.output_token_ids)[:, 0], minlength=vocab)
+    assert _chi_square_p_value(first, p) > 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_keys_same_output_and_batch_invariance(backend):
+    rng = np.random.default_rng(0)
+    b, k, v = 5, 3, 9
+    counts = np.array([3, 0, 2, 3, 1])
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    t = int(cu[-1])
+    draft = rng.integers(0, v, t).astype(np.int32)
+    p, q = random_probs(rng, (t, v), "dirichlet"), random_probs(rng, (t, v), "dirichlet")
+    bonus = rng.integers(0, v, b).astype(np.int32)
+    keys = keys_for(b, 11)
+
+    def run(sel):
+        slots = np.concatenate([np.arange(cu[r], cu[r + 1]) for r in sel]).astype(np.int32)
+        sub_cu = np.concatenate([[0], np.cumsum(counts[sel])]).astype(np.int32)
+        return scv_jax.rejection_sample(jnp.asarray(draft[slots]), jnp.asarray(sub_cu), jnp.asarray(q[slots]),
+                                        jnp.asarray(p[slots]), jnp.asarray(bonus[sel]), key=keys[np.array(sel)],
+                                        max_spec_len=k, backend=backend)
+
+    full = run(list(range(b)))
+    again = run(list(range(b)))
+    np.testing.assert_array_equal(np.asarray(full.output_token_ids), np.asarray(again.output_token_ids))
+    for r in range(b):
+        alone = run([r])
+        np.testing.assert_array_equal(np.asarray(alone.output_token_ids)[0], np.asarray(full.output_token_ids)[r])
+
+
+def test_legacy_uint32_keys_are_accepted():
+    batch_args = (jnp.array([1, 2], jnp.int32), jnp.array([0, 1, 2], jnp.int32), None,
+                  jnp.full((2, 4), 0.25, jnp.float32), jnp.array([0, 1], jnp.int32))
+    typed = scv_jax.rejection_sample(*batch_args, key=jax.random.key(5), max_spec_len=1, backend="xla")
+    legacy = scv_jax.rejection_sample(*batch_args, key=jax.random.PRNGKey(5), max_spec_len=1, backend="xla")
+    np.testing.assert_array_equal(np.asarray(typed.output_token_ids), np.asarray(legacy.output_token_ids))
+    per_request = scv_jax.rejection_sample(*batch_args, key=jax.random.split(jax.random.PRNGKey(5), 2),
+                                           max_spec_len=1, backend="xla")
+    assert per_request.output_token_ids.shape == (2, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=15)
+@given(data=st.data())
+def test_adversarial_inputs_stay_in_range(backend, data):
+    """Malformed offsets, out-of-vocabulary drafts and degenerate probabilities: ids stay in [-1, V)."""
+    t, b, k, v = data.draw(st.sampled_from([(10, 4, 4, 9), (4, 1, 1, 1), (7, 3, 2, 5)]))
+    cu = np.array(data.draw(st.lists(st.integers(-3, t + 3), min_size=b + 1, max_size=b + 1)), np.int32)
+    draft = np.array(data.draw(st.lists(st.integers(-5, v + 5), min_size=t, max_size=t)), np.int32)
+    bonus = np.array(data.draw(st.lists(st.integers(-5, v + 5), min_size=b, max_size=b)), np.int32)
+    kind = data.draw(st.sampled_from(["zeros", "equal", "onehot"]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 1000)))
+    p = random_probs(rng, (t, v), "onehot" if kind == "onehot" else "dirichlet")
+    q = {"zeros": np.zeros((t, v), np.float32), "equal": p, "onehot": random_probs(rng, (t, v), "onehot")}[kind]
+    result = scv_jax.rejection_sample(*as_jax(draft, cu, q, p, bonus), key=jax.random.key(0), max_spec_len=k,
+                                      backend=backend)
+    tokens = np.asarray(result.output_token_ids)
+    assert tokens.shape == (b, k + 1)
+    assert np.all((tokens >= -1) & (tokens < v))
+    assert np.all((np.asarray(result.num_accepted) >= 0) & (np.asarray(result.num_accepted) <= k))
+    greedy = scv_jax.accept_greedy(*as_jax(draft, cu, draft, bonus), max_spec_len=k, backend=backend)
+    assert np.all(np.asarray(greedy.num_accepted) <= k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batches(backend):
+    empty = scv_jax.accept_greedy(jnp.zeros(0, jnp.int32), jnp.zeros(1, jnp.int32), jnp.zeros(0, jnp.int32),
+                                  jnp.zeros(0, jnp.int32), max_spec_len=3, backend=backend)
+    assert empty.output_token_ids.shape == (0, 4) and empty.accept_mask.shape == (0,)
+    no_drafts = scv_jax.rejection_sample(jnp.zeros(0, jnp.int32), jnp.zeros(3, jnp.int32), None,
+                                         jnp.zeros((0, 5), jnp.float32), jnp.array([4, 2], jnp.int32),
+                                         key=jax.random.key(0), max_spec_len=2, backend=backend)
+    np.testing.assert_array_equal(np.asarray(no_drafts.output_token_ids), [[4, -1, -1], [2, -1, -1]])
+
+
+def test_works_under_jit():
+    batch_args = as_jax(np.array([1, 2, 3], np.int32), np.array([0, 2, 3], np.int32),
+                        np.array([1, 5, 3], np.int32), np.array([7, 8], np.int32))
+    jitted = jax.jit(lambda *a: scv_jax.accept_greedy(*a, max_spec_len=2, backend="interpret"))
+    np.testing.assert_array_equal(np.asarray(jitted(*batch_args).output_token_ids), [[1, 5, -1], [3, 8, -1]])
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: scv_jax.accept_greedy(jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(4, jnp.int32),
+                                   jnp.zeros(1, jnp.int32), max_spec_len=2), "draft_token_ids must be int32\\[T\\]"),
+    (lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.float32), jnp.zeros(2, jnp.int32), jnp.zeros(4, jnp.int32),
+                                   jnp.zeros(1, jnp.int32), max_spec_len=2), "draft_token_ids must be an integer"),
+    (lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32),
+                                   jnp.zeros(1, jnp.int32), max_spec_len=2), "target_token_ids"),
+    (lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros(4, jnp.int32),
+                                   jnp.zeros(1, jnp.int32), max_spec_len=2), "bonus_token_ids"),
+    (lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(4, jnp.int32),
+                                   jnp.zeros(1, jnp.int32), max_spec_len=0), "max_spec_len"),
+    (lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(4, jnp.int32),
+                                   jnp.zeros(1, jnp.int32), max_spec_len=2, backend="cuda"), "backend"),
+    (lambda: scv_jax.rejection_sample(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), None,
+                                      jnp.zeros((4, 8)), jnp.zeros(1, jnp.int32), key=None, max_spec_len=2), "key"),
+    (lambda: scv_jax.rejection_sample(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros((4, 7)),
+                                      jnp.zeros((4, 8)), jnp.zeros(1, jnp.int32), key=jax.random.key(0),
+                                      max_spec_len=2), "draft_probs"),
+    (lambda: scv_jax.rejection_sample(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), None,
+                                      jnp.zeros((3, 8)), jnp.zeros(1, jnp.int32), key=jax.random.key(0),
+                                      max_spec_len=2), "target_probs"),
+    (lambda: scv_jax.rejection_sample(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), None,
+                                      jnp.zeros((4, 8), jnp.int32), jnp.zeros(1, jnp.int32), key=jax.random.key(0),
+                                      max_spec_len=2), "target_probs must be a floating"),
+    (lambda: scv_jax.rejection_sample(jnp.zeros(4, jnp.int32), jnp.zeros(3, jnp.int32), None,
+                                      jnp.zeros((4, 8)), jnp.zeros(2, jnp.int32),
+                                      key=jax.random.split(jax.random.key(0), 3), max_spec_len=2), "one key or 2 keys"),
+    pytest.param(lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32),
+                                               jnp.zeros(4, jnp.int32), jnp.zeros(1, jnp.int32), max_spec_len=2,
+                                               backend="pallas"), "needs a CUDA GPU",
+                 marks=pytest.mark.skipif(cuda_available(), reason="checks the error raised without a GPU")),
+])
+def test_static_errors_name_the_argument(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+@pytest.mark.parametrize("cu,kwargs,match", [
+    ([1, 2], {}, "cu_num_draft_tokens\\[0\\] must be 0"),
+    ([0, 3, 2], {}, "non-decreasing"),
+    ([0, 5], {}, "more than max_spec_len"),
+    ([0, 2, 4], {"num_slots": 3}, "exceeds the number of draft slots"),
+    ([0, 2], {"draft_token_ids": [0, 9], "vocab_size": 9}, "draft_token_ids\\[1\\]=9"),
+])
+def test_check_draft_batch(cu, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        scv_jax.check_draft_batch(np.array(cu), max_spec_len=4, **kwargs)
+    scv_jax.check_draft_batch(np.array([0, 2, 2, 6]), max_spec_len=4, num_slots=8,
+                              draft_token_ids=np.arange(8), vocab_size=8)
