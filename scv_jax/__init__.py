@@ -1,16 +1,71 @@
-"""scv-jax: the verification step of speculative decoding in JAX, with Pallas GPU kernels."""
+"""scv-jax: the verification step of speculative decoding in JAX, with Pallas GPU kernels.
 
-from scv_jax.ops.acceptance.result import AcceptResult
-from scv_jax.ops.acceptance.api import accept_greedy, rejection_sample
-from scv_jax.ops.registry import BACKENDS
-from scv_jax.graph.buckets import Buckets, Pad
-from scv_jax.ops.commit.api import check_slot_mapping, commit_draft_kv, gather_kv, slots_from_block_table
-from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
-from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats, WarmupReport, enable_persistent_cache
-from scv_jax.ops.commit.kv_cache import PagedKVCache
-from scv_jax.checks import check_draft_batch
-from scv_jax.verify.step import HostStepResult, VerifyStepOutput, fetch_step_output, start_fetch, verify_step, verify_step_cache
-from scv_jax import models
-from scv_jax.decoding.decoder import DecoderConfig, GenerateOutput, GenerateStats, SpeculativeDecoder, generate_autoregressive
+Public names are loaded on first use (``scv_jax.accept_greedy`` imports the acceptance op, and
+``scv_jax.SpeculativeDecoder`` Flax and the decoder), so ``import scv_jax`` itself is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # ops
+    "BACKENDS": "scv_jax.ops.registry",
+    "AcceptResult": "scv_jax.ops.acceptance.result",
+    "accept_greedy": "scv_jax.ops.acceptance.api",
+    "rejection_sample": "scv_jax.ops.acceptance.api",
+    "check_draft_batch": "scv_jax.ops.acceptance.host_checks",
+    "PagedKVCache": "scv_jax.ops.commit.kv_cache",
+    "commit_draft_kv": "scv_jax.ops.commit.api",
+    "gather_kv": "scv_jax.ops.commit.api",
+    "slots_from_block_table": "scv_jax.ops.commit.api",
+    "check_slot_mapping": "scv_jax.ops.commit.host_checks",
+    # graph mode
+    "Buckets": "scv_jax.graph.buckets",
+    "Pad": "scv_jax.graph.buckets",
+    "BucketPlan": "scv_jax.graph.executable_cache",
+    "ExecutableCache": "scv_jax.graph.executable_cache",
+    "GraphModeStats": "scv_jax.graph.executable_cache",
+    "WarmupReport": "scv_jax.graph.executable_cache",
+    "enable_persistent_cache": "scv_jax.graph.executable_cache",
+    "CompileCounter": "scv_jax.graph.compile_counter",
+    # the fused verify step
+    "verify_step": "scv_jax.verify.step",
+    "VerifyStepOutput": "scv_jax.verify.step",
+    "verify_step_cache": "scv_jax.verify.graph_mode",
+    "StepSummary": "scv_jax.verify.summary",
+    "HostStepResult": "scv_jax.verify.summary",
+    "fetch_step_output": "scv_jax.verify.summary",
+    "start_fetch": "scv_jax.verify.summary",
+    # adaptive k
+    "AdaptiveController": "scv_jax.adaptive.controller",
+    "ControllerConfig": "scv_jax.adaptive.controller",
+    # decoding
+    "DecoderConfig": "scv_jax.decoding.config",
+    "GenerateStats": "scv_jax.decoding.stats",
+    "GenerateOutput": "scv_jax.decoding.decoder",
+    "SpeculativeDecoder": "scv_jax.decoding.decoder",
+    "generate_autoregressive": "scv_jax.decoding.decoder",
+}
+_SUBMODULES = ("models",)
+
+__all__ = sorted(_EXPORTS) + list(_SUBMODULES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'scv_jax' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -40,7 +40,8 @@ def _text(tokens: list[int]) -> str:
 
 
 def run_demo(args, target, draft) -> int:
-    from scv_jax.decoding.decoder import DecoderConfig, SpeculativeDecoder
+    from scv_jax.decoding.config import DecoderConfig
+    from scv_jax.decoding.decoder import SpeculativeDecoder
 
     prompt = list(args.prompt.encode("utf-8"))
     if not prompt:

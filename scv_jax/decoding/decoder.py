@@ -22,96 +22,14 @@ import numpy as np
 from flax import nnx
 
 from scv_jax.decoding.block_pool import BlockPool, BlockTable, stack_block_tables
+from scv_jax.decoding.config import DecoderConfig
+from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
 from scv_jax.graph.buckets import Buckets, Pad
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
 from scv_jax.decoding.device_step import make_decode_step, make_prefill_step
 from scv_jax.graph.executable_cache import ExecutableCache
 from scv_jax.ops.commit.kv_cache import PagedKVCache
-from scv_jax.verify.step import fetch_step_output
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """Settings of ``SpeculativeDecoder``.
-
-    Attributes:
-      k: drafts per step when not adaptive (0 = no speculation).
-      adaptive: choose k per step with ``AdaptiveController`` (goodput mode) from ``k_values``.
-      k_values: the k an adaptive decoder may pick (one executable each).
-      controller: optional ``ControllerConfig`` overriding the adaptive defaults.
-      block_size, num_blocks: the paged caches' geometry (shared by target and draft).
-      max_seq_len: most positions per request (prompt + generated + k); sets the block-table width.
-      cache_dtype: dtype of both caches (see ``PagedKVCache``).
-      prefill_chunk: prompt tokens per prefill call.
-      batch_buckets: batch sizes steps are padded to (graph mode).
-      context_buckets: block-table widths (in blocks) steps are padded to; None: multiples of 16
-        blocks up to max_seq_len (fewer executables; attention masks the padding).
-      backend: "auto", "pallas", "xla" or "interpret" for acceptance and commit.
-    """
-
-    k: int = 4
-    adaptive: bool = False
-    k_values: tuple[int, ...] = (0, 2, 4, 6, 8)
-    controller: ControllerConfig | None = None
-    block_size: int = 16
-    num_blocks: int = 512
-    max_seq_len: int = 1024
-    cache_dtype: str = "float32"
-    prefill_chunk: int = 64
-    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-    context_buckets: tuple[int, ...] | None = None
-    backend: str = "auto"
-
-    def __post_init__(self):
-        if not isinstance(self.k, int) or self.k < 0:
-            raise ValueError(f"DecoderConfig.k must be an int >= 0, got {self.k!r}")
-        if self.adaptive and (not self.k_values or min(self.k_values) < 0):
-            raise ValueError(f"DecoderConfig.k_values must be non-empty ints >= 0, got {self.k_values!r}")
-        for name in ("block_size", "num_blocks", "max_seq_len", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DecoderConfig.{name} must be >= 1, got {getattr(self, name)}")
-
-    @property
-    def allowed_k(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.k_values))) if self.adaptive else (self.k,)
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.max_seq_len // self.block_size)
-
-    def block_buckets(self) -> Buckets:
-        if self.context_buckets is not None:
-            return Buckets(tuple(sorted(set(self.context_buckets) | {self.max_blocks_per_seq})))
-        most = self.max_blocks_per_seq
-        return Buckets.pow2_then_linear(most, linear_step=16, min_size=min(16, most))
-
-
-@dataclasses.dataclass
-class GenerateStats:
-    """What one ``generate`` call did.
-
-    Attributes:
-      steps: decode steps; generated_tokens: tokens returned (all requests); prompt_tokens.
-      mean_accepted_length: tokens emitted per request per step (accepted drafts + 1).
-      acceptance_rate: accepted / proposed drafts (nan without drafts).
-      acceptance_per_position: float[k_max]; position j: accepted / proposed drafts at position j + 1.
-      k_histogram: {k: steps}; tokens_per_second: generated tokens / wall seconds.
-      wall_seconds, prefill_seconds: time of the call and of its prefill.
-      compile_count: XLA compilations during the call (``jax.monitoring``); 0 after warm-up.
-    """
-
-    steps: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    mean_accepted_length: float = float("nan")
-    acceptance_rate: float = float("nan")
-    acceptance_per_position: list[float] = dataclasses.field(default_factory=list)
-    k_histogram: dict[int, int] = dataclasses.field(default_factory=dict)
-    tokens_per_second: float = 0.0
-    wall_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    compile_count: int = 0
 
 
 class GenerateOutput(NamedTuple):
@@ -268,7 +186,7 @@ class SpeculativeDecoder:
         requests = [_Request(i, list(p), len(p), BlockTable(self.pool, self.config.block_size))
                     for i, p in enumerate(prompt_ids)]
         stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_ids))
-        counts = _AcceptanceCounts(max(self.config.allowed_k))
+        counts = AcceptanceTally(max(self.config.allowed_k))
         start = time.perf_counter()
         with CompileCounter() as compiles:
             try:
@@ -319,11 +237,10 @@ class SpeculativeDecoder:
         return self.controller.next_k(batch_size) if self.controller else self.config.k
 
     def _step(self, active: list[_Request], base_key: np.ndarray, temperature: float, max_new_tokens: int,
-              eos_token_id: int | None, counts: "_AcceptanceCounts", stats: GenerateStats) -> None:
+              eos_token_id: int | None, counts: "AcceptanceTally", stats: GenerateStats) -> None:
         step_start = time.perf_counter()
         # the controller sees the batch the executable computes (padding rows cost like real ones)
-        computed_batch = self._decode.dims["batch"].bucket(len(active)) or len(active)
-        misses = self._decode.stats.misses
+        computed_batch = self._decode.bucket("batch", len(active)) or len(active)
         k = self._next_k(computed_batch)
         for r in active:
             r.table.ensure(len(r.tokens) + k)
@@ -338,9 +255,9 @@ class SpeculativeDecoder:
             target_lens=np.array([r.target_len for r in active], np.int32),
             request_ids=np.array([r.index for r in active], np.int32), base_key=base_key,
             temperature=np.float32(max(temperature, 1e-6)), k=k, greedy=temperature == 0.0)
-        host = fetch_step_output(_Summary(summary), len(active))        # the step's one transfer
+        host = summary.fetch(len(active))        # the step's one transfer
         step_seconds = time.perf_counter() - step_start
-        compiled = self._decode.stats.misses != misses  # a compile is no step cost: leave it untimed
+        compiled = self._decode.last_call_compiled  # a compile is no step cost: leave it untimed
         for r, emitted, accepted in zip(active, host.token_lists(), host.num_accepted):
             self._advance(r, emitted, int(accepted), k, max_new_tokens, eos_token_id)
         if self.controller:
@@ -374,8 +291,8 @@ class SpeculativeDecoder:
         finish) compile on first use."""
         cfg = self.config
         sizes = [batch_sizes] if isinstance(batch_sizes, (int, np.integer)) else list(batch_sizes)
-        batch_keep = {self._decode.dims["batch"].bucket(b) for b in sizes}
-        block_bucket = self._decode.dims["blocks"].bucket(-(-max_len // cfg.block_size))
+        batch_keep = {self._decode.bucket("batch", b) for b in sizes}
+        block_bucket = self._decode.bucket("blocks", -(-max_len // cfg.block_size))
         if None in batch_keep or block_bucket is None:
             raise ValueError(f"warmup: batch sizes {sizes} / max_len {max_len} exceed the buckets "
                              f"(batch_buckets {cfg.batch_buckets}, max_seq_len {cfg.max_seq_len})")
@@ -395,34 +312,6 @@ class SpeculativeDecoder:
                                 k=cfg.allowed_k[0], greedy=greedy, keep=keep, progress=progress)
         self._caches = (target_cache, draft_cache)
         return compiles.count
-
-
-class _Summary(NamedTuple):
-    host_summary: jax.Array
-
-
-class _AcceptanceCounts:
-    """Host-side tallies for ``GenerateStats`` (per draft position and per request-step)."""
-
-    def __init__(self, k_max: int):
-        self.proposed = np.zeros(k_max, np.int64)
-        self.accepted = np.zeros(k_max, np.int64)
-        self.request_steps = 0
-        self.emitted = 0
-
-    def add(self, k: int, num_accepted: np.ndarray, num_emitted: np.ndarray) -> None:
-        self.proposed[:k] += len(num_accepted)
-        self.accepted[:k] += np.bincount(np.minimum(num_accepted, k), minlength=k + 1)[::-1].cumsum()[::-1][1:]
-        self.request_steps += len(num_accepted)
-        self.emitted += int(num_emitted.sum())
-
-    def fill(self, stats: GenerateStats) -> None:
-        with np.errstate(invalid="ignore", divide="ignore"):
-            per_position = self.accepted / self.proposed
-        stats.acceptance_per_position = [round(float(x), 4) for x in per_position]
-        stats.acceptance_rate = float(self.accepted.sum() / self.proposed.sum()) if self.proposed.sum() \
-            else float("nan")
-        stats.mean_accepted_length = self.emitted / self.request_steps if self.request_steps else float("nan")
 
 
 def generate_autoregressive(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -23,6 +23,7 @@ from flax import nnx
 from scv_jax.ops.commit.api import commit_draft_kv, slots_from_block_table
 from scv_jax.models.protocol import StagedKV
 from scv_jax.verify.step import verify_step
+from scv_jax.verify.summary import StepSummary
 
 # fold_in tags of a request's per-step key
 _ACCEPT, _BONUS, _DRAFT = 0, 1, 2
@@ -171,7 +172,7 @@ def make_decode_step(target_graphdef, draft_graphdef, block_size: int):
             target_cache = _commit_rows(target_cache, out.keys, out.values, block_tables, target_lens,
                                         request_mask.astype(jnp.int32), block_size, backend, after=token)
             num_accepted = jnp.zeros((batch,), jnp.int32)
-            summary = jnp.stack([jnp.where(request_mask, token, -1), num_accepted], axis=1)
+            summary = StepSummary.pack(jnp.where(request_mask, token, -1)[:, None], num_accepted)
         else:
             positions = target_lens[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
             slots = slots_from_block_table(block_tables, positions, block_size).reshape(-1)
@@ -190,12 +191,12 @@ def make_decode_step(target_graphdef, draft_graphdef, block_size: int):
                 target_cache, _flatten_rows(out.keys), _flatten_rows(out.values), slots, drafts.reshape(-1),
                 cu, bonus, request_mask=request_mask, max_spec_len=k, kv_layout="query", backend=backend,
                 **sampling)
-            num_accepted, summary = result.num_accepted, result.host_summary
+            num_accepted, summary = result.num_accepted, result.summary
         if draft_state is not None:
             committed = catch_up + (jnp.minimum(num_accepted, k - 1) if k else 0)
             draft_cache = _commit_rows(draft_cache, stage_k, stage_v, block_tables, draft_lens,
                                        jnp.where(request_mask, committed, 0), block_size, backend,
-                                       after=summary)
+                                       after=summary.packed)
         return target_cache, draft_cache, summary
 
     return decode_step

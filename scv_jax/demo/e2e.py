@@ -13,7 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from scv_jax.decoding.decoder import DecoderConfig, GenerateOutput, SpeculativeDecoder
+from scv_jax.decoding.config import DecoderConfig
+from scv_jax.decoding.decoder import GenerateOutput, SpeculativeDecoder
 from scv_jax.demo.corpus import split_corpus, stdlib_bytes
 
 

@@ -89,7 +89,8 @@ def make_draft_step(draft_graphdef, target_graphdef, target_params, hard_weight:
 def target_text(target: Transformer, data: np.ndarray, *, num_prompts: int = 256, prompt_len: int = 32,
                 new_tokens: int = 160, batch: int = 64, seed: int = 0) -> np.ndarray:
     """uint8[N]: the target's own continuations (half greedy, half sampled at T=1) of stdlib snippets."""
-    from scv_jax.decoding.decoder import DecoderConfig, SpeculativeDecoder
+    from scv_jax.decoding.config import DecoderConfig
+    from scv_jax.decoding.decoder import SpeculativeDecoder
 
     rng = np.random.default_rng(seed)
     decoder = SpeculativeDecoder(target, None, config=DecoderConfig(batch_buckets=(batch,), max_seq_len=256,

@@ -1,22 +1,30 @@
-"""Counting XLA backend compilations through ``jax.monitoring`` events."""
+"""Counting JAX traces and XLA backend compilations through ``jax.monitoring`` events."""
 
 from __future__ import annotations
 
 import jax
 
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 class CompileCounter:
-    """Context manager counting backend compilations (and their seconds) while it is open."""
+    """Context manager counting traces and backend compilations (with their seconds) while open.
+
+    Attributes:
+      count: backend compilations; seconds: their summed duration.
+      traces: jaxpr traces (a jit cache miss traces before it compiles).
+    """
 
     def __init__(self):
-        self.count, self.seconds = 0, 0.0
+        self.count, self.seconds, self.traces = 0, 0.0, 0
 
     def _listener(self, event: str, duration: float, **_) -> None:
         if event == BACKEND_COMPILE_EVENT:
             self.count += 1
             self.seconds += duration
+        elif event == TRACE_EVENT:
+            self.traces += 1
 
     def __enter__(self) -> "CompileCounter":
         jax.monitoring.register_event_duration_secs_listener(self._listener)

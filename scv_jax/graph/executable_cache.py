@@ -35,6 +35,10 @@ from scv_jax.graph.buckets import (Buckets, Pad, array_leaves, as_buckets, is_ar
 
 logger = logging.getLogger(__name__)
 
+
+class DonatedRunError(RuntimeError):
+    """A bucket's executable failed at run time after consuming its donated arguments."""
+
 # (dim buckets in ``dims`` order, static values in ``static_argnames`` order, names of the arguments
 # given and not None: optional arguments change the executable's signature)
 BucketKey = tuple
@@ -131,7 +135,11 @@ class ExecutableCache:
       fallback: what serves a bucket whose executable fails to compile or to run: a mapping of
         argument overrides for ``fn`` (e.g. ``{"backend": "xla"}``), or a function taking ``fn``'s
         arguments (a ``functools.partial``'s bound keywords replace the call's); None lets such
-        errors propagate.
+        errors propagate. A run-time failure is retried on the fallback only while the call's
+        donated arguments are alive, and the bucket moves to the fallback only if that retry
+        succeeds (so a caller's own error, e.g. a disallowed transfer, never marks a bucket failed).
+        When the failed run consumed donated arguments, the call raises ``DonatedRunError`` and
+        later calls of the bucket use the fallback.
       cache_dir: opt-in JAX persistent compilation cache directory (process-wide; see
         ``enable_persistent_cache``) so that a restart loads executables instead of compiling.
       keep: a default ``warmup`` filter of buckets that can never occur (see ``all_keys``).
@@ -185,6 +193,8 @@ class ExecutableCache:
         self.stats = GraphModeStats()
         self.failed: dict[BucketKey, str] = {}   # bucket -> why its executable is not used
         self._entries: dict[BucketKey, _Entry] = {}
+        self._device_masks: dict[tuple[int, int], jax.Array] = {}
+        self._last_call_compiled = False
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------- host-side keys
@@ -247,6 +257,17 @@ class ExecutableCache:
         """The bucket a call would use, from static shapes and Python values only (no transfers)."""
         return self._plan(self._bind(args, kwargs))
 
+    def bucket(self, dim: str, size: int) -> int | None:
+        """The bucket size that ``size`` of grid dim ``dim`` is padded to (None: beyond the largest)."""
+        if dim not in self._grid_dims:
+            raise ValueError(f"{self.name}: {dim!r} is not a bucketed dim (bucketed: {tuple(self._grid_dims)})")
+        return self._grid_dims[dim].bucket(size)
+
+    @property
+    def last_call_compiled(self) -> bool:
+        """Whether the most recent call compiled an executable (a bucket miss)."""
+        return self._last_call_compiled
+
     def describe(self, key: BucketKey) -> str:
         dims, statics, _ = key
         parts = [f"{d}={s}" for d, s in zip(self.dims, dims)]
@@ -254,11 +275,12 @@ class ExecutableCache:
         return ", ".join(parts)
 
     # ------------------------------------------------------------------------------------ padding
-    @staticmethod
-    @functools.lru_cache(maxsize=4096)
-    def _validity_mask(real: int, padded: int) -> np.ndarray:
-        mask = np.arange(padded) < real
-        mask.setflags(write=False)
+    def _validity_mask(self, real: int, padded: int) -> jax.Array:
+        """bool[padded], True below ``real``: built once per pair and kept on the device, so a call
+        whose own arguments are all on the device transfers nothing (also under a transfer guard)."""
+        mask = self._device_masks.get((real, padded))
+        if mask is None:
+            mask = self._device_masks[(real, padded)] = jax.device_put(np.arange(padded) < real)
         return mask
 
     def _padded_args(self, bound: dict[str, Any], plan: BucketPlan) -> dict[str, Any]:
@@ -306,13 +328,14 @@ class ExecutableCache:
         return out
 
     # ---------------------------------------------------------------------------------- compiling
-    def _compile_one(self, key: BucketKey, trace_args: dict[str, Any]) -> tuple[_Entry, int]:
+    def _compile_one(self, key: BucketKey, trace_args: dict[str, Any], *,
+                     fallback_only: bool = False) -> tuple[_Entry, int]:
         """Compiles ``key``'s executable (the fallback's if it fails); returns it and #compiles."""
         compiles = 0
         for is_fallback, jitted in ((False, self._jitted), (True, self._fallback_jitted)):
             if jitted is None:
                 break
-            if not is_fallback and key in self.failed:
+            if not is_fallback and (key in self.failed or fallback_only):
                 continue
             start = time.perf_counter()
             fixed = self._fallback_fixed if is_fallback else frozenset()
@@ -427,6 +450,7 @@ class ExecutableCache:
         """
         bound = self._bind(args, kwargs)
         plan = self._plan(bound)
+        self._last_call_compiled = False
         if plan.key is None:
             self.stats.oversize += 1
             return self._jitted(**bound)
@@ -439,6 +463,7 @@ class ExecutableCache:
             self.stats.misses += 1
             entry, _ = self._compile_one(plan.key, padded)
             self._entries[plan.key] = entry
+            self._last_call_compiled = True
         else:
             self.stats.hits += 1
         dynamic = {a: v for a, v in padded.items() if a not in plan.statics}
@@ -450,8 +475,26 @@ class ExecutableCache:
         except jax.errors.JaxRuntimeError as error:
             if self._fallback_jitted is None:
                 raise
-            self._mark_failed(plan.key, f"run failed: {error}")
-            entry, _ = self._compile_one(plan.key, padded)
-            self._entries[plan.key] = entry
-            self.stats.fallbacks += 1
-            return entry(dynamic)
+            return self._after_run_failure(plan.key, padded, dynamic, error)
+
+    def _after_run_failure(self, key: BucketKey, padded: dict[str, Any], dynamic: dict[str, Any],
+                           error: Exception):
+        """Retries a failed run on the fallback while the donated inputs are alive (see ``fallback``)."""
+        consumed = [a for a in self.donate_argnames
+                    if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(dynamic.get(a)))]
+        if consumed:
+            self._mark_failed(key, f"run failed: {error}")
+            del self._entries[key]   # the next call of this bucket compiles the fallback
+            raise DonatedRunError(
+                f"{self.name}: bucket ({self.describe(key)}) failed at run time after its donated arguments "
+                f"{consumed} were consumed, so it cannot be retried; later calls of this bucket use the "
+                f"fallback. Cause: {error}") from error
+        fallback, _ = self._compile_one(key, padded, fallback_only=True)
+        try:
+            result = fallback(dynamic)
+        except Exception:
+            raise error from None  # the fallback fails too: the inputs are at fault, not the executable
+        self._mark_failed(key, f"run failed: {error}")
+        self._entries[key] = fallback
+        self.stats.fallbacks += 1
+        return result

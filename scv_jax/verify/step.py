@@ -1,4 +1,4 @@
-"""The fused verify step (acceptance + KV commit in one executable) and its one-transfer host fetch.
+"""The fused verify step: acceptance and the KV commit of the accepted tokens in one traceable function.
 
 Padding contract (what graph mode relies on): padded draft slots have ``slot_mapping == -1`` and
 draft id 0; padded requests repeat the last ``cu`` offset (they own no slots) and are False in
@@ -7,19 +7,16 @@ draft id 0; padded requests repeat the last ``cu`` offset (they own no slots) an
 
 from __future__ import annotations
 
-import functools
-from typing import Literal, NamedTuple, Sequence
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from scv_jax.ops.acceptance.api import accept_greedy, rejection_sample
-from scv_jax.graph.buckets import Buckets, Pad, as_buckets
-from scv_jax.ops.commit.api import commit_draft_kv
 from pallas_kernels.ragged_batch import request_spans, slot_owner
-from scv_jax.graph.executable_cache import ExecutableCache
 from scv_jax.checks import require_int_vector, require_rank
+from scv_jax.ops.acceptance.api import accept_greedy, rejection_sample
+from scv_jax.ops.commit.api import commit_draft_kv
+from scv_jax.verify.summary import StepSummary
 
 KVLayout = Literal["drafts", "query"]
 
@@ -32,14 +29,13 @@ class VerifyStepOutput(NamedTuple):
         requests outside ``request_mask``).
       num_accepted: int32[B] accepted drafts (0 outside ``request_mask``).
       accept_mask: bool[T] accepted draft slots.
-      host_summary: int32[B, K + 2] ``output_token_ids`` with ``num_accepted`` as the last column:
-        the one array the host fetches (``fetch_step_output``).
+      summary: ``StepSummary`` of the tokens and counts: the one array the host fetches.
     """
 
     output_token_ids: jax.Array
     num_accepted: jax.Array
     accept_mask: jax.Array
-    host_summary: jax.Array
+    summary: StepSummary
 
 
 def _commit_rows(layout: KVLayout, num_rows: int, accept_mask: jax.Array, num_accepted: jax.Array,
@@ -114,101 +110,6 @@ def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, c
     commit = _commit_rows(kv_layout, jnp.shape(new_keys)[1], result.accept_mask, num_accepted, cu,
                           request_mask)
     kv_cache = commit_draft_kv(kv_cache, new_keys, new_values, slot_mapping, commit, backend=backend)
-    summary = jnp.concatenate([tokens, num_accepted[:, None]], axis=1)
     accept_mask = commit if kv_layout == "drafts" else result.accept_mask & request_mask[
         slot_owner(cu, result.accept_mask.shape[0])[0]]
-    return kv_cache, VerifyStepOutput(tokens, num_accepted, accept_mask, summary)
-
-
-class HostStepResult(NamedTuple):
-    """What the host needs after a step, as numpy arrays trimmed to the real batch.
-
-    Attributes:
-      output_token_ids: int32[B, K + 1], -1 after each request's last token.
-      num_accepted: int32[B]; num_emitted: int32[B] (tokens emitted per request).
-    """
-
-    output_token_ids: np.ndarray
-    num_accepted: np.ndarray
-    num_emitted: np.ndarray
-
-    def token_lists(self) -> list[list[int]]:
-        """Emitted tokens per request as Python lists (host-side, no device access)."""
-        return [row[:n].tolist() for row, n in zip(self.output_token_ids, self.num_emitted)]
-
-
-def _host_result(summary: np.ndarray, num_requests: int | None) -> HostStepResult:
-    summary = np.asarray(summary)[:num_requests]
-    tokens = summary[:, :-1]
-    return HostStepResult(tokens, summary[:, -1], np.sum(tokens >= 0, axis=1).astype(np.int32))
-
-
-def fetch_step_output(output: VerifyStepOutput, num_requests: int | None = None) -> HostStepResult:
-    """One device-to-host transfer (``host_summary``), split on the host; trims to ``num_requests``."""
-    return _host_result(jax.device_get(output.host_summary), num_requests)
-
-
-class PendingFetch:
-    """A started device-to-host copy of a step's summary; ``result()`` waits for it."""
-
-    def __init__(self, output: VerifyStepOutput, num_requests: int | None = None):
-        self._summary, self._num_requests = output.host_summary, num_requests
-        self._summary.copy_to_host_async()
-
-    def result(self) -> HostStepResult:
-        return _host_result(np.asarray(self._summary), self._num_requests)
-
-
-def start_fetch(output: VerifyStepOutput, num_requests: int | None = None) -> PendingFetch:
-    """Starts the step's one transfer now (overlapping host work); call ``.result()`` later."""
-    return PendingFetch(output, num_requests)
-
-
-DEFAULT_SPEC_LENS: tuple[int, ...] = (1, 2, 4, 8)
-
-
-def verify_step_pads(kv_layout: KVLayout = "drafts") -> dict[str, Pad]:
-    """How graph mode pads ``verify_step``'s arguments ("rows" is the K/V row dim in query layout)."""
-    rows = "tokens" if kv_layout == "drafts" else "rows"
-    return {"new_keys": Pad(rows, axis=1), "new_values": Pad(rows, axis=1),
-            "slot_mapping": Pad(rows, fill=-1), "draft_token_ids": Pad("tokens"),
-            "cu_num_draft_tokens": Pad("batch", fill="edge", extra=1),
-            "bonus_token_ids": Pad("batch"), "target_token_ids": Pad("tokens"),
-            "target_probs": Pad("tokens"), "draft_probs": Pad("tokens")}
-
-
-def verify_step_cache(*, batch_buckets: Buckets | Sequence[int] = Buckets.pow2_then_linear(256),
-                      spec_lens: Sequence[int] = DEFAULT_SPEC_LENS,
-                      token_buckets: Buckets | Sequence[int] | None = None,
-                      row_buckets: Buckets | Sequence[int] | None = None,
-                      kv_layout: KVLayout = "drafts", cache_dir: str | None = None) -> ExecutableCache:
-    """``verify_step`` in graph mode: the KV cache donated, the XLA reference path as fallback.
-
-    Buckets: batch B from ``batch_buckets``, ``max_spec_len`` k from ``spec_lens``; by default the
-    draft slots are padded to B * k (one executable per (B, k); T <= B * k always holds) and, in
-    query layout, the K/V rows to B * (k + 1). ``token_buckets`` / ``row_buckets`` make them
-    independent dims instead (less padding, more executables; ``warmup`` then skips the
-    unreachable ones). Call it with ``verify_step``'s arguments; ``request_mask`` is built from
-    the real batch size.
-    """
-    batch = batch_buckets if isinstance(batch_buckets, Buckets) else Buckets(tuple(batch_buckets))
-    tokens = (as_buckets(token_buckets) if token_buckets is not None
-              else (lambda b: b["batch"] * b["max_spec_len"]))
-    dims = {"batch": batch, "tokens": tokens}
-    if kv_layout == "query":
-        dims["rows"] = (as_buckets(row_buckets) if row_buckets is not None
-                        else (lambda b: b["batch"] + b["tokens"]))
-
-    def reachable(sizes: dict[str, int]) -> bool:
-        """Drops token/row buckets larger than the smallest one holding B * k drafts (B + T rows)."""
-        most = {"tokens": sizes["batch"] * sizes["max_spec_len"]}
-        most["rows"] = sizes["batch"] + most["tokens"]
-        return all(sizes[d] <= (dims[d].bucket(most[d]) or dims[d].largest)
-                   for d in ("tokens", "rows") if isinstance(dims.get(d), Buckets))
-
-    return ExecutableCache(verify_step, dims=dims, pads=verify_step_pads(kv_layout),
-                           bucketed_statics={"max_spec_len": tuple(sorted(spec_lens))},
-                           static_argnames=("kv_layout", "backend"), donate_argnames=("kv_cache",),
-                           masks={"request_mask": "batch"}, keep=reachable,
-                           fallback=functools.partial(verify_step, backend="xla"),
-                           cache_dir=cache_dir, name=f"verify_step[{kv_layout}]")
+    return kv_cache, VerifyStepOutput(tokens, num_accepted, accept_mask, StepSummary.pack(tokens, num_accepted))

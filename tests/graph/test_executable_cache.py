@@ -1,7 +1,6 @@
 """Graph mode (ExecutableCache): buckets, warm-up without recompiles, host-side keys, fallback,
 donation check and the persistent compilation cache (in subprocesses)."""
 
-import contextlib
 import functools
 import json
 import logging
@@ -12,11 +11,13 @@ import textwrap
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import io_callback
 import numpy as np
 import pytest
 
 import scv_jax
-from scv_jax import Buckets, ExecutableCache, Pad
+from scv_jax import Buckets, CompileCounter, ExecutableCache, Pad
+from scv_jax.graph.executable_cache import DonatedRunError
 
 KV_SIZE = 64
 
@@ -38,6 +39,12 @@ def picky_step(kv, ids, cu, weights, *, k, backend="auto"):
     return toy_step(kv, ids, cu, weights, k=k)
 
 
+def masked_step(kv, ids, cu, weights, mask=None, *, k, backend="auto"):
+    """``toy_step`` whose per-request outputs are zeroed outside ``mask`` (bool[B])."""
+    kv, out = toy_step(kv, ids, cu, weights, k=k)
+    return kv, jnp.where(mask, out, 0.0)
+
+
 TOY_PADS = {"ids": Pad("tokens", fill=-1), "cu": Pad("batch", fill="edge", extra=1),
             "weights": Pad("batch", fill=0.0)}
 
@@ -55,24 +62,6 @@ def random_batch(rng, num_requests, max_drafts):
     cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     ids = rng.integers(0, KV_SIZE, cu[-1]).astype(np.int32)
     return ids, cu, rng.random(num_requests).astype(np.float32)
-
-
-@contextlib.contextmanager
-def count_compilations():
-    """Counts JAX tracing and backend compilations through jax.monitoring (not the cache's stats)."""
-    counts = {"trace": 0, "compile": 0}
-    events = {"/jax/core/compile/jaxpr_trace_duration": "trace",
-              "/jax/core/compile/backend_compile_duration": "compile"}
-
-    def listener(event, duration, **kwargs):
-        if event in events:
-            counts[events[event]] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counts
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_pow2_then_linear_buckets():
@@ -93,28 +82,35 @@ def test_warmup_then_no_recompiles_and_padding_is_invisible():
     report = cache.warmup(kv, *random_batch(rng, 3, 2), k=2, max_workers=2, progress=False)
     assert report.buckets == report.compiled == 6 and report.failed == 0
     expected_kv = np.zeros(KV_SIZE, np.float32)
-    with count_compilations() as compiles:
+    real_batches = padded_batches = 0
+    with CompileCounter() as compiles:
         for step in range(40):
             k = int(rng.choice([1, 2, 3, 4]))
             ids, cu, weights = random_batch(rng, int(rng.integers(0, 5)), k)
             kv, out = cache(kv, ids, cu, weights, k=k)
+            real_batches += len(cu) - 1
+            padded_batches += cache.bucket("batch", len(cu) - 1)
             np.add.at(expected_kv, ids, 1.0)
             counts = np.diff(cu)
             np.testing.assert_allclose(np.asarray(out)[:len(counts)], counts * weights, rtol=1e-6)
             assert not np.any(np.asarray(out)[len(counts):])
-    assert compiles == {"trace": 0, "compile": 0}
+    assert (compiles.traces, compiles.count) == (0, 0)
     np.testing.assert_array_equal(np.asarray(kv), expected_kv)
     assert cache.stats.hits == 40 and cache.stats.misses == 0 and cache.stats.compiles == 6
-    assert cache.stats.padding_ratio("batch") >= 1.0 and cache.stats.unaliased_donations == 0
+    assert cache.stats.padding_ratio("batch") == padded_batches / real_batches
+    assert cache.stats.unaliased_donations == 0 and not cache.last_call_compiled
 
 
 def test_miss_compiles_lazily_once():
     cache = make_cache()
     kv = jnp.zeros(KV_SIZE, jnp.float32)
     rng = np.random.default_rng(1)
+    compiled = []
     for _ in range(3):
         kv, _ = cache(kv, *random_batch(rng, 3, 4), k=4)
+        compiled.append(cache.last_call_compiled)
     assert (cache.stats.misses, cache.stats.hits, cache.stats.compiles) == (1, 2, 1)
+    assert compiled == [True, False, False]
 
 
 def test_key_computation_makes_no_transfers():
@@ -161,6 +157,62 @@ def test_failed_compile_without_fallback_raises():
     ids, cu, weights = random_batch(np.random.default_rng(6), 4, 2)
     with pytest.raises(NotImplementedError, match="no kernel"):
         cache(jnp.zeros(KV_SIZE), ids, cu, weights, k=2)
+
+
+def exploding_step(kv, ids, cu, weights, *, k, backend="auto"):
+    """``toy_step`` whose fast path fails at run time (as a kernel raising through a callback would)."""
+    kv, out = toy_step(kv, ids, cu, weights, k=k)
+    if backend != "xla":
+        def explode(x):
+            raise RuntimeError("kernel exploded")
+        out = out + io_callback(explode, jax.ShapeDtypeStruct(out.shape, out.dtype), out)
+    return kv, out
+
+
+def test_run_failure_after_donation_raises_clearly_and_the_cache_stays_usable():
+    cache = make_cache(exploding_step)
+    rng = np.random.default_rng(11)
+    ids, cu, weights = random_batch(rng, 2, 2)
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    with pytest.raises(DonatedRunError, match="donated arguments \\['kv'\\] were consumed"):
+        cache(kv, ids, cu, weights, k=2)
+    assert kv.is_deleted() and len(cache.failed) == 1
+    fresh = jnp.zeros(KV_SIZE, jnp.float32)           # the next call of that bucket runs the fallback
+    fresh, out = cache(fresh, ids, cu, weights, k=2)
+    np.testing.assert_allclose(np.asarray(out)[:2], np.diff(cu) * weights, rtol=1e-6)
+    assert cache.stats.fallbacks == 1
+
+
+def test_run_failure_without_donation_is_retried_on_the_fallback():
+    cache = make_cache(exploding_step, donate_argnames=())
+    ids, cu, weights = random_batch(np.random.default_rng(12), 2, 2)
+    kv, out = cache(jnp.zeros(KV_SIZE, jnp.float32), ids, cu, weights, k=2)
+    np.testing.assert_allclose(np.asarray(out)[:2], np.diff(cu) * weights, rtol=1e-6)
+    assert len(cache.failed) == 1 and "kernel exploded" in next(iter(cache.failed.values()))
+
+
+def test_device_call_under_a_transfer_guard_builds_its_mask_on_the_device():
+    cache = make_cache(masked_step, masks={"mask": "batch"})
+    host = random_batch(np.random.default_rng(13), 3, 2)
+    cache.warmup(jnp.zeros(KV_SIZE), *host, k=2, progress=False)
+    on_device = [jnp.asarray(x) for x in random_batch(np.random.default_rng(14), 3, 2)]
+    on_device = [jax.device_put(np.pad(x, (0, n)), x.devices().pop()) for x, n in zip(on_device, (8 - on_device[0].shape[0], 1, 1))]
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    cache(kv, *on_device, k=2)                       # first call: builds and caches the device mask
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    with jax.transfer_guard("disallow"):
+        kv, out = cache(kv, *on_device, k=2)
+    assert not cache.failed and np.asarray(out)[3] == 0   # the padded request is masked out
+
+
+def test_a_callers_transfer_error_never_marks_the_bucket_failed():
+    cache = make_cache()
+    ids, cu, weights = random_batch(np.random.default_rng(15), 2, 2)
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    kv, _ = cache(kv, ids, cu, weights, k=2)
+    with jax.transfer_guard("disallow"), pytest.raises(jax.errors.JaxRuntimeError, match="Disallowed"):
+        cache(kv, ids, cu, weights, k=2)             # host inputs under the guard: the caller's error
+    assert not cache.failed and not kv.is_deleted()
 
 
 def test_donation_is_checked():

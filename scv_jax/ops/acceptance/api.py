@@ -1,24 +1,50 @@
-"""Public acceptance ops: greedy exact match and lossless rejection sampling over a ragged batch."""
+"""Public acceptance ops and their dispatch: greedy exact match and lossless rejection sampling over a
+ragged batch.
+
+Implementations (``scv_jax.ops.registry``): "pallas" = ``pallas_kernels.accept_scan`` (+
+``pallas_kernels.recovered_tokens`` for sampling), "xla" = ``reference``. Both support every input.
+"""
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from scv_jax.ops.acceptance import reference as acceptance_ref
-from scv_jax.ops.acceptance.result import AcceptResult
-from scv_jax.ops.registry import resolve_backend
+from scv_jax.checks import as_array, require_floating, require_int, require_int_vector, require_rank
+from scv_jax.ops import registry
+from scv_jax.ops.acceptance import reference
 from scv_jax.ops.acceptance.randomness import normalize_keys, slot_randomness
-from scv_jax.checks import (require_floating, require_int_vector, require_positive_int,
-                                require_rank)
+from scv_jax.ops.acceptance.result import AcceptResult
+
+
+def _greedy_kernel(draft, cu, target, bonus, *, max_spec_len: int, interpret: bool) -> AcceptResult:
+    from pallas_kernels.accept_scan import accept_greedy_kernel
+    return AcceptResult(*accept_greedy_kernel(draft, cu, target, bonus, max_spec_len=max_spec_len,
+                                              interpret=interpret))
+
+
+def _rejection_kernel(draft, cu, draft_probs, target_probs, bonus, uniforms, seeds, *, max_spec_len: int,
+                      interpret: bool) -> AcceptResult:
+    from pallas_kernels.accept_scan import rejection_scan_kernel
+    from pallas_kernels.recovered_tokens import recovered_token_splits
+    scores, indices = recovered_token_splits(draft, draft_probs, target_probs, seeds, interpret=interpret)
+    return AcceptResult(*rejection_scan_kernel(draft, cu, draft_probs, target_probs, bonus, uniforms,
+                                               scores, indices, max_spec_len=max_spec_len, interpret=interpret))
+
+
+registry.register("accept_greedy", registry.Implementation("pallas", _greedy_kernel),
+                  registry.Implementation("xla", reference.accept_greedy_reference))
+registry.register("rejection_sample", registry.Implementation("pallas", _rejection_kernel),
+                  registry.Implementation("xla", reference.rejection_sample_reference))
 
 
 def _check_ragged_batch(op: str, draft_token_ids, cu_num_draft_tokens, bonus_token_ids,
                         max_spec_len) -> tuple[int, int, int]:
     """Static checks shared by both ops; returns (T, B, max_spec_len)."""
-    k = require_positive_int(op, "max_spec_len", max_spec_len)
+    k = require_int(op, "max_spec_len", max_spec_len, minimum=0)
     require_int_vector(op, "draft_token_ids", draft_token_ids, None, "int32[T]")
     require_int_vector(op, "cu_num_draft_tokens", cu_num_draft_tokens, None, "int32[B + 1]")
     num_requests = jnp.shape(cu_num_draft_tokens)[0] - 1
@@ -28,9 +54,10 @@ def _check_ragged_batch(op: str, draft_token_ids, cu_num_draft_tokens, bonus_tok
     return jnp.shape(draft_token_ids)[0], num_requests, k
 
 
-def _empty_result(num_slots: int, num_requests: int, max_spec_len: int) -> AcceptResult:
-    return AcceptResult(jnp.full((num_requests, max_spec_len + 1), -1, jnp.int32),
-                        jnp.zeros((num_requests,), jnp.int32), jnp.zeros((num_slots,), jnp.bool_))
+def _without_drafts(num_slots: int, bonus: jax.Array, max_spec_len: int) -> AcceptResult:
+    """The result when no request has a draft slot (T = 0 or B = 0): every request emits its bonus."""
+    tokens = jnp.full((bonus.shape[0], max_spec_len + 1), -1, jnp.int32).at[:, 0].set(bonus)
+    return AcceptResult(tokens, jnp.zeros(bonus.shape, jnp.int32), jnp.zeros((num_slots,), jnp.bool_))
 
 
 def accept_greedy(draft_token_ids, cu_num_draft_tokens, target_token_ids, bonus_token_ids, *,
@@ -42,36 +69,31 @@ def accept_greedy(draft_token_ids, cu_num_draft_tokens, target_token_ids, bonus_
       cu_num_draft_tokens: int32[B + 1] offsets; request b owns slots cu[b]:cu[b + 1].
       target_token_ids: int32[T] the target's argmax at each draft slot.
       bonus_token_ids: int32[B] the target's token after the last draft.
-      max_spec_len: the most drafts of any request (static).
-      backend: "auto", "pallas", "xla" or "interpret".
+      max_spec_len: the most drafts of any request (static, >= 0).
+      backend: "auto", "pallas", "xla" or "interpret" (``scv_jax.ops.registry``).
     Returns:
       ``AcceptResult``: for each request, target tokens up to and including the first mismatch,
       plus the bonus token when every draft matched.
     """
     op = "accept_greedy"
-    num_slots, num_requests, k = _check_ragged_batch(op, draft_token_ids, cu_num_draft_tokens,
-                                                     bonus_token_ids, max_spec_len)
-    require_int_vector(op, "target_token_ids", target_token_ids, num_slots, "int32[T] (same T as drafts)")
-    impl = resolve_backend(backend, op=op)
-    return _accept_greedy(*(jnp.asarray(x, jnp.int32) for x in (draft_token_ids, cu_num_draft_tokens,
-                                                                 target_token_ids, bonus_token_ids)),
-                          max_spec_len=k, impl=impl)
+    args = [as_array(op, name, x) for name, x in (
+        ("draft_token_ids", draft_token_ids), ("cu_num_draft_tokens", cu_num_draft_tokens),
+        ("target_token_ids", target_token_ids), ("bonus_token_ids", bonus_token_ids))]
+    num_slots, _, k = _check_ragged_batch(op, args[0], args[1], args[3], max_spec_len)
+    require_int_vector(op, "target_token_ids", args[2], num_slots, "int32[T] (same T as drafts)")
+    impl = registry.select(op, backend)
+    return _accept_greedy(*(jnp.asarray(x, jnp.int32) for x in args), max_spec_len=k, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=("max_spec_len", "impl"))
-def _accept_greedy(draft, cu, target, bonus, *, max_spec_len: int, impl: str) -> AcceptResult:
-    num_slots, num_requests = draft.shape[0], bonus.shape[0]
-    if num_requests == 0:
-        return _empty_result(num_slots, 0, max_spec_len)
-    if num_slots == 0 or impl == "xla":
-        return acceptance_ref.accept_greedy_reference(draft, cu, target, bonus, max_spec_len=max_spec_len)
-    from pallas_kernels.accept_scan import accept_greedy_kernel
-    return AcceptResult(*accept_greedy_kernel(draft, cu, target, bonus, max_spec_len=max_spec_len,
-                                              interpret=impl == "interpret"))
+def _accept_greedy(draft, cu, target, bonus, *, max_spec_len: int, impl: registry.Selected) -> AcceptResult:
+    if draft.shape[0] == 0 or bonus.shape[0] == 0:
+        return _without_drafts(draft.shape[0], bonus, max_spec_len)
+    return impl(draft, cu, target, bonus, max_spec_len=max_spec_len)
 
 
 def rejection_sample(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs,
-                     bonus_token_ids, *, key, max_spec_len: int, backend: str = "auto") -> AcceptResult:
+                     bonus_token_ids, *, key: Any, max_spec_len: int, backend: str = "auto") -> AcceptResult:
     """Lossless speculative sampling: accept draft x with probability min(1, p(x) / q(x)).
 
     On the first rejection the request emits a sample of norm(max(p - q, 0)) and stops; when all
@@ -83,10 +105,13 @@ def rejection_sample(draft_token_ids, cu_num_draft_tokens, draft_probs, target_p
       draft_probs: float[T, V], or None for drafts without a distribution (q = one-hot(draft)).
       target_probs: float[T, V] the target's probabilities at each draft slot.
       key: one PRNG key or B keys (typed or legacy uint32).
-      max_spec_len: the most drafts of any request (static).
-      backend: "auto", "pallas", "xla" or "interpret".
+      max_spec_len: the most drafts of any request (static, >= 0).
+      backend: "auto", "pallas", "xla" or "interpret" (``scv_jax.ops.registry``).
     """
     op = "rejection_sample"
+    draft_token_ids, cu_num_draft_tokens, bonus_token_ids, target_probs = (as_array(op, name, x) for name, x in (
+        ("draft_token_ids", draft_token_ids), ("cu_num_draft_tokens", cu_num_draft_tokens),
+        ("bonus_token_ids", bonus_token_ids), ("target_probs", target_probs)))
     num_slots, num_requests, k = _check_ragged_batch(op, draft_token_ids, cu_num_draft_tokens,
                                                      bonus_token_ids, max_spec_len)
     require_rank(op, "target_probs", target_probs, 2, "float[T, V]")
@@ -95,12 +120,13 @@ def rejection_sample(draft_token_ids, cu_num_draft_tokens, draft_probs, target_p
         raise ValueError(f"{op}: target_probs must be float[T, V] with T={num_slots} and V >= 1, "
                          f"got shape {jnp.shape(target_probs)}")
     if draft_probs is not None:
+        draft_probs = as_array(op, "draft_probs", draft_probs)
         require_rank(op, "draft_probs", draft_probs, 2, "float[T, V]")
         require_floating(op, "draft_probs", draft_probs, "float[T, V]")
         if jnp.shape(draft_probs) != jnp.shape(target_probs):
             raise ValueError(f"{op}: draft_probs must have target_probs' shape {jnp.shape(target_probs)}, "
                              f"got {jnp.shape(draft_probs)}")
-    impl = resolve_backend(backend, op=op)
+    impl = registry.select(op, backend)
     return _rejection_sample(jnp.asarray(draft_token_ids, jnp.int32), jnp.asarray(cu_num_draft_tokens, jnp.int32),
                              draft_probs, target_probs, jnp.asarray(bonus_token_ids, jnp.int32), key,
                              max_spec_len=k, impl=impl)
@@ -108,19 +134,11 @@ def rejection_sample(draft_token_ids, cu_num_draft_tokens, draft_probs, target_p
 
 @functools.partial(jax.jit, static_argnames=("max_spec_len", "impl"))
 def _rejection_sample(draft, cu, draft_probs, target_probs, bonus, key, *, max_spec_len: int,
-                      impl: str) -> AcceptResult:
+                      impl: registry.Selected) -> AcceptResult:
     num_slots, num_requests = draft.shape[0], bonus.shape[0]
     keys = normalize_keys("rejection_sample", key, num_requests)   # static checks run at trace time
-    if num_requests == 0:
-        return _empty_result(num_slots, 0, max_spec_len)
     bonus = jnp.clip(bonus, 0, target_probs.shape[1] - 1)
+    if num_slots == 0 or num_requests == 0:
+        return _without_drafts(num_slots, bonus, max_spec_len)
     uniforms, seeds = slot_randomness(keys, cu, num_slots)
-    if num_slots == 0 or impl == "xla":
-        return acceptance_ref.rejection_sample_reference(draft, cu, draft_probs, target_probs, bonus,
-                                                         uniforms, seeds, max_spec_len=max_spec_len)
-    from pallas_kernels.accept_scan import rejection_scan_kernel
-    from pallas_kernels.recovered_tokens import recovered_token_splits
-    interpret = impl == "interpret"
-    scores, indices = recovered_token_splits(draft, draft_probs, target_probs, seeds, interpret=interpret)
-    return AcceptResult(*rejection_scan_kernel(draft, cu, draft_probs, target_probs, bonus, uniforms,
-                                               scores, indices, max_spec_len=max_spec_len, interpret=interpret))
+    return impl(draft, cu, draft_probs, target_probs, bonus, uniforms, seeds, max_spec_len=max_spec_len)

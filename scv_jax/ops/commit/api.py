@@ -9,6 +9,10 @@ For an in-place update, donate the cache::
 
     commit = jax.jit(scv_jax.commit_draft_kv, donate_argnums=0)
     cache = commit(cache, new_keys, new_values, slot_mapping, accept_mask)
+
+Implementations (``scv_jax.ops.registry``): "pallas" = ``pallas_kernels.commit_kv`` (needs
+``kv_heads * head_dim`` to fit its thread layout, see ``unsupported_reason`` there), "xla" =
+``reference`` (a donated scatter).
 """
 
 from __future__ import annotations
@@ -21,14 +25,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scv_jax.ops.commit import reference as commit_ref
-from scv_jax.ops.registry import resolve_backend
+from scv_jax.checks import (as_array, require_floating, require_int, require_int_vector, require_integer,
+                            require_rank)
+from scv_jax.ops import registry
+from scv_jax.ops.commit import reference
 from scv_jax.ops.commit.kv_cache import PagedKVCache
-from scv_jax.checks import (require_floating, require_int_vector, require_integer,
-                                require_positive_int, require_rank)
 
 INPUT_DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 _TOKENS_DOC = "[layers, T, kv_heads, head_dim] float32/float16/bfloat16"
+
+
+def _kernel_unsupported(*, num_kv_heads: int, head_dim: int, itemsizes: tuple[int, ...]) -> str:
+    from pallas_kernels.commit_kv import unsupported_reason
+    return unsupported_reason(num_kv_heads, head_dim, itemsizes)
+
+
+def _commit_kernel(cache: PagedKVCache, new_keys: jax.Array, new_values: jax.Array, slots: jax.Array, *,
+                   interpret: bool) -> PagedKVCache:
+    from pallas_kernels.commit_kv import commit_kv_kernel
+    k_scale, v_scale = cache.k_scale, cache.v_scale
+    if cache.scale_mode == "tensor":
+        k_scale, v_scale = k_scale.reshape(1), v_scale.reshape(1)
+    k_pages, v_pages, k_out, v_out = commit_kv_kernel(
+        cache.k_pages, cache.v_pages, k_scale, v_scale, new_keys, new_values, slots,
+        layout=cache.layout, scale_mode=cache.scale_mode, interpret=interpret)
+    fields = dict(k_pages=k_pages, v_pages=v_pages)
+    if cache.scale_mode == "token_head":
+        fields.update(k_scale=k_out, v_scale=v_out)
+    return dataclasses.replace(cache, **fields)
+
+
+registry.register("commit_draft_kv", registry.Implementation("pallas", _commit_kernel, _kernel_unsupported),
+                  registry.Implementation("xla", reference.commit_reference))
 
 
 def _require_cache(op: str, cache: Any) -> PagedKVCache:
@@ -69,6 +97,10 @@ def commit_draft_kv(cache: PagedKVCache, new_keys, new_values, slot_mapping, acc
     """
     op = "commit_draft_kv"
     cache = _require_cache(op, cache)
+    new_keys, new_values, slot_mapping = (as_array(op, name, x) for name, x in (
+        ("new_keys", new_keys), ("new_values", new_values), ("slot_mapping", slot_mapping)))
+    if accept_mask is not None:
+        accept_mask = as_array(op, "accept_mask", accept_mask)
     _check_tokens(op, "new_keys", new_keys, cache)
     _check_tokens(op, "new_values", new_values, cache)
     if np.shape(new_keys) != np.shape(new_values):
@@ -83,11 +115,9 @@ def commit_draft_kv(cache: PagedKVCache, new_keys, new_values, slot_mapping, acc
                 or jnp.issubdtype(jnp.result_type(accept_mask), jnp.integer)):
             raise ValueError(f"{op}: accept_mask must be bool[T] with T={num_tokens}, got shape "
                              f"{tuple(np.shape(accept_mask))} dtype {jnp.result_type(accept_mask)}")
-    from pallas_kernels.commit_kv import unsupported_reason
-    itemsizes = (jnp.result_type(new_keys).itemsize, jnp.result_type(new_values).itemsize,
-                 cache.dtype.itemsize)
-    why = unsupported_reason(cache.num_kv_heads, cache.head_dim, itemsizes)
-    impl = resolve_backend(backend, op=op, kernel_supported=not why, why_unsupported=why)
+    impl = registry.select(op, backend, num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim,
+                           itemsizes=(jnp.result_type(new_keys).itemsize, jnp.result_type(new_values).itemsize,
+                                      cache.dtype.itemsize))
     if num_tokens == 0:
         return cache
     return _commit(cache, jnp.asarray(new_keys), jnp.asarray(new_values), jnp.asarray(slot_mapping),
@@ -95,21 +125,9 @@ def commit_draft_kv(cache: PagedKVCache, new_keys, new_values, slot_mapping, acc
 
 
 @functools.partial(jax.jit, static_argnames=("impl",))
-def _commit(cache: PagedKVCache, new_keys, new_values, slot_mapping, accept_mask, *, impl: str):
-    slots = commit_ref.effective_slots(slot_mapping, accept_mask, cache.num_slots)
-    if impl == "xla":
-        return commit_ref.commit_reference(cache, new_keys, new_values, slots)
-    from pallas_kernels.commit_kv import commit_kv_kernel
-    k_scale, v_scale = cache.k_scale, cache.v_scale
-    if cache.scale_mode == "tensor":
-        k_scale, v_scale = k_scale.reshape(1), v_scale.reshape(1)
-    k_pages, v_pages, k_out, v_out = commit_kv_kernel(
-        cache.k_pages, cache.v_pages, k_scale, v_scale, new_keys, new_values, slots,
-        layout=cache.layout, scale_mode=cache.scale_mode, interpret=impl == "interpret")
-    fields = dict(k_pages=k_pages, v_pages=v_pages)
-    if cache.scale_mode == "token_head":
-        fields.update(k_scale=k_out, v_scale=v_out)
-    return dataclasses.replace(cache, **fields)
+def _commit(cache: PagedKVCache, new_keys, new_values, slot_mapping, accept_mask, *,
+            impl: registry.Selected) -> PagedKVCache:
+    return impl(cache, new_keys, new_values, reference.effective_slots(slot_mapping, accept_mask, cache.num_slots))
 
 
 def gather_kv(cache: PagedKVCache, slots) -> tuple[jax.Array, jax.Array]:
@@ -120,37 +138,7 @@ def gather_kv(cache: PagedKVCache, slots) -> tuple[jax.Array, jax.Array]:
     op = "gather_kv"
     cache = _require_cache(op, cache)
     require_int_vector(op, "slots", slots, None, "int32[S]")
-    return commit_ref.gather_reference(cache, jnp.asarray(slots))
-
-
-def check_slot_mapping(slot_mapping, accept_mask=None, *, num_slots: int | PagedKVCache | None = None) -> None:
-    """Host-side check of a commit's slots; raises ``ValueError`` naming the first problem.
-
-    Checks that ``slot_mapping`` is an integer vector, ``accept_mask`` (if given) a vector of the same
-    length, no written slot is >= ``num_slots`` (an int or a cache), and no slot is written twice.
-    """
-    slots = np.asarray(slot_mapping)
-    if slots.ndim != 1 or not np.issubdtype(slots.dtype, np.integer):
-        raise ValueError(f"slot_mapping must be int32[T], got shape {slots.shape} dtype {slots.dtype}")
-    keep = slots >= 0
-    if accept_mask is not None:
-        mask = np.asarray(accept_mask)
-        if mask.shape != slots.shape:
-            raise ValueError(f"accept_mask must be bool[T] with T={slots.shape[0]}, got shape {mask.shape}")
-        keep &= mask.astype(bool)
-    if isinstance(num_slots, PagedKVCache):
-        num_slots = num_slots.num_slots
-    if num_slots is not None and np.any(keep & (slots >= num_slots)):
-        t = int(np.argmax(keep & (slots >= num_slots)))
-        raise ValueError(f"slot_mapping[{t}]={slots[t]} is outside the cache's {num_slots} slots "
-                         "(it would be skipped)")
-    kept = np.flatnonzero(keep)
-    values, counts = np.unique(slots[kept], return_counts=True)
-    if np.any(counts > 1):
-        slot = values[np.argmax(counts > 1)]
-        tokens = kept[slots[kept] == slot]
-        raise ValueError(f"slot_mapping writes slot {slot} more than once (tokens {tokens.tolist()}); "
-                         "non-skipped slots must be distinct")
+    return reference.gather_reference(cache, jnp.asarray(slots))
 
 
 def slots_from_block_table(block_table, positions, block_size: int) -> jax.Array:
@@ -168,7 +156,7 @@ def slots_from_block_table(block_table, positions, block_size: int) -> jax.Array
     op = "slots_from_block_table"
     if isinstance(block_size, PagedKVCache):
         block_size = block_size.block_size
-    block_size = require_positive_int(op, "block_size", block_size)
+    block_size = require_int(op, "block_size", block_size, minimum=1)
     require_integer(op, "block_table", block_table, "int32[B, max_blocks]")
     require_integer(op, "positions", positions, "int32[B, S]")
     if np.ndim(block_table) not in (1, 2) or np.ndim(positions) != np.ndim(block_table) or (

@@ -250,7 +250,7 @@ def test_works_under_jit():
     (lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.int32), jnp.zeros(3, jnp.int32), jnp.zeros(4, jnp.int32),
                                    jnp.zeros(1, jnp.int32), max_spec_len=2), "bonus_token_ids"),
     (lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(4, jnp.int32),
-                                   jnp.zeros(1, jnp.int32), max_spec_len=0), "max_spec_len"),
+                                   jnp.zeros(1, jnp.int32), max_spec_len=-1), "max_spec_len"),
     (lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(4, jnp.int32),
                                    jnp.zeros(1, jnp.int32), max_spec_len=2, backend="cuda"), "backend"),
     (lambda: scv_jax.rejection_sample(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), None,

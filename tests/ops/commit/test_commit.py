@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -14,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import scv_jax
 from scv_jax.ops.registry import cuda_available
-from scv_jax.ops.commit.api import _commit
+from scv_jax.ops import registry
 
 # fp16 inputs of 1e4 * 30 overflow to inf (saturation is tested), and inf / inf scales are NaN.
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -290,9 +291,10 @@ def test_pallas_donated_commit_is_in_place_on_gpu(dtype, mode):
 
 def _lowered_text(case: Case) -> str:
     cache, _, _, new, slots, mask = make_inputs(case)
-    fn = functools.partial(_commit, impl="pallas")
-    args = (cache, jnp.asarray(new["k"]), jnp.asarray(new["v"]), jnp.asarray(slots),
-            None if mask is None else jnp.asarray(mask))
+    kernel = registry.implementation("commit_draft_kv", "pallas")
+    fn = functools.partial(kernel.run, interpret=False)
+    args = (cache, jnp.asarray(new["k"]), jnp.asarray(new["v"]),
+            jnp.where(mask, slots, -1) if mask is not None else jnp.asarray(slots))
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -311,7 +313,7 @@ def test_kernel_lowers_for_cuda(case):
 def test_empty_and_jit():
     cache = scv_jax.PagedKVCache.create(2, 2, 8, 2, 64)
     empty = jnp.zeros((2, 0, 2, 64), jnp.float32)
-    assert scv_jax.commit_draft_kv(cache, empty, empty, jnp.zeros((0,), jnp.int32)) is not None
+    chex.assert_trees_all_equal(scv_jax.commit_draft_kv(cache, empty, empty, jnp.zeros((0,), jnp.int32)), cache)
     new = jnp.ones((2, 3, 2, 64), jnp.float32)
     out = jax.jit(scv_jax.commit_draft_kv)(cache, new, new, jnp.array([1, 2, 3]), jnp.array([True, False, True]))
     keys, _ = scv_jax.gather_kv(out, jnp.array([1, 2, 3]))
