@@ -16,8 +16,8 @@ import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from harness import append_results, results_header  # noqa: E402
-from scv_jax.demo.e2e import format_table, run_e2e  # noqa: E402
+from harness import RESULTS_PATH  # noqa: E402
+from scv_jax.demo.e2e import format_table, run_e2e, write_results  # noqa: E402
 from scv_jax.models import load_demo  # noqa: E402
 
 def main() -> None:
@@ -34,10 +34,7 @@ def main() -> None:
     print(table)
     if args.append:
         command = "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_e2e.py " + " ".join(sys.argv[1:])
-        append_results(results_header(
-            "End-to-end speculative decoding on the demo models", command,
-            f"Byte-level demo target (6 layers, d=384) and draft (1 layer, d=128); {args.max_new_tokens} new "
-            "tokens per request, prompts from held-out stdlib source; compilation excluded. ") + table)
+        write_results(RESULTS_PATH, table, command, args.max_new_tokens)
 
 
 if __name__ == "__main__":

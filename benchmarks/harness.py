@@ -3,9 +3,7 @@ machine description and RESULTS.md appending. Imported by the scripts in this fo
 
 from __future__ import annotations
 
-import datetime
 import os
-import platform
 import time
 from typing import Callable
 
@@ -13,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scv_jax.ops.registry import cuda_available
+from scv_jax.demo.report import append_markdown, machine, results_header  # noqa: F401 (re-exported)
 
 RESULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
@@ -54,19 +52,6 @@ def launch_floor(repeats: int = 20, inner: int = 50) -> float:
     return median_seconds(lambda: step(x), repeats, inner)
 
 
-def machine() -> str:
-    if cuda_available():
-        return f"{jax.devices()[0].device_kind}, {os.cpu_count()}-core host"
-    return f"{os.cpu_count()}-core CPU, no GPU"
-
-
-def results_header(title: str, command: str, details: str = "") -> str:
-    """A RESULTS.md section header with date, machine, versions and the command."""
-    return (f"\n## {title} ({datetime.date.today()})\n\n"
-            f"Machine: {machine()}; jax {jax.__version__}; Python {platform.python_version()}. "
-            f"{details}Command: `{command}`\n\n")
-
-
 def append_results(text: str) -> None:
-    with open(RESULTS_PATH, "a") as f:
-        f.write(text.rstrip("\n") + "\n")
+    """Appends ``text`` to benchmarks/RESULTS.md."""
+    append_markdown(RESULTS_PATH, text)

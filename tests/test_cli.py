@@ -51,6 +51,41 @@ def test_k_and_adaptive_are_exclusive(capsys):
         cli.main(["demo", "--k", "2", "--adaptive"])
 
 
+def test_demo_without_speculation_prints_dashes(tiny_demo, capsys):
+    assert cli.main(["demo", "--max-new-tokens", "4", "--k", "0"]) == 0
+    acceptance = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("acceptance"))
+    assert "nan" not in acceptance and acceptance.split() == ["acceptance", "-", "per", "position:", "-"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an int >= 1, got 0"),
+    (["demo", "--k", "-1"], "argument --k: must be an int >= 0, got -1"),
+    (["demo", "--temperature", "-2"], "argument --temperature: must be a finite number >= 0"),
+    (["bench", "--batch-sizes", "0"], "argument --batch-sizes: must be an int >= 1, got 0"),
+    (["demo", "--prompt", ""], "--prompt must not be empty"),
+    (["bench", "--modes", "two"], "--modes: each mode must be a k >= 1 or 'adaptive'"),
+])
+def test_user_mistakes_are_one_line_errors_before_loading_weights(argv, message, monkeypatch, capsys):
+    def no_weights():
+        raise AssertionError("weights loaded before the arguments were checked")
+    monkeypatch.setattr("scv_jax.models.load_demo", no_weights)
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit:     # argparse's own errors
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_help_shows_every_default():
+    for command, defaults in (("demo", ["192", "6", "0.0"]), ("bench", ["[1, 4, 16]", "96"])):
+        out = subprocess.run([sys.executable, "-m", "scv_jax", command, "--help"], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0
+        text = " ".join(out.stdout.split())
+        assert all(f"(default: {d})" in text for d in defaults), text
+
+
 def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "scv_jax", "--help"], capture_output=True, text=True,
                          timeout=120)

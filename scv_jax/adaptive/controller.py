@@ -59,8 +59,8 @@ class ControllerConfig:
       acceptance_decay: forgetting factor per step of the acceptance counts, in (0, 1].
       prior_acceptance, prior_strength: prior of a_1 (later positions default to the estimate of the
         previous one) and how many observations it is worth.
-      draft_cost_ratio, target_saturation_tokens, draft_saturation_tokens: the default cost model
-        (``cost_model.CostPrior``), used until measured step times arrive and as their regulariser.
+      cost_prior: the default cost model (``cost_model.CostPrior``), used until measured step times
+        arrive and as their regulariser.
       cost_decay: forgetting factor per timed step of the cost model.
       draft_sync: how k = 0 keeps the draft cache current: "catch_up" or "forward" (module doc).
       per_request: track acceptance per request id; ``request_k`` then trims poor requests' drafts.
@@ -82,9 +82,7 @@ class ControllerConfig:
     acceptance_decay: float = 0.97
     prior_acceptance: float = 0.7
     prior_strength: float = 2.0
-    draft_cost_ratio: float = 0.1
-    target_saturation_tokens: float = 256.0
-    draft_saturation_tokens: float = 2048.0
+    cost_prior: CostPrior = CostPrior()
     cost_decay: float = 0.98
     draft_sync: Literal["catch_up", "forward"] = "catch_up"
     per_request: bool = False
@@ -121,10 +119,10 @@ class ControllerConfig:
         for name in ("target_band", "switch_margin", "min_dwell_steps", "warmup_steps", "prior_strength"):
             if getattr(self, name) < 0:
                 fail(name, ">= 0")
-        for name in ("draft_cost_ratio", "target_saturation_tokens", "draft_saturation_tokens",
-                     "max_tracked_requests"):
-            if not getattr(self, name) > 0:
-                fail(name, "> 0")
+        if not isinstance(self.cost_prior, CostPrior):
+            fail("cost_prior", "a CostPrior")
+        if not self.max_tracked_requests > 0:
+            fail("max_tracked_requests", "> 0")
         if self.draft_sync not in ("catch_up", "forward"):
             fail("draft_sync", 'one of "catch_up", "forward"')
 
@@ -153,8 +151,7 @@ class AdaptiveController:
         self._success = np.zeros(cfg.k_max)  # decayed accepted counts per draft position
         self._trials = np.zeros(cfg.k_max)  # decayed counts of drafts reached per position
         self._acceptance: np.ndarray | None = None  # cache of ``acceptance()``
-        self._cost = StepCostModel(CostPrior(cfg.draft_cost_ratio, cfg.target_saturation_tokens,
-                                             cfg.draft_saturation_tokens), decay=cfg.cost_decay)
+        self._cost = StepCostModel(cfg.cost_prior, decay=cfg.cost_decay)
         self._rng = np.random.default_rng(cfg.seed)
         self._requests: OrderedDict[Any, np.ndarray] = OrderedDict()  # id -> [accepted, expected]
         self._k = self._k_init  # the held choice; exploration and warm-up steps do not change it

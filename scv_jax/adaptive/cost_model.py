@@ -60,6 +60,11 @@ class CostPrior:
     target_saturation_tokens: float = 256.0
     draft_saturation_tokens: float = 2048.0
 
+    def __post_init__(self):
+        for name in ("draft_cost_ratio", "target_saturation_tokens", "draft_saturation_tokens"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostPrior: {name} must be > 0, got {getattr(self, name)!r}")
+
     def coefficients(self) -> np.ndarray:
         """float64[4] coefficients of the default model, in target-forward units."""
         st, sd, c = self.target_saturation_tokens, self.draft_saturation_tokens, self.draft_cost_ratio

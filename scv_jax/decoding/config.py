@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from scv_jax.adaptive.controller import ControllerConfig
 from scv_jax.graph.buckets import Buckets
+from scv_jax.ops.commit.kv_cache import parse_cache_dtype
+from scv_jax.ops.registry import BACKENDS
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """Settings of ``SpeculativeDecoder``.
+    """Settings of ``SpeculativeDecoder``; every field is checked on construction.
 
     Attributes:
       k: drafts per step when not adaptive (0 = no speculation).
@@ -19,12 +27,12 @@ class DecoderConfig:
       controller: optional ``ControllerConfig`` overriding the adaptive defaults.
       block_size, num_blocks: the paged caches' geometry (shared by target and draft).
       max_seq_len: most positions per request (prompt + generated + k); sets the block-table width.
-      cache_dtype: dtype of both caches (see ``PagedKVCache``).
+      cache_dtype: dtype of both caches (any ``PagedKVCache`` dtype name, e.g. "bfloat16", "fp8").
       prefill_chunk: prompt tokens per prefill call.
       batch_buckets: batch sizes steps are padded to (graph mode).
       context_buckets: block-table widths (in blocks) steps are padded to; None: multiples of 16
         blocks up to max_seq_len (fewer executables; attention masks the padding).
-      backend: "auto", "pallas", "xla" or "interpret" for acceptance and commit.
+      backend: "auto", "pallas", "xla" or "interpret" for every op of the step.
     """
 
     k: int = 4
@@ -41,16 +49,32 @@ class DecoderConfig:
     backend: str = "auto"
 
     def __post_init__(self):
-        if not isinstance(self.k, int) or self.k < 0:
-            raise ValueError(f"DecoderConfig.k must be an int >= 0, got {self.k!r}")
-        if self.adaptive and (not self.k_values or min(self.k_values) < 0):
-            raise ValueError(f"DecoderConfig.k_values must be non-empty ints >= 0, got {self.k_values!r}")
+        def fail(name: str, expected: str) -> None:
+            raise ValueError(f"DecoderConfig.{name} must be {expected}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.k) or self.k < 0:
+            fail("k", "an int >= 0")
+        if not self.k_values or not all(_is_int(k) and k >= 0 for k in self.k_values):
+            fail("k_values", "a non-empty tuple of ints >= 0")
         for name in ("block_size", "num_blocks", "max_seq_len", "prefill_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DecoderConfig.{name} must be >= 1, got {getattr(self, name)}")
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                fail(name, "an int >= 1")
+        for name in ("batch_buckets", "context_buckets"):
+            sizes = getattr(self, name)
+            if sizes is not None and (not sizes or not all(_is_int(s) and s >= 1 for s in sizes)):
+                fail(name, "a non-empty tuple of ints >= 1" + (" or None" if name == "context_buckets" else ""))
+        if self.controller is not None and not isinstance(self.controller, ControllerConfig):
+            fail("controller", "a ControllerConfig or None")
+        if self.backend not in BACKENDS:
+            fail("backend", f"one of {BACKENDS}")
+        try:
+            parse_cache_dtype(self.cache_dtype)
+        except ValueError as error:
+            raise ValueError(f"DecoderConfig.cache_dtype: {error}") from None
 
     @property
     def allowed_k(self) -> tuple[int, ...]:
+        """The k values steps may use, ascending."""
         return tuple(sorted(set(self.k_values))) if self.adaptive else (self.k,)
 
     @property
@@ -58,6 +82,7 @@ class DecoderConfig:
         return -(-self.max_seq_len // self.block_size)
 
     def block_buckets(self) -> Buckets:
+        """Block-table widths that steps are padded to."""
         if self.context_buckets is not None:
             return Buckets(tuple(sorted(set(self.context_buckets) | {self.max_blocks_per_seq})))
         most = self.max_blocks_per_seq

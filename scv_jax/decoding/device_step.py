@@ -1,27 +1,30 @@
-"""Device side of the decoding loop: the prefill and decode-step functions (traced by graph mode).
+"""Device side of the decoding loop: the prefill and decode-step functions, pure functions of the
+models' ``nnx.split`` states that graph mode compiles per shape bucket.
 
-Per request, between steps: the target cache holds positions [0, n - 1) of its n tokens (the last
-token is *pending*), the draft cache holds [0, n - catch_up) with catch_up in {1, 2} (2 after a step
-that accepted every draft: the draft never ran its last draft token). A step with k drafts:
+A decode step with k drafts (k may be 0) is one straight sequence of stages; ``positions`` says where
+each request's tokens are:
 
-1. draft: one forward over the catch-up tokens (right-padded to 2), then k - 1 one-token forwards,
-   each reading the draft's committed cache plus a staging buffer of the step's earlier tokens;
-2. target: one forward over [pending, d_1 .. d_k], reading its cache plus the tokens themselves;
-3. acceptance + commit of the target's accepted K/V (``verify_step``, query layout), and commit of the
-   draft's staged K/V up to the last accepted token: no write on reject, in both caches.
-
-With k = 0 the draft still runs its catch-up forward (so its cache never goes stale) and the target
-decodes one token. Without a draft model the step is plain autoregressive decoding.
+1. ``propose``: the draft runs its lag tokens (one catch-up forward), then k - 1 one-token forwards,
+   reading its cache plus a staging buffer of the step's earlier tokens; it writes no cache.
+2. ``score``: the target runs [pending, d_1 .. d_k] over its cache, causally among them.
+3. ``accept_and_commit``: greedy match or lossless rejection sampling, and the commit of the target's
+   K/V for the pending token and the accepted drafts (``verify_step``, query layout).
+4. ``commit_draft``: the draft's staged K/V up to the last accepted draft.
+No cache receives a rejected token's K/V. The host then fetches the step's ``StepSummary`` and adapts k.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
+from scv_jax.models.protocol import PagedForwardOutput, StagedKV
 from scv_jax.ops.commit.api import commit_draft_kv, slots_from_block_table
-from scv_jax.models.protocol import StagedKV
+from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.verify.step import verify_step
 from scv_jax.verify.summary import StepSummary
 
@@ -54,25 +57,20 @@ def _flatten_rows(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _commit_rows(cache, keys, values, block_tables, first_position, num_rows, block_size, backend, *,
-                 after: jax.Array):
-    """Commits rows t < num_rows[b] of [layers, B, T, ...] K/V at positions first_position[b] + t.
+def commit_positions(cache: PagedKVCache, keys: jax.Array, values: jax.Array, block_tables: jax.Array,
+                     first_position: jax.Array, num_rows: jax.Array, block_size: int, backend: str, *,
+                     after: jax.Array) -> PagedKVCache:
+    """Commits rows t < num_rows[b] of [layers, B, T, kv_heads, head_dim] K/V at positions
+    first_position[b] + t.
 
     ``after`` (e.g. the logits) orders the write after every read of the cache: without that data
     dependence XLA copies the donated cache instead of updating it in place.
     """
     num_rows, _ = jax.lax.optimization_barrier((num_rows, after))
-    num_tokens = keys.shape[2]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    t = jnp.arange(keys.shape[2], dtype=jnp.int32)
     slots = slots_from_block_table(block_tables, first_position[:, None] + t, block_size).reshape(-1)
     mask = (t[None, :] < num_rows[:, None]).reshape(-1)
-    keys, values = _flatten_rows(keys), _flatten_rows(values)
-    if slots.shape[0] == 1:
-        # XLA:CPU rewrites a one-row scatter into a dynamic-update-slice that copies the whole
-        # (donated) cache twice; a second, skipped row keeps it an in-place scatter.
-        slots, mask = jnp.pad(slots, (0, 1), constant_values=-1), jnp.pad(mask, (0, 1))
-        keys, values = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (keys, values))
-    return commit_draft_kv(cache, keys, values, slots, mask, backend=backend)
+    return commit_draft_kv(cache, _flatten_rows(keys), _flatten_rows(values), slots, mask, backend=backend)
 
 
 def make_prefill_step(target_graphdef, draft_graphdef, block_size: int):
@@ -89,114 +87,140 @@ def make_prefill_step(target_graphdef, draft_graphdef, block_size: int):
         caches = []
         for graphdef, state, cache in models:
             out = nnx.merge(graphdef, state).forward_paged(tokens, cache, block_tables, start)
-            caches.append(_commit_rows(cache, out.keys, out.values, block_tables, start, count,
-                                       block_size, backend, after=out.logits))
+            caches.append(commit_positions(cache, out.keys, out.values, block_tables, start, count,
+                                           block_size, backend, after=out.logits))
         return caches[0], (caches[1] if draft_state is not None else draft_cache)
 
     return prefill_step
 
 
-def _draft_propose(model, cache, block_tables, last_tokens, catch_up, context_lens, keys, temperature, *,
-                   k: int, greedy: bool):
-    """Catch-up forward then k - 1 draft forwards (a scan).
+class Proposal(NamedTuple):
+    """What the draft proposes in one step.
 
-    Returns drafts int32[B, k], their probs [B, k, V] (None when greedy) and the staging buffer
-    (keys, values [layers, B, max(k + 1, 2), kv_heads, head_dim]; entry s is position context_lens + s).
+    Attributes:
+      tokens: int32[B, k] drafts (k = 0: none).
+      probs: float32[B, k, V] their probabilities (None when greedy or without a draft model).
+      staged: the draft's staged K/V, ``[layers, B, max(k + 1, MAX_CATCH_UP), kv_heads, head_dim]``:
+        entry s is position ``draft_lens + s`` (None without a draft model).
     """
-    out = model.forward_paged(last_tokens, cache, block_tables, context_lens)
-    num_layers, batch = out.keys.shape[:2]
-    stage_shape = (num_layers, batch, max(k + 1, 2), *out.keys.shape[3:])
-    stage_k = jnp.zeros(stage_shape, out.keys.dtype).at[:, :, :2].set(out.keys)
-    stage_v = jnp.zeros(stage_shape, out.values.dtype).at[:, :, :2].set(out.values)
+
+    tokens: jax.Array
+    probs: jax.Array | None
+    staged: StagedKV | None
+
+
+def propose(draft, draft_cache: PagedKVCache | None, block_tables: jax.Array, lag_tokens: jax.Array,
+            lag: jax.Array, draft_lens: jax.Array, keys: jax.Array, temperature: jax.Array, *, k: int,
+            greedy: bool) -> Proposal:
+    """Stage 1: the catch-up forward over the lag tokens, then k - 1 one-token draft forwards (a scan)."""
+    batch = lag_tokens.shape[0]
+    if draft is None:
+        return Proposal(jnp.zeros((batch, 0), jnp.int32), None, None)
+    out = draft.forward_paged(lag_tokens, draft_cache, block_tables, draft_lens)
+    stage_shape = (out.keys.shape[0], batch, max(k + 1, MAX_CATCH_UP), *out.keys.shape[3:])
+    stage_k = jnp.zeros(stage_shape, out.keys.dtype).at[:, :, :MAX_CATCH_UP].set(out.keys)
+    stage_v = jnp.zeros(stage_shape, out.values.dtype).at[:, :, :MAX_CATCH_UP].set(out.values)
     if k == 0:
-        return None, None, stage_k, stage_v
-    logits = jnp.take_along_axis(out.logits, (catch_up - 1)[:, None, None], axis=1)[:, 0]
+        return Proposal(jnp.zeros((batch, 0), jnp.int32), None, StagedKV(stage_k, stage_v, lag))
+    logits = jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1)[:, 0]
     first, first_probs = choose_tokens(logits, _tagged(keys, _DRAFT), temperature, greedy)
     rows = jnp.arange(batch)
 
     def one_draft(carry, j):
         stage_k, stage_v, lengths, token = carry
-        o = model.forward_paged(token[:, None], cache, block_tables, context_lens,
+        o = draft.forward_paged(token[:, None], draft_cache, block_tables, draft_lens,
                                 StagedKV(stage_k, stage_v, lengths))
         stage_k = stage_k.at[:, rows, lengths].set(o.keys[:, :, 0])
         stage_v = stage_v.at[:, rows, lengths].set(o.values[:, :, 0])
         nxt, probs = choose_tokens(o.logits[:, 0], _tagged(keys, _DRAFT + j), temperature, greedy)
         return (stage_k, stage_v, lengths + 1, nxt), (nxt, probs)
 
-    (stage_k, stage_v, _, _), (rest, rest_probs) = jax.lax.scan(
-        one_draft, (stage_k, stage_v, catch_up, first), jnp.arange(1, k))
-    drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
-    probs = None if greedy else jnp.concatenate([first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)],
-                                                axis=1)
-    return drafts, probs, stage_k, stage_v
+    (stage_k, stage_v, lengths, _), (rest, rest_probs) = jax.lax.scan(
+        one_draft, (stage_k, stage_v, lag, first), jnp.arange(1, k))
+    tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
+    probs = None if greedy else jnp.concatenate([first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
+    return Proposal(tokens, probs, StagedKV(stage_k, stage_v, lengths))
+
+
+def score(target, target_cache: PagedKVCache, block_tables: jax.Array, pending: jax.Array,
+          drafts: jax.Array, context_lens: jax.Array) -> PagedForwardOutput:
+    """Stage 2: the target's forward over [pending, drafts] (``[B, k + 1]``) at its context lengths."""
+    return target.forward_paged(jnp.concatenate([pending[:, None], drafts], axis=1), target_cache,
+                                block_tables, context_lens)
+
+
+def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, proposal: Proposal,
+                      keys: jax.Array, temperature: jax.Array, block_tables: jax.Array,
+                      context_lens: jax.Array, request_mask: jax.Array, *, block_size: int, greedy: bool,
+                      backend: str):
+    """Stage 3: acceptance of the drafts against the target, then the commit of the target's K/V for
+    the pending token and the accepted drafts. Returns (target_cache, ``VerifyStepOutput``)."""
+    batch, k = proposal.tokens.shape
+    positions = context_lens[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    slots = slots_from_block_table(block_tables, positions, block_size).reshape(-1)
+    bonus, _ = choose_tokens(scored.logits[:, k], _tagged(keys, _BONUS), temperature, greedy)
+    if greedy:
+        target_ids = jnp.argmax(scored.logits[:, :k], axis=-1).astype(jnp.int32)
+        acceptance = dict(target_token_ids=target_ids.reshape(-1))
+    else:
+        vocab = scored.logits.shape[-1]
+        target_probs = jax.nn.softmax(scored.logits[:, :k] / temperature, axis=-1)
+        acceptance = dict(target_probs=target_probs.reshape(batch * k, vocab),
+                          draft_probs=None if proposal.probs is None else proposal.probs.reshape(batch * k, vocab),
+                          key=_tagged(keys, _ACCEPT))
+    return verify_step(target_cache, _flatten_rows(scored.keys), _flatten_rows(scored.values), slots,
+                       proposal.tokens.reshape(-1), jnp.arange(batch + 1, dtype=jnp.int32) * k, bonus,
+                       request_mask=request_mask, max_spec_len=k, kv_layout="query", backend=backend,
+                       **acceptance)
+
+
+def commit_draft(draft_cache: PagedKVCache, proposal: Proposal, block_tables: jax.Array,
+                 draft_lens: jax.Array, lag: jax.Array, num_accepted: jax.Array, request_mask: jax.Array, *,
+                 block_size: int, backend: str, after: jax.Array) -> PagedKVCache:
+    """Stage 4: the draft's staged K/V of its lag tokens and its accepted drafts (``positions``)."""
+    rows = jnp.where(request_mask, draft_rows_committed(lag, num_accepted, proposal.tokens.shape[1]), 0)
+    return commit_positions(draft_cache, proposal.staged.keys, proposal.staged.values, block_tables, draft_lens,
+                            rows, block_size, backend, after=after)
 
 
 def make_decode_step(target_graphdef, draft_graphdef, block_size: int):
-    """``decode_step(...)``: one speculative step (or one autoregressive step without a draft)."""
+    """``decode_step(...)``: one speculative step (plain autoregressive decoding without a draft)."""
 
-    def decode_step(target_state, draft_state, target_cache, draft_cache, block_tables, last_tokens,
-                    catch_up, target_lens, request_ids, base_key, temperature, request_mask=None, *,
-                    k: int, greedy: bool, backend: str = "auto"):
-        """One decoding step of B requests.
+    def decode_step(target_state, draft_state, target_cache, draft_cache, block_tables, lag_tokens, lag,
+                    context_lens, request_ids, base_key, temperature, request_mask=None, *, k: int,
+                    greedy: bool, backend: str = "auto"):
+        """One decoding step of B requests (see ``scv_jax.decoding.positions``).
 
         Args:
           block_tables: int32[B, max_blocks] (-1 = none); shared by both caches.
-          last_tokens: int32[B, 2] the tokens the draft has not run (catch_up of them, left-aligned);
-            the pending token is last_tokens[b, catch_up[b] - 1].
-          catch_up: int32[B] in {1, 2}; target_lens: int32[B] tokens in the target cache (= n - 1).
+          lag_tokens: int32[B, MAX_CATCH_UP] the tokens the draft cache lacks (``lag`` of them,
+            left-aligned); the pending token is ``lag_tokens[b, lag[b] - 1]``.
+          lag: int32[B] in [1, MAX_CATCH_UP]; context_lens: int32[B] positions in the target cache.
           request_ids: int32[B] ids seeding each request's random stream; base_key: uint32[2] key data.
           temperature: float32 scalar (unused when greedy); request_mask: bool[B], False = padding.
           k: drafts per request (static); greedy: argmax decoding (static).
         Returns:
-          (target_cache, draft_cache, summary int32[B, k + 2]): emitted tokens (-1 after the last)
-          and, in the last column, the number of accepted drafts.
+          (target_cache, draft_cache, ``StepSummary``).
         """
-        batch = last_tokens.shape[0]
-        if request_mask is None:
-            request_mask = jnp.ones((batch,), jnp.bool_)
-        keys = request_keys(base_key, request_ids, target_lens)
-        pending = jnp.take_along_axis(last_tokens, (catch_up - 1)[:, None], axis=1)[:, 0]
-        draft_lens = target_lens + 1 - catch_up
-        drafts = draft_probs = None
-        if draft_state is not None:
-            drafts, draft_probs, stage_k, stage_v = _draft_propose(
-                nnx.merge(draft_graphdef, draft_state), draft_cache, block_tables, last_tokens, catch_up,
-                draft_lens, keys, temperature, k=k, greedy=greedy)
-        elif k:
+        if draft_state is None and k:
             raise ValueError("decode_step: k > 0 needs a draft model")
-        tokens = pending[:, None] if k == 0 else jnp.concatenate([pending[:, None], drafts], axis=1)
-        out = nnx.merge(target_graphdef, target_state).forward_paged(tokens, target_cache, block_tables,
-                                                                     target_lens)
-        if k == 0:
-            token, _ = choose_tokens(out.logits[:, 0], _tagged(keys, _BONUS), temperature, greedy)
-            target_cache = _commit_rows(target_cache, out.keys, out.values, block_tables, target_lens,
-                                        request_mask.astype(jnp.int32), block_size, backend, after=token)
-            num_accepted = jnp.zeros((batch,), jnp.int32)
-            summary = StepSummary.pack(jnp.where(request_mask, token, -1)[:, None], num_accepted)
-        else:
-            positions = target_lens[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-            slots = slots_from_block_table(block_tables, positions, block_size).reshape(-1)
-            cu = jnp.arange(batch + 1, dtype=jnp.int32) * k
-            bonus_logits = out.logits[:, k]
-            if greedy:
-                target_ids = jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
-                sampling = dict(target_token_ids=target_ids[:, :k].reshape(-1))
-                bonus = target_ids[:, k]
-            else:
-                bonus, _ = choose_tokens(bonus_logits, _tagged(keys, _BONUS), temperature, greedy)
-                target_probs = jax.nn.softmax(out.logits[:, :k] / temperature, axis=-1)
-                sampling = dict(target_probs=target_probs.reshape(batch * k, -1),
-                                draft_probs=draft_probs.reshape(batch * k, -1), key=_tagged(keys, _ACCEPT))
-            target_cache, result = verify_step(
-                target_cache, _flatten_rows(out.keys), _flatten_rows(out.values), slots, drafts.reshape(-1),
-                cu, bonus, request_mask=request_mask, max_spec_len=k, kv_layout="query", backend=backend,
-                **sampling)
-            num_accepted, summary = result.num_accepted, result.summary
-        if draft_state is not None:
-            committed = catch_up + (jnp.minimum(num_accepted, k - 1) if k else 0)
-            draft_cache = _commit_rows(draft_cache, stage_k, stage_v, block_tables, draft_lens,
-                                       jnp.where(request_mask, committed, 0), block_size, backend,
-                                       after=summary.packed)
-        return target_cache, draft_cache, summary
+        if request_mask is None:
+            request_mask = jnp.ones((lag.shape[0],), jnp.bool_)
+        keys = request_keys(base_key, request_ids, context_lens)
+        draft = None if draft_state is None else nnx.merge(draft_graphdef, draft_state)
+        draft_lens = context_lens + 1 - lag
+        proposal = propose(draft, draft_cache, block_tables, lag_tokens, lag, draft_lens, keys, temperature,
+                           k=k, greedy=greedy)
+        pending = jnp.take_along_axis(lag_tokens, (lag - 1)[:, None], axis=1)[:, 0]
+        scored = score(nnx.merge(target_graphdef, target_state), target_cache, block_tables, pending,
+                       proposal.tokens, context_lens)
+        target_cache, result = accept_and_commit(target_cache, scored, proposal, keys, temperature, block_tables,
+                                                 context_lens, request_mask, block_size=block_size,
+                                                 greedy=greedy, backend=backend)
+        if draft is not None:
+            draft_cache = commit_draft(draft_cache, proposal, block_tables, draft_lens, lag, result.num_accepted,
+                                       request_mask, block_size=block_size, backend=backend,
+                                       after=result.summary.packed)
+        return target_cache, draft_cache, result.summary
 
     return decode_step

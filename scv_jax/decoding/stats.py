@@ -16,9 +16,12 @@ class GenerateStats:
       mean_accepted_length: tokens emitted per request per step (accepted drafts + 1).
       acceptance_rate: accepted / proposed drafts (nan without drafts).
       acceptance_per_position: float[k_max]; position j: accepted / proposed drafts at position j + 1.
-      k_histogram: {k: steps}; tokens_per_second: generated tokens / wall seconds.
-      wall_seconds, prefill_seconds: time of the call and of its prefill.
-      compile_count: XLA compilations during the call (``jax.monitoring``); 0 after warm-up.
+      k_histogram: {k: steps}.
+      tokens_per_second: generated tokens / (wall_seconds - compile_seconds): decoding speed with
+        compilation excluded.
+      wall_seconds: the whole call; prefill_seconds: its prefill part (compilation included).
+      compile_seconds: wall time of the calls that compiled an executable (first use of a shape
+        bucket; 0 after ``warmup``); compile_count: XLA compilations during the call.
     """
 
     steps: int = 0
@@ -31,11 +34,12 @@ class GenerateStats:
     tokens_per_second: float = 0.0
     wall_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    compile_seconds: float = 0.0
     compile_count: int = 0
 
 
 class AcceptanceTally:
-    """Host-side tallies for ``GenerateStats`` (per draft position and per request-step)."""
+    """Host-side tallies of proposed and accepted drafts per draft position, for ``GenerateStats``."""
 
     def __init__(self, k_max: int):
         self.proposed = np.zeros(k_max, np.int64)
@@ -43,16 +47,18 @@ class AcceptanceTally:
         self.request_steps = 0
         self.emitted = 0
 
-    def add(self, k: int, num_accepted: np.ndarray, num_emitted: np.ndarray) -> None:
-        self.proposed[:k] += len(num_accepted)
-        self.accepted[:k] += np.bincount(np.minimum(num_accepted, k), minlength=k + 1)[::-1].cumsum()[::-1][1:]
-        self.request_steps += len(num_accepted)
+    def add(self, num_drafts: np.ndarray, num_accepted: np.ndarray, num_emitted: np.ndarray) -> None:
+        """One step: int[B] drafts proposed, drafts accepted and tokens emitted per request."""
+        positions = np.arange(self.proposed.shape[0])
+        self.proposed += np.sum(num_drafts[:, None] > positions, axis=0)
+        self.accepted += np.sum(num_accepted[:, None] > positions, axis=0)
+        self.request_steps += num_drafts.shape[0]
         self.emitted += int(num_emitted.sum())
 
     def fill(self, stats: GenerateStats) -> None:
         with np.errstate(invalid="ignore", divide="ignore"):
             per_position = self.accepted / self.proposed
         stats.acceptance_per_position = [round(float(x), 4) for x in per_position]
-        stats.acceptance_rate = float(self.accepted.sum() / self.proposed.sum()) if self.proposed.sum() \
-            else float("nan")
+        stats.acceptance_rate = (float(self.accepted.sum() / self.proposed.sum()) if self.proposed.sum()
+                                 else float("nan"))
         stats.mean_accepted_length = self.emitted / self.request_steps if self.request_steps else float("nan")

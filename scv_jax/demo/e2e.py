@@ -16,6 +16,7 @@ import numpy as np
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.decoder import GenerateOutput, SpeculativeDecoder
 from scv_jax.demo.corpus import split_corpus, stdlib_bytes
+from scv_jax.demo.report import append_markdown, results_header
 
 
 @dataclasses.dataclass
@@ -91,3 +92,11 @@ def format_table(rows: list[E2ERow]) -> str:
                      f"{r.speedup:.2f}x | {r.mean_accepted_length:.2f} | "
                      f"{'-' if np.isnan(r.acceptance) else f'{r.acceptance:.2f}'} | {same} |")
     return "\n".join(lines)
+
+
+def write_results(path: str, table: str, command: str, max_new_tokens: int) -> None:
+    """Appends a ``format_table`` table to the markdown file ``path`` under a results header."""
+    append_markdown(path, results_header(
+        "End-to-end speculative decoding on the demo models", command,
+        f"Byte-level demo target (6 layers, d=384) and draft (1 layer, d=128); {max_new_tokens} new tokens "
+        "per request, prompts from held-out stdlib source; compilation excluded. ") + table)

@@ -139,8 +139,13 @@ def test_no_recompilation_after_warmup_adaptive(target, partial_draft):
 @pytest.mark.parametrize("prompts, max_new, match", [
     ([], 4, "at least one prompt"),
     ([[1, 2], []], 4, "prompt 1 must be a non-empty"),
-    ([[1, 16]], 4, "outside \\[0, vocab_size=16\\)"),
-    ([[1, -1]], 4, "outside"),
+    ([[1, 16]], 4, "token id 16 at index 1, outside \\[0, vocab_size=16\\)"),
+    ([[6, -1, 66]], 4, "token id -1 at index 1"),
+    ([1, 2, 3], 4, "a flat list of ints \\(wrap one prompt as \\[\\[...\\]\\]\\)"),
+    ([b"import os"], 4, "prompt 0 is bytes, not token ids: tokenize it first"),
+    (["import os"], 4, "prompt 0 is str, not token ids"),
+    ("import os", 4, "got a single str"),
+    (np.array([1, 2]), 4, "got a single ndarray"),
     ([[1, 2]], 0, "max_new_tokens must be an int >= 1"),
     ([[1] * 40], 30, "max_seq_len"),
     ([[1] * 21] * 9, 43, "KV blocks"),
@@ -158,3 +163,29 @@ def test_bad_models_and_temperature(target):
         SpeculativeDecoder(target, tiny_model(scv_jax.models.TransformerConfig(vocab_size=8), seed=1))
     with pytest.raises(ValueError, match="temperature"):
         SpeculativeDecoder(target, None, config=SMALL).generate([[1]], 2, temperature=-1.0)
+
+
+@pytest.mark.parametrize("field, value", [("cache_dtype", "int8"), ("backend", "cuda"), ("k", -1),
+                                          ("batch_buckets", (0, 2)), ("k_values", ()), ("block_size", 0)])
+def test_config_rejects_bad_fields_at_construction(field, value):
+    with pytest.raises(ValueError, match=f"DecoderConfig.{field}"):
+        DecoderConfig(**{field: value})
+
+
+def test_compile_time_is_reported_apart_from_decoding_speed(target):
+    decoder = SpeculativeDecoder(target, None, config=SMALL)
+    first = decoder.generate([[1, 2, 3]], 6).stats
+    assert first.compile_count > 0 and 0 < first.compile_seconds < first.wall_seconds
+    assert first.tokens_per_second == pytest.approx(6 / (first.wall_seconds - first.compile_seconds))
+    second = decoder.generate([[1, 2, 3]], 6).stats
+    assert second.compile_count == 0 and second.compile_seconds == 0.0
+
+
+def test_long_prefill_reports_progress(target, capsys, monkeypatch):
+    monkeypatch.setattr("scv_jax.decoding.decoder.PREFILL_PROGRESS_SECONDS", 0.0)
+    decoder = SpeculativeDecoder(target, None, config=SMALL)
+    decoder.generate([[1] * 40], 2, progress=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prefill:")]
+    assert [line.split()[1] for line in lines] == ["16/39", "32/39", "39/39"]
+    decoder.generate([[1] * 40], 2)
+    assert "prefill:" not in capsys.readouterr().err

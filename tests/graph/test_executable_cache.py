@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import chex
 import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
@@ -76,7 +77,7 @@ def test_pow2_then_linear_buckets():
 
 
 def test_warmup_then_no_recompiles_and_padding_is_invisible():
-    cache = make_cache()
+    cache = make_cache(chex.assert_max_traces(toy_step, n=6))   # one trace per bucket, at warm-up
     kv = jnp.zeros(KV_SIZE, jnp.float32)
     rng = np.random.default_rng(0)
     report = cache.warmup(kv, *random_batch(rng, 3, 2), k=2, max_workers=2, progress=False)
