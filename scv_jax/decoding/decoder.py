@@ -33,7 +33,7 @@ from scv_jax.decoding.positions import MAX_CATCH_UP, lag_after_step
 from scv_jax.decoding.requests import Request, check_prompts, step_inputs
 from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
 from scv_jax.graph.compile_counter import CompileCounter
-from scv_jax.graph.executable_cache import ExecutableCache
+from scv_jax.graph.executable_cache import ExecutableCache, GraphModeStats
 from scv_jax.verify.summary import HostStepResult
 
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
@@ -82,6 +82,11 @@ class SpeculativeDecoder:
         self._caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_dims, draft_dims)
         self._prefill, self._decode = step_executables(cfg, target_graphdef, draft_graphdef)
         self.controller = self._make_controller()
+
+    @property
+    def graph_stats(self) -> dict[str, GraphModeStats]:
+        """Graph-mode counters of the prefill and decode executables (hits, compiles, donations, ...)."""
+        return {"prefill": self._prefill.stats, "decode": self._decode.stats}
 
     def _make_controller(self) -> AdaptiveController | None:
         cfg = self.config

@@ -159,6 +159,10 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
     positions = context_lens[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     slots = slots_from_block_table(block_tables, positions, block_size).reshape(-1)
     bonus, _ = choose_tokens(scored.logits[:, k], _tagged(keys, _BONUS), temperature, greedy)
+    # the commit writes the cache as it is after every read (the bonus token comes from the last
+    # logits): with k = 0 the acceptance does not depend on them, and XLA:CPU would copy the donated
+    # cache instead of updating it in place (tests/decoding: test_decode_steps_update_the_caches_in_place)
+    target_cache, _ = jax.lax.optimization_barrier((target_cache, bonus))
     if greedy:
         target_ids = jnp.argmax(scored.logits[:, :k], axis=-1).astype(jnp.int32)
         acceptance = dict(target_token_ids=target_ids.reshape(-1))

@@ -58,6 +58,8 @@ class GraphModeStats:
     """Counters of an ``ExecutableCache`` (host-side, cheap to read).
 
     ``padding_ratio(dim)`` is padded / real size summed over all bucketed calls (1.0 = no waste).
+    ``unaliased_donations``: executables whose outputs do not alias the donated arguments;
+    ``copied_donations``: executables that alias them but need as much temporary memory (a copy inside).
     """
 
     hits: int = 0
@@ -69,6 +71,7 @@ class GraphModeStats:
     oversize: int = 0
     device_pads: int = 0
     unaliased_donations: int = 0
+    copied_donations: int = 0
     real_totals: dict[str, int] = dataclasses.field(default_factory=dict)
     padded_totals: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -374,12 +377,19 @@ class ExecutableCache:
             return
         analysis = compiled.memory_analysis()
         aliased = getattr(analysis, "alias_size_in_bytes", None)
+        temporary = getattr(analysis, "temp_size_in_bytes", None)
         if aliased is not None and aliased < donated:
             with self._lock:
                 self.stats.unaliased_donations += 1
             logger.warning("%s: bucket (%s) aliases %d of %d donated bytes: the donated arguments %s "
                            "are copied, not updated in place", self.name, self.describe(key),
                            aliased, donated, self.donate_argnames)
+        elif temporary is not None and temporary >= donated:
+            with self._lock:
+                self.stats.copied_donations += 1
+            logger.warning("%s: bucket (%s) needs %d bytes of temporary memory, at least the %d donated "
+                           "bytes: the donated arguments %s are likely copied inside the executable",
+                           self.name, self.describe(key), temporary, donated, self.donate_argnames)
 
     def executable(self, key: BucketKey) -> Any | None:
         """The compiled executable serving ``key`` (``jax.stages.Compiled``), or None."""

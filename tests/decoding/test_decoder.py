@@ -189,3 +189,12 @@ def test_long_prefill_reports_progress(target, capsys, monkeypatch):
     assert [line.split()[1] for line in lines] == ["16/39", "32/39", "39/39"]
     decoder.generate([[1] * 40], 2)
     assert "prefill:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("k, with_draft", [(0, False), (0, True), (3, True)])
+def test_decode_steps_update_the_caches_in_place(target, partial_draft, k, with_draft):
+    config = DecoderConfig(**{**vars(SMALL), "k": k, "batch_buckets": (1, 2)})
+    decoder = SpeculativeDecoder(target, partial_draft if with_draft else None, config=config)
+    decoder.warmup((1, 2), SMALL.max_seq_len)
+    for name, stats in decoder.graph_stats.items():
+        assert stats.compiles >= 2 and stats.unaliased_donations == stats.copied_donations == 0, name
