@@ -18,9 +18,9 @@ from scv_jax.models.config import TransformerConfig
 from scv_jax.models.protocol import PagedForwardOutput, StagedKV
 from scv_jax.models.rope import apply_rope, inverse_frequencies
 
-# attend(layer_inputs, q, k, v) -> [B, T, heads, head_dim]; layer_inputs: this layer's slice of the
-# per-layer inputs given to Transformer._run_layers.
-AttendFn = Callable[..., jax.Array]
+# attend(q [B, T, heads, D], k, v [B, T, kv_heads, D]) -> [B, T, heads, D]: one layer's attention of
+# the new tokens (RoPE applied) over whatever keys the forward pass provides.
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 class RMSNorm(nnx.Module):
@@ -61,9 +61,9 @@ class Attention(nnx.Module):
         self.v = _linear(c, c.d_model, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
         self.o = _linear(c, c.num_heads * c.head_dim, c.d_model, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable[..., jax.Array]):
-        """x: [B, T, d_model]; attend(q, k, v) -> [B, T, heads, D] (q [B, T, heads, D], k, v [B, T,
-        kv_heads, D], RoPE applied). Returns the output [B, T, d_model] and the new keys, values."""
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend):
+        """x: [B, T, d_model] at positions int32[B, T]. Returns the output [B, T, d_model] and the new
+        tokens' keys (RoPE applied), values [B, T, kv_heads, D]."""
         c = self.config
         batch, num_tokens, _ = x.shape
         inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
@@ -82,7 +82,7 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.jnp_dtype)
         self.mlp = SwiGLU(config, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attend: Callable[..., jax.Array]):
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend):
         attn_out, k, v = self.attn(self.attn_norm(x), positions, attend)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), k, v
@@ -124,9 +124,11 @@ class Transformer(nnx.Module):
             return jnp.einsum("btd,vd->btv", x, self.embed.embedding[...], preferred_element_type=jnp.float32)
         return self.lm_head(x)
 
-    def _run_layers(self, x: jax.Array, positions: jax.Array, attend: AttendFn, layer_inputs=None):
-        """Scans the stacked blocks over x [B, T, d_model]; ``layer_inputs`` (a pytree of
-        ``[num_layers, ...]`` arrays) is sliced per layer and passed to ``attend``.
+    def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable[..., jax.Array],
+                    layer_inputs=None):
+        """Scans the stacked blocks over x [B, T, d_model]; each layer attends with
+        ``attend(inputs, q, k, v)``, ``inputs`` being its slice of ``layer_inputs`` (a pytree of
+        ``[num_layers, ...]`` arrays, or None).
 
         Returns the last layer's output and the new tokens' keys, values [layers, B, T, kv_heads, D].
         """
