@@ -31,6 +31,7 @@ from flax import nnx  # noqa: E402
 
 from harness import append_results, results_header  # noqa: E402
 from scv_jax.decoding.device_step import make_decode_step  # noqa: E402
+from scv_jax.decoding.positions import MAX_CATCH_UP  # noqa: E402
 from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig  # noqa: E402
 from scv_jax.ops.commit.kv_cache import PagedKVCache  # noqa: E402
 
@@ -66,12 +67,13 @@ def compile_step(target: TransformerConfig, draft: TransformerConfig | None, *, 
                    static_argnames=("k", "greedy", "backend"), donate_argnames=("target_cache", "draft_cache"))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     start = time.perf_counter()
-    lowered = step.trace(target_state, draft_state, abstract_cache(target, num_blocks),
-                         abstract_cache(draft, num_blocks) if draft is not None else None,
-                         i32(batch, max_blocks), i32(batch, 2), i32(batch), i32(batch), i32(batch),
-                         jax.ShapeDtypeStruct((2,), jnp.uint32), jax.ShapeDtypeStruct((), jnp.float32),
-                         jax.ShapeDtypeStruct((batch,), jnp.bool_), k=k if draft is not None else 0,
-                         greedy=True, backend="xla").lower()
+    lowered = step.trace(
+        target_state=target_state, draft_state=draft_state, target_cache=abstract_cache(target, num_blocks),
+        draft_cache=abstract_cache(draft, num_blocks) if draft is not None else None,
+        block_tables=i32(batch, max_blocks), lag_tokens=i32(batch, MAX_CATCH_UP), lag=i32(batch),
+        context_lens=i32(batch), request_ids=i32(batch), base_key=jax.ShapeDtypeStruct((2,), jnp.uint32),
+        temperature=jax.ShapeDtypeStruct((), jnp.float32), request_mask=jax.ShapeDtypeStruct((batch,), jnp.bool_),
+        k=k if draft is not None else 0, greedy=True, backend="xla").lower()
     lowered_at = time.perf_counter()
     lowered.compile()
     return lowered_at - start, time.perf_counter() - lowered_at
