@@ -48,6 +48,13 @@ def test_ops_load_no_flax_and_the_decoder_loads_it():
     assert result == {"ops": [], "decoder": ["flax"]}
 
 
+def test_models_load_no_checkpoint_library():
+    """``scv_jax.models`` never imports torch/transformers; safetensors and tokenizers load only inside
+    ``load_hf`` and ``load_tokenizer``."""
+    libraries = ("torch", "transformers", "safetensors", "tokenizers")
+    assert _fresh(f"import scv_jax.models\nresult = {_loaded(libraries)}") == []
+
+
 def test_xla_backend_never_loads_a_kernel():
     result = _fresh("import scv_jax, jax.numpy as jnp\n"
                     "scv_jax.accept_greedy([1], [0, 1], [1], [2], max_spec_len=1, backend='xla')\n"

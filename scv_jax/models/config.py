@@ -1,15 +1,61 @@
-"""Size settings of the Llama-style decoder-only transformer."""
+"""Settings of the Llama-style decoder-only transformer: sizes, dtype and attention variants."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def canonical_dtype(dtype, argument: str) -> str:
+    """The name in ``DTYPES`` of ``dtype`` (any spelling ``jnp.dtype`` accepts); ValueError naming
+    ``argument`` otherwise."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in DTYPES:
+        raise ValueError(f"{argument} must be one of {DTYPES}, got {dtype!r}")
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (Hugging Face ``rope_scaling`` with ``rope_type: "llama3"``).
+
+    Frequencies whose wavelength exceeds ``original_max_position_embeddings / low_freq_factor`` are
+    divided by ``factor``, those below ``original_max_position_embeddings / high_freq_factor`` are
+    kept, and the band in between is interpolated.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"Llama3RopeScaling.{name} must be a number > 0, got {value!r}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"Llama3RopeScaling: high_freq_factor ({self.high_freq_factor}) must exceed "
+                             f"low_freq_factor ({self.low_freq_factor})")
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
-    """Sizes of a Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU).
+    """A Llama-style decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU).
 
     ``num_heads`` query heads share ``num_kv_heads`` K/V heads (``num_heads % num_kv_heads == 0``).
+    ``dtype`` ("float32", "bfloat16" or "float16"; any spelling ``jnp.dtype`` accepts) is the dtype of
+    the parameters and activations; norms, the attention softmax and the logits are float32 whatever
+    it is. ``qkv_bias``: biases on the q/k/v projections (Qwen2). ``rope_scaling``: None or
+    ``Llama3RopeScaling``. ``sliding_window``: None (full causal attention) or W, a query at position
+    i sees keys at positions i - W < j <= i (Mistral). ``tie_embeddings``: the LM head is the
+    embedding matrix.
     """
 
     vocab_size: int = 256
@@ -22,6 +68,10 @@ class TransformerConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    dtype: str = "float32"
+    qkv_bias: bool = False
+    rope_scaling: Llama3RopeScaling | None = None
+    sliding_window: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
@@ -33,6 +83,29 @@ class TransformerConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"TransformerConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "TransformerConfig.dtype"))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
+            raise ValueError(f"TransformerConfig.rope_scaling must be None or a Llama3RopeScaling, got "
+                             f"{self.rope_scaling!r}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or int(self.sliding_window) < 1):
+            raise ValueError(f"TransformerConfig.sliding_window must be None or >= 1, got "
+                             f"{self.sliding_window!r}")
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        """The parameter and activation dtype as a ``jnp.dtype``."""
+        return jnp.dtype(self.dtype)
 
     def to_dict(self) -> dict:
+        """A JSON-serialisable dict; ``TransformerConfig.from_dict`` reads it back."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> "TransformerConfig":
+        """The config ``to_dict`` wrote (missing fields take their defaults)."""
+        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"TransformerConfig.from_dict: unknown fields {unknown}")
+        scaling = fields.get("rope_scaling")
+        return cls(**{**fields, "rope_scaling": None if scaling is None else Llama3RopeScaling(**scaling)})

@@ -1,32 +1,52 @@
-"""A Llama-style decoder-only transformer in Flax NNX with paged + staged attention."""
+"""A Llama-style decoder-only transformer in Flax NNX with paged + staged attention.
+
+The layers' parameters are stacked on a leading ``[num_layers]`` axis (``Transformer.blocks`` is one
+``Block`` whose every parameter has that axis) and both forward passes run the layers under
+``jax.lax.scan``, so tracing and compile time do not grow with depth.
+"""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from scv_jax.models.attention import causal_mask, grouped_query_attention, prefix_mask, rope
+from scv_jax.models.attention import causal_attention, paged_attention
 from scv_jax.models.config import TransformerConfig
-from scv_jax.models.paged_read import read_layer_kv
 from scv_jax.models.protocol import PagedForwardOutput, StagedKV
+from scv_jax.models.rope import apply_rope, inverse_frequencies
+
+# attend(q [B, T, heads, D], k, v [B, T, kv_heads, D]) -> [B, T, heads, D]: one layer's attention of
+# the new tokens (RoPE applied) over whatever keys the forward pass provides.
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    """x * rsqrt(mean(x^2) + eps), computed in float32, cast back to x's dtype, times ``scale``."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        variance = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-        return x * jax.lax.rsqrt(variance + self.eps) * self.scale[...]
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+        return normed.astype(x.dtype) * self.scale[...]
+
+
+def _linear(config: TransformerConfig, fan_in: int, fan_out: int, rngs: nnx.Rngs, *,
+            use_bias: bool = False) -> nnx.Linear:
+    dtype = config.jnp_dtype
+    return nnx.Linear(fan_in, fan_out, use_bias=use_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class SwiGLU(nnx.Module):
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
-        self.gate = nnx.Linear(config.d_model, config.ffn_dim, use_bias=False, rngs=rngs)
-        self.up = nnx.Linear(config.d_model, config.ffn_dim, use_bias=False, rngs=rngs)
-        self.down = nnx.Linear(config.ffn_dim, config.d_model, use_bias=False, rngs=rngs)
+        self.gate = _linear(config, config.d_model, config.ffn_dim, rngs)
+        self.up = _linear(config, config.d_model, config.ffn_dim, rngs)
+        self.down = _linear(config, config.ffn_dim, config.d_model, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
@@ -36,90 +56,120 @@ class Attention(nnx.Module):
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
         c = config
         self.config = c
-        self.q = nnx.Linear(c.d_model, c.num_heads * c.head_dim, use_bias=False, rngs=rngs)
-        self.k = nnx.Linear(c.d_model, c.num_kv_heads * c.head_dim, use_bias=False, rngs=rngs)
-        self.v = nnx.Linear(c.d_model, c.num_kv_heads * c.head_dim, use_bias=False, rngs=rngs)
-        self.o = nnx.Linear(c.num_heads * c.head_dim, c.d_model, use_bias=False, rngs=rngs)
+        self.q = _linear(c, c.d_model, c.num_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
+        self.k = _linear(c, c.d_model, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
+        self.v = _linear(c, c.d_model, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
+        self.o = _linear(c, c.num_heads * c.head_dim, c.d_model, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array, prefix) -> tuple[jax.Array, ...]:
-        """x: [B, T, d_model]; prefix: None or (keys, values [B, N, kv_heads, D], mask bool[B, T, N]).
-
-        Returns the output [B, T, d_model] and the new tokens' keys, values [B, T, kv_heads, D].
-        """
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend):
+        """x: [B, T, d_model] at positions int32[B, T]. Returns the output [B, T, d_model] and the new
+        tokens' keys (RoPE applied), values [B, T, kv_heads, D]."""
         c = self.config
         batch, num_tokens, _ = x.shape
-        q = rope(self.q(x).reshape(batch, num_tokens, c.num_heads, c.head_dim), positions, c.rope_theta)
-        k = rope(self.k(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim), positions,
-                 c.rope_theta)
+        inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        q = apply_rope(self.q(x).reshape(batch, num_tokens, c.num_heads, c.head_dim), positions, inv_freq)
+        k = apply_rope(self.k(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim), positions, inv_freq)
         v = self.v(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
-        keys, values, mask = k, v, causal_mask(batch, num_tokens)
-        if prefix is not None:
-            keys = jnp.concatenate([prefix[0].astype(k.dtype), k], axis=1)
-            values = jnp.concatenate([prefix[1].astype(v.dtype), v], axis=1)
-            mask = jnp.concatenate([prefix[2], mask], axis=2)
-        out = grouped_query_attention(q, keys, values, mask)
-        return self.o(out.reshape(batch, num_tokens, -1)), k, v
+        return self.o(attend(q, k, v).reshape(batch, num_tokens, -1)), k, v
 
 
 class Block(nnx.Module):
+    """One decoder layer (pre-norm attention and SwiGLU, residual connections)."""
+
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, config.jnp_dtype)
         self.attn = Attention(config, rngs)
-        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.jnp_dtype)
         self.mlp = SwiGLU(config, rngs)
 
-    def __call__(self, x, positions, prefix):
-        attn_out, k, v = self.attn(self.attn_norm(x), positions, prefix)
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend):
+        attn_out, k, v = self.attn(self.attn_norm(x), positions, attend)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), k, v
+
+
+def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
+    """``num_layers`` independently initialised blocks as one ``Block`` with stacked parameters."""
+
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs: nnx.Rngs) -> Block:
+        return Block(config, rngs)
+
+    return make(rngs)
 
 
 class Transformer(nnx.Module):
     """Decoder-only LM: ``model(tokens)`` for full sequences, ``forward_paged`` for decoding.
 
-    Implements ``scv_jax.models.PagedModel``.
+    Implements ``scv_jax.models.PagedModel``. Parameters: ``embed`` (``[vocab, d_model]``), ``blocks``
+    (every layer parameter stacked as ``[num_layers, ...]``), ``final_norm`` and ``lm_head`` (None when
+    ``config.tie_embeddings``), all in ``config.dtype``; logits are float32.
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         self.config = config
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
-        self.blocks = nnx.List([Block(config, rngs) for _ in range(config.num_layers)])
-        self.final_norm = RMSNorm(config.d_model, config.norm_eps)
+        dtype = config.jnp_dtype
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.blocks = _stacked_blocks(config, rngs)
+        self.final_norm = RMSNorm(config.d_model, config.norm_eps, dtype)
         self.lm_head = (None if config.tie_embeddings else
-                        nnx.Linear(config.d_model, config.vocab_size, use_bias=False, rngs=rngs))
+                        nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dtype,
+                                   param_dtype=dtype, preferred_element_type=jnp.float32, rngs=rngs))
 
     def _logits(self, x: jax.Array) -> jax.Array:
+        """float32[B, T, vocab] from the last layer's output (products accumulated in float32)."""
         x = self.final_norm(x)
         if self.lm_head is None:
-            return self.embed.attend(x).astype(jnp.float32)
-        return self.lm_head(x).astype(jnp.float32)
+            return jnp.einsum("btd,vd->btv", x, self.embed.embedding[...], preferred_element_type=jnp.float32)
+        return self.lm_head(x)
+
+    def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable[..., jax.Array],
+                    layer_inputs=None):
+        """Scans the stacked blocks over x [B, T, d_model]; each layer attends with
+        ``attend(inputs, q, k, v)``, ``inputs`` being its slice of ``layer_inputs`` (a pytree of
+        ``[num_layers, ...]`` arrays, or None).
+
+        Returns the last layer's output and the new tokens' keys, values [layers, B, T, kv_heads, D].
+        """
+        graphdef, layer_params = nnx.split(self.blocks)
+
+        def layer(x, params_and_inputs):
+            params, inputs = params_and_inputs
+            block = nnx.merge(graphdef, params)
+            x, k, v = block(x, positions, lambda q, k, v: attend(inputs, q, k, v))
+            return x, (k, v)
+
+        x, (keys, values) = jax.lax.scan(layer, x, (layer_params, layer_inputs))
+        return x, keys, values
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Plain causal forward with no cache: tokens int32[B, S] -> logits float32[B, S, vocab]."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x, _, _ = block(x, positions, None)
+        window = self.config.sliding_window
+
+        def attend(_, q, k, v):
+            return causal_attention(q, k, v, positions, sliding_window=window)
+
+        x, _, _ = self._run_layers(self.embed(tokens), positions, attend)
         return self._logits(x)
 
     def forward_paged(self, tokens: jax.Array, cache, block_tables: jax.Array, context_lens: jax.Array,
                       staged: StagedKV | None = None) -> PagedForwardOutput:
         """See ``PagedModel.forward_paged``; reads ``cache``, never writes it."""
-        batch, num_tokens = tokens.shape
+        num_tokens = tokens.shape[1]
         context_lens = context_lens.astype(jnp.int32)
         staged_lens = jnp.zeros_like(context_lens) if staged is None else staged.lengths.astype(jnp.int32)
         positions = (context_lens + staged_lens)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)
-        x = self.embed(tokens)
-        new_keys, new_values = [], []
-        for layer, block in enumerate(self.blocks):
-            keys, values = read_layer_kv(cache, layer, block_tables)
-            mask = prefix_mask(context_lens, keys.shape[1], num_tokens)
-            if staged is not None:
-                keys = jnp.concatenate([keys, staged.keys[layer].astype(jnp.float32)], axis=1)
-                values = jnp.concatenate([values, staged.values[layer].astype(jnp.float32)], axis=1)
-                mask = jnp.concatenate(
-                    [mask, prefix_mask(staged_lens, staged.keys.shape[2], num_tokens)], axis=2)
-            x, k, v = block(x, positions, (keys, values, mask))
-            new_keys.append(k)
-            new_values.append(v)
-        return PagedForwardOutput(self._logits(x), jnp.stack(new_keys), jnp.stack(new_values))
+        layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        staged_kv = None if staged is None else (staged.keys, staged.values)
+        window = self.config.sliding_window
+
+        def attend(inputs, q, k, v):
+            layer, layer_staged = inputs
+            staged_keys, staged_values = (None, None) if layer_staged is None else layer_staged
+            return paged_attention(q, cache, layer, block_tables, context_lens, staged_keys, staged_values,
+                                   staged_lens, k, v, sliding_window=window)
+
+        x, keys, values = self._run_layers(self.embed(tokens), positions, attend, (layers, staged_kv))
+        return PagedForwardOutput(self._logits(x), keys, values)

@@ -1,15 +1,19 @@
-"""Saving and loading transformer weights as float16 ``.npz`` files with their config."""
+"""Saving and loading transformer weights as ``.npz`` files with their config.
+
+On disk every layer has its own arrays (``blocks/{i}/attn/q/kernel``, ...), whatever the in-memory
+layout; ``load_model`` stacks them.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from scv_jax.models.assemble import LAYER_PREFIX, assemble_transformer, parameter_shapes
 from scv_jax.models.config import TransformerConfig
 from scv_jax.models.transformer import Transformer
 
@@ -17,39 +21,43 @@ DEMO_WEIGHTS_DIR = pathlib.Path(__file__).resolve().parent.parent / "demo" / "we
 _CONFIG_KEY = "__config__"
 
 
-def _flat_state(model: nnx.Module) -> dict[str, jax.Array]:
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {"/".join(map(str, path)): var.get_value() for path, var in flat}
+def _file_key(name: str, layer: int | None) -> str:
+    """The array name on disk of parameter ``name`` (of ``layer`` for stacked parameters)."""
+    return name if layer is None else f"{LAYER_PREFIX}{layer}/{name[len(LAYER_PREFIX):]}"
+
+
+def _file_keys(config: TransformerConfig) -> set[str]:
+    return {_file_key(name, layer)
+            for name in parameter_shapes(config)
+            for layer in (range(config.num_layers) if name.startswith(LAYER_PREFIX) else [None])}
 
 
 def save_model(model: Transformer, path: str | pathlib.Path, dtype=np.float16) -> None:
     """Writes the parameters (cast to ``dtype``) and the config to one ``.npz`` file."""
-    arrays = {name: np.asarray(value, dtype) for name, value in _flat_state(model).items()}
+    arrays = {}
+    for path_, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, value = "/".join(map(str, path_)), np.asarray(var.get_value(), dtype)
+        if name.startswith(LAYER_PREFIX):
+            arrays.update({_file_key(name, layer): value[layer] for layer in range(value.shape[0])})
+        else:
+            arrays[name] = value
     arrays[_CONFIG_KEY] = np.frombuffer(json.dumps(model.config.to_dict()).encode(), np.uint8)
     with open(path, "wb") as f:
         np.savez_compressed(f, **arrays)
 
 
-def load_model(path: str | pathlib.Path, dtype=jnp.float32) -> Transformer:
-    """A ``Transformer`` with the config and parameters stored by ``save_model`` (as ``dtype``)."""
+def load_model(path: str | pathlib.Path, dtype: str | None = None) -> Transformer:
+    """The ``Transformer`` stored by ``save_model``, in ``dtype`` (None: the stored config's dtype)."""
     with np.load(path) as data:
-        config = TransformerConfig(**json.loads(bytes(data[_CONFIG_KEY]).decode()))
-        arrays = {name: data[name] for name in data.files if name != _CONFIG_KEY}
-    model = Transformer(config, rngs=nnx.Rngs(0))
-    state = nnx.state(model, nnx.Param)
-    flat = nnx.to_flat_state(state)
-    names = {"/".join(map(str, path)) for path, _ in flat}
-    if names != set(arrays):
-        raise ValueError(f"load_model: {path} does not match the config's parameters "
-                         f"(missing {sorted(names - set(arrays))[:3]}, extra {sorted(set(arrays) - names)[:3]})")
-    for path_, var in flat:
-        name = "/".join(map(str, path_))
-        if arrays[name].shape != var.get_value().shape:
-            raise ValueError(f"load_model: {name} has shape {arrays[name].shape}, "
-                             f"expected {var.get_value().shape}")
-        var.set_value(jnp.asarray(arrays[name], dtype))
-    nnx.update(model, state)
-    return model
+        config = TransformerConfig.from_dict(json.loads(bytes(data[_CONFIG_KEY]).decode()))
+        if dtype is not None:
+            config = dataclasses.replace(config, dtype=dtype)
+        names, expected = set(data.files) - {_CONFIG_KEY}, _file_keys(config)
+        if names != expected:
+            raise ValueError(f"load_model: {path} does not match the config's parameters "
+                             f"(missing {sorted(expected - names)[:3]}, extra {sorted(names - expected)[:3]})")
+        return assemble_transformer(config, lambda name, layer: (data[_file_key(name, layer)],
+                                                                 f"load_model: {_file_key(name, layer)} in {path}"))
 
 
 def load_demo(weights_dir: str | pathlib.Path | None = None) -> tuple[Transformer, Transformer]:

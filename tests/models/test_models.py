@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,9 +12,11 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import scv_jax
-from scv_jax.models import PagedModel, StagedKV, Transformer, load_model, save_model
-from tests.models.fixtures import TINY, tiny_model
+from scv_jax.models import (Llama3RopeScaling, PagedModel, StagedKV, Transformer, TransformerConfig, load_model,
+                            save_model)
+from tests.models.fixtures import TINY, commit_prefix, pad_rows, tiny_model
 
+SCALING = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24
 MAX_BLOCKS = 6
@@ -21,13 +25,6 @@ MAX_BLOCKS = 6
 @pytest.fixture(scope="module")
 def model():
     return tiny_model(TINY, seed=3, scale=1.0)
-
-
-def _pad(rows, width, fill=0):
-    out = np.full((len(rows), width), fill, np.int32)
-    for r, row in zip(out, rows):
-        r[:len(row)] = row
-    return out
 
 
 COMMITTED, STAGED, NEW = 10, 3, 3          # fixed widths (one compile); lengths vary through masks
@@ -39,10 +36,6 @@ def jitted(model):
     full = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
     paged = jax.jit(lambda state, *args: nnx.merge(graphdef, state).forward_paged(*args))
     return (lambda tokens: np.asarray(full(state, tokens))), (lambda *args: paged(state, *args))
-
-
-def _flat(x):
-    return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
 @settings(max_examples=8)
@@ -58,25 +51,22 @@ def test_paged_staged_forward_matches_full_forward(jitted, lengths, layout, seed
     tables = jnp.asarray(rng.permutation(NUM_BLOCKS)[:2 * MAX_BLOCKS].reshape(2, MAX_BLOCKS), jnp.int32)
     cache = scv_jax.PagedKVCache.create(TINY.num_layers, NUM_BLOCKS, BLOCK_SIZE, TINY.num_kv_heads,
                                         TINY.head_dim, dtype="float32", layout=layout)
-    full = full_forward(jnp.asarray(_pad(seqs, COMMITTED + STAGED + NEW)))
+    full = full_forward(jnp.asarray(pad_rows(seqs, COMMITTED + STAGED + NEW)))
     zeros = jnp.zeros(2, jnp.int32)
 
     # 1. prefix from an empty cache, then committed through the block tables
-    out = paged_forward(jnp.asarray(_pad([s[:c] for s, c in zip(seqs, committed)], COMMITTED)), cache,
+    out = paged_forward(jnp.asarray(pad_rows([s[:c] for s, c in zip(seqs, committed)], COMMITTED)), cache,
                         tables, zeros)
-    positions = np.broadcast_to(np.arange(COMMITTED), (2, COMMITTED))
-    slots = scv_jax.slots_from_block_table(tables, jnp.asarray(positions), BLOCK_SIZE)
-    mask = jnp.asarray((positions < committed[:, None]).reshape(-1))
-    cache = scv_jax.commit_draft_kv(cache, _flat(out.keys), _flat(out.values), slots.reshape(-1), mask)
+    cache = commit_prefix(cache, out, tables, committed, BLOCK_SIZE)
 
     # 2. staged tokens (they read the cache, which they do not write)
-    staged_tokens = _pad([s[c:c + n] for s, c, n in zip(seqs, committed, staged_n)], STAGED)
+    staged_tokens = pad_rows([s[c:c + n] for s, c, n in zip(seqs, committed, staged_n)], STAGED)
     out_staged = paged_forward(jnp.asarray(staged_tokens), cache, tables, jnp.asarray(committed))
     staged = StagedKV(out_staged.keys, out_staged.values, jnp.asarray(staged_n))  # padding rows masked
 
     # 3. new tokens read cache + staging + themselves (causal)
     new = [s[c + n:] for s, c, n in zip(seqs, committed, staged_n)]
-    out_new = paged_forward(jnp.asarray(_pad(new, NEW)), cache, tables, jnp.asarray(committed), staged)
+    out_new = paged_forward(jnp.asarray(pad_rows(new, NEW)), cache, tables, jnp.asarray(committed), staged)
     for b, (c, n, m) in enumerate(zip(committed, staged_n, new_n)):
         got = np.concatenate([np.asarray(out.logits[b, :c]), np.asarray(out_staged.logits[b, :n]),
                               np.asarray(out_new.logits[b, :m])])
@@ -92,12 +82,10 @@ def test_fp8_cache_is_read_dequantized(jitted):
     tables = jnp.arange(2 * MAX_BLOCKS, dtype=jnp.int32).reshape(2, MAX_BLOCKS)
     tokens = jnp.asarray(np.stack([seq[:STAGED]] * 2))
     out = paged_forward(tokens, cache, tables, jnp.zeros(2, jnp.int32))
-    slots = scv_jax.slots_from_block_table(tables, jnp.broadcast_to(jnp.arange(STAGED), (2, STAGED)),
-                                           BLOCK_SIZE)
-    cache = scv_jax.commit_draft_kv(cache, _flat(out.keys), _flat(out.values), slots.reshape(-1))
+    cache = commit_prefix(cache, out, tables, [STAGED, STAGED], BLOCK_SIZE)
     tail = paged_forward(jnp.asarray(np.stack([seq[STAGED:]] * 2)), cache, tables,
                          jnp.full(2, STAGED, jnp.int32))
-    full = full_forward(jnp.asarray(_pad([seq.tolist()] * 2, COMMITTED + STAGED + NEW)))
+    full = full_forward(jnp.asarray(pad_rows([seq.tolist()] * 2, COMMITTED + STAGED + NEW)))
     np.testing.assert_allclose(np.asarray(tail.logits[0]), full[0, STAGED:2 * STAGED], atol=0.15)
 
 
@@ -105,11 +93,18 @@ def test_transformer_is_a_paged_model(model):
     assert isinstance(model, PagedModel)
 
 
-def test_weights_round_trip(tmp_path, model):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_round_trip(tmp_path, dtype):
+    """Every config field (dtype, biases, RoPE scaling, window) and parameter survives save + load."""
+    config = TransformerConfig(**{**TINY.to_dict(), "dtype": dtype, "qkv_bias": True, "tie_embeddings": False,
+                                  "sliding_window": 5, "rope_scaling": SCALING})
+    model = tiny_model(config, seed=4)
     save_model(model, tmp_path / "m.npz", dtype=np.float32)
     loaded = load_model(tmp_path / "m.npz")
+    assert loaded.config == config
     tokens = jnp.arange(12)[None] % TINY.vocab_size
     np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(model(tokens)))
+    assert load_model(tmp_path / "m.npz", dtype="float32").config.dtype == "float32"
 
 
 def test_load_model_rejects_mismatched_file(tmp_path, model):
@@ -121,14 +116,95 @@ def test_load_model_rejects_mismatched_file(tmp_path, model):
         load_model(tmp_path / "bad.npz")
 
 
-def test_demo_weights_are_shipped_and_small():
+# Logits of the shipped demo models for b"import sys\n\n\ndef main(", computed by the per-layer
+# (unscanned) model before layers were stacked: argmax per position, the last position's logits of
+# bytes 0..5 and of b"x(): ", the sum of all logits.
+DEMO_PROMPT = b"import sys\n\n\ndef main("
+DEMO_LOGITS = {
+    "target": ([110, 97, 111, 114, 116, 32, 105, 101, 115, 46, 10, 10, 99, 101, 102, 32, 95, 111, 105, 110, 95, 115],
+               [-12.292179, -11.97934, -10.283752, -10.74605, -11.842413, -11.975697],
+               [1.579003, 1.806674, 4.113901, -0.504764, -0.236057], -31880.3607),
+    "draft": ([110, 112, 111, 114, 116, 32, 105, 101, 115, 46, 32, 32, 32, 101, 102, 32, 95, 97, 105, 110, 32, 115],
+              [-8.532328, -8.228744, -8.228592, -9.133102, -7.218218, -8.346097],
+              [2.975721, 1.844616, 3.564998, 0.52535, 3.710967], -23456.2342),
+}
+
+
+def test_demo_weights_load_with_unchanged_logits():
+    """The shipped per-layer .npz files load into the stacked model and give the logits they gave
+    before (float32; within accumulation-order rounding)."""
     from scv_jax.models.weights import DEMO_WEIGHTS_DIR
     target, draft = scv_jax.models.load_demo()
     assert isinstance(target, Transformer) and isinstance(draft, Transformer)
     assert target.config.vocab_size == draft.config.vocab_size == 256
     assert sum(p.stat().st_size for p in DEMO_WEIGHTS_DIR.glob("*.npz")) < 20 * 2 ** 20
+    for name, model in (("target", target), ("draft", draft)):
+        argmax, first, chosen, total = DEMO_LOGITS[name]
+        logits = np.asarray(model(jnp.asarray([list(DEMO_PROMPT)])))[0]
+        assert logits.argmax(-1).tolist() == argmax
+        np.testing.assert_allclose(logits[-1, :6], first, atol=1e-4)
+        np.testing.assert_allclose(logits[-1, list(b"x(): ")], chosen, atol=1e-4)
+        assert logits.astype(np.float64).sum() == pytest.approx(total, abs=0.05)
 
 
-def test_config_rejects_bad_head_grouping():
-    with pytest.raises(ValueError, match="num_heads"):
-        scv_jax.models.TransformerConfig(num_heads=3, num_kv_heads=2)
+def test_trace_size_does_not_grow_with_depth():
+    """The layers run under a scan: a 12-layer forward traces to as many operations as a 2-layer one."""
+    def num_equations(num_layers: int, paged: bool) -> int:
+        config = TransformerConfig(**{**TINY.to_dict(), "num_layers": num_layers})
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+        cache = scv_jax.PagedKVCache.create(num_layers, 8, 4, config.num_kv_heads, config.head_dim)
+        tokens, tables, lens = jnp.zeros((2, 3), jnp.int32), jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32)
+        fn = ((lambda state: nnx.merge(graphdef, state).forward_paged(tokens, cache, tables, lens)) if paged
+              else (lambda state: nnx.merge(graphdef, state)(tokens)))
+        return len(jax.make_jaxpr(fn)(state).eqns)
+
+    for paged in (False, True):
+        assert num_equations(2, paged) == num_equations(12, paged)
+
+
+def test_bfloat16_parameters_activations_and_float32_logits():
+    config = TransformerConfig(**{**TINY.to_dict(), "dtype": "bfloat16"})
+    model = tiny_model(config, seed=2)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+    tokens = jnp.arange(6)[None] % TINY.vocab_size
+    assert model(tokens).dtype == jnp.float32
+    cache = scv_jax.PagedKVCache.create(TINY.num_layers, 8, 4, TINY.num_kv_heads, TINY.head_dim, dtype="bfloat16")
+    out = model.forward_paged(tokens, cache, jnp.zeros((1, 2), jnp.int32), jnp.zeros(1, jnp.int32))
+    assert out.logits.dtype == jnp.float32 and out.keys.dtype == out.values.dtype == jnp.bfloat16
+    assert out.keys.shape == (TINY.num_layers, 1, 6, TINY.num_kv_heads, TINY.head_dim)
+
+
+def test_sliding_window_limits_what_a_token_sees():
+    """With window W each layer looks W - 1 positions back: through TINY's 2 layers the last token's
+    logits do not depend on a token 5 positions before it, and do on one 4 positions before it."""
+    model = tiny_model(TransformerConfig(**{**TINY.to_dict(), "sliding_window": 3}), seed=5)
+    seq = np.array([[1, 2, 3, 4, 5, 6, 7]])
+    far, near = seq.copy(), seq.copy()
+    far[0, 1], near[0, 2] = 9, 9
+    logits = [np.asarray(model(jnp.asarray(s)))[0, -1] for s in (seq, far, near)]
+    np.testing.assert_array_equal(logits[0], logits[1])
+    assert np.abs(logits[0] - logits[2]).max() > 1e-3
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(num_heads=3, num_kv_heads=2), "num_heads"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(dtype="float64"), "dtype must be one of"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(rope_scaling={"factor": 8.0}), "rope_scaling must be None or a Llama3RopeScaling"),
+])
+def test_config_rejects_bad_fields(fields, match):
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(**fields)
+
+
+def test_config_dict_round_trip_and_dtype_spellings():
+    config = TransformerConfig(dtype=jnp.bfloat16, rope_scaling=SCALING, sliding_window=7)
+    assert config.dtype == "bfloat16" and config.jnp_dtype == jnp.bfloat16
+    assert TransformerConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    with pytest.raises(ValueError, match="unknown fields \\['colour'\\]"):
+        TransformerConfig.from_dict({"colour": 1})
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        Llama3RopeScaling(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_position_embeddings=8)
+    with pytest.raises(ValueError, match="factor must be a number > 0"):
+        Llama3RopeScaling(factor=0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8)

@@ -1,0 +1,110 @@
+"""Compile time of the decoder's steps at Llama-3.1-8B sizes, with no weights ever materialised.
+
+    JAX_PLATFORMS=cpu python benchmarks/compile_8b.py [--batch 8] [--k 4] [--context 4096] [--append]
+
+Everything is abstract (``nnx.eval_shape`` for the models, ``jax.eval_shape`` for the bfloat16 paged
+caches, ``jax.ShapeDtypeStruct`` inputs); each step is ``jax.jit(...).trace(...).lower().compile()``d
+exactly as graph mode compiles it (caches donated), and lowering and compile seconds are printed:
+
+- ``autoregressive``: one decode step of the target alone (forward over the pending token + commit);
+- ``speculative``: one speculative step, k drafts from a Llama-3.2-1B-shaped draft (catch-up forward
+  and a scan of k - 1 draft forwards), the target's verify forward over k + 1 tokens, greedy
+  acceptance and the no-write-on-reject commits of both caches.
+
+Both are also compiled with 2-layer models of the same widths: the layers run under a scan, so
+compile time should not depend on depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from harness import append_results, results_header  # noqa: E402
+from scv_jax.decoding.device_step import make_decode_step  # noqa: E402
+from scv_jax.decoding.positions import MAX_CATCH_UP  # noqa: E402
+from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig  # noqa: E402
+from scv_jax.ops.commit.kv_cache import PagedKVCache  # noqa: E402
+
+LLAMA3_ROPE = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                original_max_position_embeddings=8192)
+LLAMA_31_8B = TransformerConfig(vocab_size=128256, num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8,
+                                head_dim=128, ffn_dim=14336, rope_theta=500000.0, norm_eps=1e-5,
+                                tie_embeddings=False, dtype="bfloat16", rope_scaling=LLAMA3_ROPE)
+LLAMA_32_1B = TransformerConfig(vocab_size=128256, num_layers=16, d_model=2048, num_heads=32, num_kv_heads=8,
+                                head_dim=64, ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5,
+                                tie_embeddings=True, dtype="bfloat16", rope_scaling=LLAMA3_ROPE)
+BLOCK_SIZE = 16
+
+
+def abstract_model(config: TransformerConfig):
+    """(graphdef, abstract state): the model's structure, no parameter allocated."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+
+
+def abstract_cache(config: TransformerConfig, num_blocks: int) -> PagedKVCache:
+    return jax.eval_shape(lambda: PagedKVCache.create(config.num_layers, num_blocks, BLOCK_SIZE,
+                                                      config.num_kv_heads, config.head_dim, dtype="bfloat16"))
+
+
+def compile_step(target: TransformerConfig, draft: TransformerConfig | None, *, batch: int, k: int,
+                 context: int) -> tuple[float, float]:
+    """(lowering seconds, compile seconds) of one decode step (``k`` drafts; no draft: k = 0)."""
+    max_blocks = -(-context // BLOCK_SIZE)
+    num_blocks = batch * max_blocks
+    target_graphdef, target_state = abstract_model(target)
+    draft_graphdef, draft_state = abstract_model(draft) if draft is not None else (None, None)
+    step = jax.jit(make_decode_step(target_graphdef, draft_graphdef, BLOCK_SIZE),
+                   static_argnames=("k", "greedy", "backend"), donate_argnames=("target_cache", "draft_cache"))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    start = time.perf_counter()
+    lowered = step.trace(
+        target_state=target_state, draft_state=draft_state, target_cache=abstract_cache(target, num_blocks),
+        draft_cache=abstract_cache(draft, num_blocks) if draft is not None else None,
+        block_tables=i32(batch, max_blocks), lag_tokens=i32(batch, MAX_CATCH_UP), lag=i32(batch),
+        context_lens=i32(batch), request_ids=i32(batch), base_key=jax.ShapeDtypeStruct((2,), jnp.uint32),
+        temperature=jax.ShapeDtypeStruct((), jnp.float32), request_mask=jax.ShapeDtypeStruct((batch,), jnp.bool_),
+        k=k if draft is not None else 0, greedy=True, backend="xla").lower()
+    lowered_at = time.perf_counter()
+    lowered.compile()
+    return lowered_at - start, time.perf_counter() - lowered_at
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--context", type=int, default=4096, help="tokens per request the block tables cover")
+    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args(argv)
+    rows = ["| step | target layers | draft layers | lowering s | compile s |", "|---|---:|---:|---:|---:|"]
+    for layers in (32, 2):
+        target = dataclasses.replace(LLAMA_31_8B, num_layers=layers)
+        draft = dataclasses.replace(LLAMA_32_1B, num_layers=min(layers, LLAMA_32_1B.num_layers))
+        for name, draft_config in (("autoregressive", None), (f"speculative (k={args.k})", draft)):
+            lower_s, compile_s = compile_step(target, draft_config, batch=args.batch, k=args.k,
+                                              context=args.context)
+            rows.append(f"| {name} | {layers} | {draft_config.num_layers if draft_config else '-'} | "
+                        f"{lower_s:.1f} | {compile_s:.1f} |")
+            print(rows[-1], flush=True)
+    table = "\n".join(rows)
+    print(f"\n{table}")
+    if args.append:
+        command = "python benchmarks/compile_8b.py " + " ".join(sys.argv[1:])
+        append_results(results_header(
+            "Compile time at Llama-3.1-8B sizes (abstract shapes)", command,
+            f"Batch {args.batch}, {args.context}-token block tables, bfloat16 model and caches, "
+            "Llama-3.2-1B-shaped draft. ") + table + "\n")
+
+
+if __name__ == "__main__":
+    main()

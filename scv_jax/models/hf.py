@@ -1,0 +1,216 @@
+"""Loading Hugging Face checkpoints (Llama 2/3/3.1/3.2, Qwen2, Mistral) from a local directory.
+
+    model = scv_jax.models.load_hf("/path/to/Llama-3.2-1B", dtype="bfloat16")
+
+The directory holds ``config.json`` and ``model.safetensors`` or a sharded
+``model.safetensors.index.json``. Tensors are read one at a time (``safetensors``, memory-mapped),
+cast to the model dtype and written into preallocated stacked arrays, so loading needs about the
+model's size in memory. A config field or tensor the model cannot honour raises ``ValueError``
+naming it: nothing is silently approximated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from scv_jax.models.assemble import LAYER_PREFIX, assemble_transformer, parameter_shapes
+from scv_jax.models.config import Llama3RopeScaling, TransformerConfig, canonical_dtype
+from scv_jax.models.transformer import Transformer
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Our parameter name -> (Hugging Face tensor name, stored as [out, in] and so transposed). Layer
+# tensors are named relative to "model.layers.{i}.".
+_LAYER_TENSORS = {
+    "attn_norm/scale": ("input_layernorm.weight", False),
+    "mlp_norm/scale": ("post_attention_layernorm.weight", False),
+    "attn/q/kernel": ("self_attn.q_proj.weight", True),
+    "attn/k/kernel": ("self_attn.k_proj.weight", True),
+    "attn/v/kernel": ("self_attn.v_proj.weight", True),
+    "attn/q/bias": ("self_attn.q_proj.bias", False),
+    "attn/k/bias": ("self_attn.k_proj.bias", False),
+    "attn/v/bias": ("self_attn.v_proj.bias", False),
+    "attn/o/kernel": ("self_attn.o_proj.weight", True),
+    "mlp/gate/kernel": ("mlp.gate_proj.weight", True),
+    "mlp/up/kernel": ("mlp.up_proj.weight", True),
+    "mlp/down/kernel": ("mlp.down_proj.weight", True),
+}
+_GLOBAL_TENSORS = {
+    "embed/embedding": ("model.embed_tokens.weight", False),
+    "final_norm/scale": ("model.norm.weight", False),
+    "lm_head/kernel": ("lm_head.weight", True),
+}
+
+
+def _hf_tensor(name: str, layer: int | None) -> tuple[str, bool]:
+    """(Hugging Face tensor name, transposed?) of our parameter ``name`` (of ``layer``)."""
+    if layer is None:
+        return _GLOBAL_TENSORS[name]
+    hf_name, transposed = _LAYER_TENSORS[name[len(LAYER_PREFIX):]]
+    return f"model.layers.{layer}.{hf_name}", transposed
+
+
+# ---------------------------------------------------------------------------------------- config
+def _rope_scaling(value: Any) -> Llama3RopeScaling | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"rope_scaling must be null or an object, got {value!r}")
+    kind = value.get("rope_type", value.get("type"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: 'llama3', 'default')")
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [f for f in fields if f not in value]
+    if missing:
+        raise ValueError(f"rope_scaling of type 'llama3' lacks {missing}")
+    return Llama3RopeScaling(**{f: value[f] for f in fields})
+
+
+def _reject_unsupported(hf: dict, architecture: str) -> None:
+    """Raises ValueError naming the first config field the model cannot honour."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+    if hf.get("quantization_config") is not None:
+        raise ValueError("quantization_config is set: quantized checkpoints are not supported")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {hf['partial_rotary_factor']!r} is not supported (only 1.0)")
+    for field in ("attention_bias", "mlp_bias"):
+        if architecture == "LlamaForCausalLM" and hf.get(field):
+            raise ValueError(f"{field}: true is not supported for LlamaForCausalLM")
+    if hf.get("use_sliding_window") and architecture == "Qwen2ForCausalLM":
+        raise ValueError("use_sliding_window: true (sliding-window layers in Qwen2) is not supported")
+    other_layers = sorted({t for t in hf.get("layer_types") or [] if t != "full_attention"})
+    if other_layers:
+        raise ValueError(f"layer_types {other_layers} are not supported (only 'full_attention')")
+
+
+def _required(hf: dict, field: str) -> int:
+    value = hf.get(field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{field} must be an int >= 1, got {value!r}")
+    return value
+
+
+def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
+    """The ``TransformerConfig`` of a Hugging Face ``config.json`` (as a dict), in ``dtype``.
+
+    Raises ValueError naming the field for an unsupported architecture or setting.
+    """
+    architectures = hf.get("architectures")
+    if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+        raise ValueError(f"architectures {architectures!r} is not supported (supported: one of {ARCHITECTURES})")
+    architecture = architectures[0]
+    _reject_unsupported(hf, architecture)
+    hidden, heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
+    head_dim = hf.get("head_dim") or hidden // heads
+    # Mistral attends within a sliding window (MistralConfig's default is 4096); Qwen2 only with
+    # use_sliding_window (rejected above); Llama never.
+    window = hf.get("sliding_window", 4096) if architecture == "MistralForCausalLM" else None
+    return TransformerConfig(
+        vocab_size=_required(hf, "vocab_size"), num_layers=_required(hf, "num_hidden_layers"), d_model=hidden,
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
+        ffn_dim=_required(hf, "intermediate_size"), rope_theta=float(hf.get("rope_theta", 10000.0)),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dtype, qkv_bias=architecture == "Qwen2ForCausalLM",
+        rope_scaling=_rope_scaling(hf.get("rope_scaling")), sliding_window=window)
+
+
+# ---------------------------------------------------------------------------------------- tensors
+def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+    """{tensor name: safetensors file holding it}, from the index file or the single file's header."""
+    from safetensors import safe_open
+
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"load_hf: {index} has no 'weight_map' object")
+        files = {name: directory / file for name, file in weight_map.items()}
+        missing = sorted({str(f) for f in files.values() if not f.exists()})
+        if missing:
+            raise FileNotFoundError(f"load_hf: {missing[0]} (listed in {index}) not found")
+        return files
+    single = directory / SINGLE_FILE
+    if not single.exists():
+        raise FileNotFoundError(f"load_hf: {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(single, framework="numpy") as f:
+        return {name: single for name in f.keys()}
+
+
+def _expected_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """{Hugging Face tensor name: its shape in the checkpoint} for every parameter of the model."""
+    expected = {}
+    for name, spec in parameter_shapes(config).items():
+        stacked = name.startswith(LAYER_PREFIX)
+        shape = spec.shape[1:] if stacked else spec.shape
+        for layer in range(spec.shape[0]) if stacked else [None]:
+            hf_name, transposed = _hf_tensor(name, layer)
+            expected[hf_name] = tuple(reversed(shape)) if transposed else tuple(shape)
+    return expected
+
+
+def _check_tensors(directory: pathlib.Path, expected: dict[str, tuple[int, ...]],
+                   files: dict[str, pathlib.Path], handles: dict, config: TransformerConfig) -> None:
+    """Raises ValueError naming the first missing, misshapen or unexpected tensor."""
+    for hf_name, shape in expected.items():
+        if hf_name not in files:
+            raise ValueError(f"load_hf: tensor {hf_name} is missing from the checkpoint in {directory}")
+        found = tuple(handles[files[hf_name]].get_slice(hf_name).get_shape())
+        if found != shape:
+            raise ValueError(f"load_hf: tensor {hf_name} in {files[hf_name]} has shape {list(found)}, "
+                             f"config.json implies {list(shape)}")
+    ignored = {"lm_head.weight"} if config.tie_embeddings else set()   # tied: the embedding is the head
+    extra = sorted(n for n in files
+                   if n not in expected and n not in ignored and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ValueError(f"load_hf: tensor {extra[0]} in {files[extra[0]]} is not used by the model "
+                         "config.json describes")
+
+
+def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16") -> Transformer:
+    """A ``Transformer`` (a ``PagedModel``) with a Hugging Face checkpoint's config and weights.
+
+    Args:
+      path: a local model directory with ``config.json`` and ``model.safetensors`` or
+        ``model.safetensors.index.json`` plus its shards. Architectures: LlamaForCausalLM (incl.
+        ``rope_scaling`` type "llama3"), Qwen2ForCausalLM, MistralForCausalLM (sliding window honoured).
+      dtype: parameter and activation dtype, "bfloat16" (default), "float16" or "float32"; the
+        checkpoint's tensors are cast one at a time.
+    Returns:
+      The model: ``model(tokens int32[B, T])`` gives float32 logits [B, T, vocab].
+    Raises:
+      FileNotFoundError: a missing directory, config.json or weights file.
+      ValueError: an unsupported architecture or config field, a missing, unexpected or misshapen
+        tensor (the message names it).
+    """
+    from safetensors import safe_open
+
+    dtype = canonical_dtype(dtype, "load_hf: dtype")
+    directory = pathlib.Path(path)
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"load_hf: {config_file} not found")
+    try:
+        config = config_from_hf(json.loads(config_file.read_text()), dtype=dtype)
+    except ValueError as e:
+        raise ValueError(f"load_hf: {config_file}: {e}") from None
+    files = _weight_files(directory)
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="numpy")) for file in set(files.values())}
+        _check_tensors(directory, _expected_shapes(config), files, handles, config)
+
+        def read(name: str, layer: int | None) -> tuple[np.ndarray, str]:
+            hf_name, transposed = _hf_tensor(name, layer)
+            tensor = handles[files[hf_name]].get_tensor(hf_name)
+            return (tensor.T if transposed else tensor), f"load_hf: tensor {hf_name} in {files[hf_name]}"
+
+        return assemble_transformer(config, read)

@@ -1,0 +1,182 @@
+"""Makes the tiny Hugging Face checkpoints the loader tests use, with what transformers computes.
+
+For each architecture (``llama``: Llama 2 style, sharded float32; ``llama3_scaled``: Llama 3.2
+style, GQA, explicit head_dim, rope_scaling "llama3", tied embeddings, bfloat16 on disk; ``qwen2``:
+q/k/v biases, tied embeddings; ``mistral``: GQA, sliding window shorter than the sequences,
+bfloat16 on disk) it writes ``<name>/`` with
+
+- ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards + index),
+- ``tokenizer.json``: a tiny BPE tokenizer (``tokenizers``) whose vocabulary is the model's,
+- ``expected.json``: the prompts, transformers' 32-token greedy continuation of each (``generate``,
+  with its KV cache) and tokenizer round-trip samples,
+- ``logits.npz``: transformers' float32 logits over each prompt + continuation (``logits_<i>``).
+
+Every parameter (norm weights and biases too) is random, so a tensor mapped to the wrong place
+shows. The script checks that transformers' full forward agrees with its own greedy continuation
+(no near-ties) before writing anything.
+
+CI does not install torch; the files are committed. To regenerate them (the output is
+deterministic for a given torch/transformers version), from the repository root:
+
+    PYENV_VERSION=3.11.7 python3 -m venv /tmp/fixture-venv
+    /tmp/fixture-venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu  # or a CPU wheel
+    /tmp/fixture-venv/bin/pip install transformers==4.57.6 safetensors tokenizers numpy
+    /tmp/fixture-venv/bin/python tests/models/hf_fixtures/make_fixtures.py
+
+(made with torch 2.13.0+cpu, transformers 4.57.6, tokenizers 0.22.2).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+OUT = pathlib.Path(__file__).resolve().parent
+NEW_TOKENS = 32
+VOCAB = 96
+MIN_MARGIN = 1e-3     # smallest gap between the top two logits at any greedy step
+MIN_DISTINCT = 8      # fewest distinct tokens in a continuation (no degenerate repetition)
+CORPUS = """Speculative decoding lets a small draft model propose several tokens that the large target
+model then verifies in one forward pass. The target accepts the longest prefix it agrees with and
+adds one token of its own, so every step emits at least one token and the output is exactly what
+the target alone would have produced. A paged key value cache keeps the attention state of many
+requests in fixed size blocks; only the accepted tokens are written back. The quick brown fox jumps
+over the lazy dog while the scheduler batches requests of different lengths together."""
+TEXTS = ["The quick brown fox", "the target model verifies the draft tokens"]
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=512, initializer_range=0.25,
+              bos_token_id=1, eos_token_id=2, pad_token_id=None)
+
+FIXTURES = {
+    "llama": dict(
+        config=transformers.LlamaConfig(**COMMON, num_key_value_heads=4, rope_theta=10000.0, rms_norm_eps=1e-5,
+                                        tie_word_embeddings=False),
+        dtype=torch.float32, shard_size="40KB", style="metaspace"),
+    "llama3_scaled": dict(
+        config=transformers.LlamaConfig(**COMMON, num_key_value_heads=2, head_dim=16, rope_theta=500000.0,
+                                        rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 256}),
+        dtype=torch.bfloat16, shard_size=None, style="metaspace"),
+    "qwen2": dict(
+        config=transformers.Qwen2Config(**COMMON, num_key_value_heads=2, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=True),
+        dtype=torch.float32, shard_size=None, style="bytelevel"),
+    "mistral": dict(
+        config=transformers.MistralConfig(**COMMON, num_key_value_heads=1, rope_theta=10000.0, rms_norm_eps=1e-5,
+                                          sliding_window=12, tie_word_embeddings=False),
+        dtype=torch.bfloat16, shard_size=None, style="metaspace"),
+}
+
+
+def make_tokenizer(style: str) -> Tokenizer:
+    """A BPE tokenizer with exactly VOCAB ids: sentencepiece-like (Metaspace, BOS added: Llama,
+    Mistral) or byte-level pre-tokenisation without BOS (Qwen2)."""
+    specials = ["<unk>", "<s>", "</s>"]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>" if style == "metaspace" else None))
+    if style == "metaspace":
+        tokenizer.normalizer = normalizers.Sequence([])
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Metaspace()
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False)
+    tokenizer.train_from_iterator([CORPUS], trainer)
+    assert tokenizer.get_vocab_size() == VOCAB, tokenizer.get_vocab_size()
+    assert [tokenizer.token_to_id(t) for t in specials] == [0, 1, 2]
+    return tokenizer
+
+
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter random (norm weights around 1, biases small), so no mapping error hides."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.3 * noise)
+            elif name.endswith("bias"):
+                param.copy_(0.3 * noise)
+            else:
+                param.copy_(0.25 * noise)
+
+
+def greedy(model, prompt: list[int]) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                         min_new_tokens=NEW_TOKENS, do_sample=False, use_cache=True)
+    return out[0, len(prompt):].tolist()
+
+
+def make(name: str, spec: dict, seed: int) -> dict | None:
+    """Writes fixture ``name`` from ``seed``; None (try another seed) if a greedy step is a near-tie
+    or a continuation repeats a few tokens."""
+    directory = OUT / name
+    shutil.rmtree(directory, ignore_errors=True)
+    torch.manual_seed(seed)
+    config = spec["config"]
+    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                             "mistral": "MistralForCausalLM"}[config.model_type]]
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    randomize(model, seed)
+    model.generation_config.eos_token_id = None       # always 32 new tokens
+    model.generation_config.pad_token_id = 0
+    save = dict(safe_serialization=True)
+    if spec["shard_size"]:
+        save["max_shard_size"] = spec["shard_size"]
+    model.to(spec["dtype"]).save_pretrained(directory, **save)
+    tokenizer = make_tokenizer(spec["style"])
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+    # What is on disk, computed in float32 (a bfloat16 checkpoint is upcast exactly).
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    rng = np.random.default_rng(seed)
+    prompts = [tokenizer.encode(TEXTS[0]).ids, rng.integers(3, VOCAB, 9).tolist()]
+    continuations, logits = [], {}
+    for i, prompt in enumerate(prompts):
+        continuation = greedy(model, prompt)
+        with torch.no_grad():
+            full = model(torch.tensor([prompt + continuation])).logits[0].float().numpy()
+        # transformers' full forward agrees with its cached generation, by a clear margin
+        steps = full[len(prompt) - 1:-1]
+        assert steps.argmax(-1).tolist() == continuation, (name, i)
+        top2 = np.sort(steps, axis=-1)[:, -2:]
+        if (top2[:, 1] - top2[:, 0]).min() < MIN_MARGIN or len(set(continuation)) < MIN_DISTINCT:
+            return None
+        continuations.append(continuation)
+        logits[f"logits_{i}"] = full.astype(np.float32)
+    np.savez_compressed(directory / "logits.npz", **logits)
+    expected = {
+        "prompts": prompts, "continuations": continuations,
+        "tokenizer": [{"text": t, "ids": tokenizer.encode(t).ids,
+                       "ids_without_special": tokenizer.encode(t, add_special_tokens=False).ids} for t in TEXTS],
+        "made_with": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    (directory / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
+    size = sum(p.stat().st_size for p in directory.iterdir())
+    print(f"{name}: seed {seed}, {size / 1024:.0f} KiB; continuations {continuations}")
+    return expected
+
+
+def main() -> None:
+    for index, (name, spec) in enumerate(FIXTURES.items()):
+        seed = 100 * index
+        while make(name, spec, seed) is None:
+            seed += 1
+    total = sum(p.stat().st_size for p in OUT.rglob("*") if p.is_file())
+    print(f"total {total / 1024:.0f} KiB in {OUT}")
+
+
+if __name__ == "__main__":
+    main()

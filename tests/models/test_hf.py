@@ -1,0 +1,313 @@
+"""``load_hf`` against transformers on tiny checkpoints of every architecture (``hf_fixtures/``, made
+by ``hf_fixtures/make_fixtures.py``): logits, paged forward, greedy generation (autoregressive and
+speculative), float32 vs bfloat16 losslessness, loader errors; ``load_tokenizer``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings, strategies as st
+
+import scv_jax
+from scv_jax import DecoderConfig, SpeculativeDecoder
+from scv_jax.models import StagedKV, Transformer, load_hf, load_tokenizer
+from tests.models.fixtures import commit_prefix, perturbed_copy
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "hf_fixtures"
+NAMES = ("llama", "llama3_scaled", "qwen2", "mistral")
+NEW_TOKENS = 32
+VOCAB = 96
+# One bucket per dimension: one prefill and one step executable per decoder.
+DECODE = DecoderConfig(k=3, block_size=8, num_blocks=64, max_seq_len=64, prefill_chunk=16, batch_buckets=(2,),
+                       context_buckets=(8,))
+
+
+@functools.cache
+def expected(name: str) -> dict:
+    return json.loads((FIXTURES / name / "expected.json").read_text())
+
+
+@functools.cache
+def reference_logits(name: str, index: int) -> np.ndarray:
+    """transformers' float32 logits over prompt ``index`` + its greedy continuation: [T, vocab]."""
+    with np.load(FIXTURES / name / "logits.npz") as data:
+        return data[f"logits_{index}"]
+
+
+@functools.cache
+def model(name: str, dtype: str = "float32") -> Transformer:
+    return load_hf(FIXTURES / name, dtype=dtype)
+
+
+@functools.cache
+def forward(name: str, dtype: str = "float32"):
+    """Jitted full-sequence forward of a fixture model: int32[B, T] -> float32[B, T, vocab]."""
+    graphdef, state = nnx.split(model(name, dtype))
+    jitted = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    return lambda tokens: np.asarray(jitted(state, jnp.asarray(tokens, jnp.int32)))
+
+
+@functools.cache
+def decoders(name: str, dtype: str = "float32") -> tuple[SpeculativeDecoder, SpeculativeDecoder]:
+    """(autoregressive, speculative) decoders of a fixture model; the draft is a noisy copy of it."""
+    target = model(name, dtype)
+    config = DecoderConfig(**{**vars(DECODE), "cache_dtype": dtype})
+    return (SpeculativeDecoder(target, None, config=config),
+            SpeculativeDecoder(target, perturbed_copy(target, noise=0.1), config=config))
+
+
+def sequence(name: str, index: int) -> list[int]:
+    return expected(name)["prompts"][index] + expected(name)["continuations"][index]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_logits_match_transformers(name):
+    for index in range(2):
+        got = forward(name)([sequence(name, index)])[0]
+        np.testing.assert_allclose(got, reference_logits(name, index), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_paged_forward_matches_transformers(name):
+    """Committed prefix (shuffled blocks) + staged tokens + new tokens, each a paged forward, give
+    transformers' logits: RoPE positions, GQA, the sliding window (Mistral's 12 < the sequence) all
+    work across the cache / staging / new-token boundary."""
+    seq, block_size = sequence(name, 0), 4
+    committed, staged = len(seq) - 9, 4
+    config = model(name).config
+    cache = scv_jax.PagedKVCache.create(config.num_layers, 16, block_size, config.num_kv_heads, config.head_dim,
+                                        dtype="float32")
+    tables = jnp.asarray(np.random.default_rng(0).permutation(16)[None, :12], jnp.int32)
+    paged = model(name).forward_paged
+    first = paged(jnp.asarray([seq[:committed]]), cache, tables, jnp.zeros(1, jnp.int32))
+    cache = commit_prefix(cache, first, tables, [committed], block_size)
+    context = jnp.asarray([committed], jnp.int32)
+    middle = paged(jnp.asarray([seq[committed:committed + staged]]), cache, tables, context)
+    last = paged(jnp.asarray([seq[committed + staged:]]), cache, tables, context,
+                 StagedKV(middle.keys, middle.values, jnp.asarray([staged], jnp.int32)))
+    got = np.concatenate([np.asarray(out.logits[0]) for out in (first, middle, last)])
+    np.testing.assert_allclose(got, reference_logits(name, 0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_matches_transformers(name):
+    """32 greedy tokens, autoregressive and speculative (partial acceptance), equal transformers'."""
+    autoregressive, speculative = decoders(name)
+    prompts, continuations = expected(name)["prompts"], expected(name)["continuations"]
+    assert autoregressive.generate(prompts, NEW_TOKENS).tokens == continuations
+    out = speculative.generate(prompts, NEW_TOKENS)
+    assert out.tokens == continuations
+    assert 0.0 < out.stats.acceptance_rate < 1.0
+
+
+prompt_lists = st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), min_size=2, max_size=2)
+
+
+@settings(max_examples=4)
+@given(prompts=prompt_lists)
+@pytest.mark.parametrize("name", NAMES)
+def test_float32_speculative_equals_autoregressive(name, prompts):
+    """The README's float32 statement: greedy speculative output is the autoregressive output."""
+    autoregressive, speculative = decoders(name)
+    assert speculative.generate(prompts, NEW_TOKENS).tokens == autoregressive.generate(prompts, NEW_TOKENS).tokens
+
+
+def upcast(name: str) -> Transformer:
+    """The bfloat16 model's (rounded) weights in the float32 model: its exact logits."""
+    graphdef, _ = nnx.split(model(name, "float32"))
+    _, state = nnx.split(model(name, "bfloat16"))
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x.astype(jnp.float32), state))
+
+
+@functools.cache
+def upcast_forward(name: str):
+    graphdef, state = nnx.split(upcast(name))
+    jitted = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
+    return lambda tokens: np.asarray(jitted(state, jnp.asarray(tokens, jnp.int32)))
+
+
+def divergence_is_near_tie(name: str, prompt: list[int], first: list[int], second: list[int]) -> bool:
+    """Whether two bfloat16 greedy outputs of a prompt agree up to a near-tie of the logits.
+
+    At the first differing token, the gap between the two chosen tokens' exact logits (the bfloat16
+    weights evaluated in float32) must be within twice the bfloat16 forward's own error at that
+    position: two bfloat16 computations can then rank them differently; beyond it they cannot.
+    """
+    if first == second:
+        return True
+    step = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    prefix = [prompt + first[:step]]
+    exact = upcast_forward(name)(prefix)[0, -1]
+    rounded = forward(name, "bfloat16")(prefix)[0, -1]
+    error = np.abs(rounded - exact).max()
+    return abs(exact[first[step]] - exact[second[step]]) <= 2 * error
+
+
+@settings(max_examples=4)
+@given(prompts=prompt_lists)
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_speculative_equals_autoregressive_up_to_near_ties(name, prompts):
+    """The README's bfloat16 statement: speculative and autoregressive greedy outputs (same target,
+    same bfloat16 weights and cache) differ only where the top logits are tied within bf16 rounding."""
+    autoregressive, speculative = decoders(name, "bfloat16")
+    for prompt, a, b in zip(prompts, autoregressive.generate(prompts, NEW_TOKENS).tokens,
+                            speculative.generate(prompts, NEW_TOKENS).tokens):
+        assert divergence_is_near_tie(name, prompt, a, b), (prompt, a, b)
+
+
+def test_near_tie_check_rejects_a_clear_divergence():
+    """The check above is not vacuous: a different token at a step with a clear margin fails it."""
+    prompt = expected("llama")["prompts"][0]
+    greedy = decoders("llama", "bfloat16")[0].generate([prompt], 4).tokens[0]
+    logits = upcast_forward("llama")([prompt])[0, -1]
+    runner_up, top = np.argsort(logits)[-2:]
+    assert top == greedy[0] and logits[top] - logits[runner_up] > 0.2        # a clear margin
+    assert divergence_is_near_tie("llama", prompt, greedy, greedy)
+    assert not divergence_is_near_tie("llama", prompt, greedy, [int(runner_up)] + greedy[1:])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_model(name):
+    """bfloat16 parameters, float32 logits within bf16 rounding of the float32 model's."""
+    bf16 = model(name, "bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(bf16, nnx.Param))} == {jnp.dtype(jnp.bfloat16)}
+    seq = [sequence(name, 0)]
+    logits = forward(name, "bfloat16")(seq)
+    assert logits.dtype == np.float32
+    reference = reference_logits(name, 0)
+    assert np.abs(logits[0] - reference).max() < 0.05 * np.abs(reference).max()
+
+
+def test_load_hf_reads_tied_biased_sharded_and_scaled_checkpoints():
+    """The fixtures cover what they claim: a sharded index, tied heads, q/k/v biases, llama3 RoPE."""
+    assert (FIXTURES / "llama" / "model.safetensors.index.json").exists()
+    assert model("llama").lm_head is not None and model("qwen2").lm_head is None
+    assert model("qwen2").config.qkv_bias and not model("llama").config.qkv_bias
+    assert model("llama3_scaled").config.rope_scaling.factor == 8.0
+    assert model("llama3_scaled").config.head_dim * 4 != model("llama3_scaled").config.d_model
+    assert model("mistral").config.sliding_window == 12
+    total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
+    assert total < 600 * 1024
+
+
+# ------------------------------------------------------------------------------------------ errors
+def _broken_copy(tmp_path: pathlib.Path, name: str, **config_changes) -> pathlib.Path:
+    directory = tmp_path / name
+    shutil.copytree(FIXTURES / name, directory)
+    config = json.loads((directory / "config.json").read_text())
+    for key, value in config_changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("name, changes, match", [
+    ("llama", dict(architectures=["GPT2LMHeadModel"]), "architectures \\['GPT2LMHeadModel'\\] is not supported"),
+    ("llama", dict(architectures=None), "architectures None is not supported"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn' is not supported"),
+    ("llama", dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling type 'linear' is not supported"),
+    ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling of type 'llama3' lacks"),
+    ("llama", dict(attention_bias=True), "attention_bias: true is not supported"),
+    ("llama", dict(mlp_bias=True), "mlp_bias: true is not supported"),
+    ("llama", dict(quantization_config={"quant_method": "awq"}), "quantization_config"),
+    ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
+    ("llama", dict(hidden_size=None), "hidden_size must be an int >= 1, got None"),
+    ("llama", dict(num_key_value_heads=3), "num_heads \\(4\\) must be a multiple of num_kv_heads \\(3\\)"),
+    ("qwen2", dict(use_sliding_window=True), "use_sliding_window: true"),
+    ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types \\['sliding_attention'\\]"),
+    ("llama", dict(intermediate_size=48), "tensor model.layers.0.mlp.down_proj.weight in .* has shape \\[32, 64\\], "
+                                         "config.json implies \\[32, 48\\]"),
+    ("qwen2", dict(tie_word_embeddings=False), "tensor lm_head.weight is missing"),
+    ("llama", dict(num_hidden_layers=1), "tensor model.layers.1.input_layernorm.weight in .* is not used"),
+])
+def test_config_errors_name_the_field(tmp_path, name, changes, match):
+    with pytest.raises(ValueError, match=match) as error:
+        load_hf(_broken_copy(tmp_path, name, **changes), dtype="float32")
+    assert "\n" not in str(error.value)
+
+
+def test_tied_config_ignores_a_stored_head(tmp_path):
+    """A tied config may still store lm_head.weight: it is ignored, as transformers ties it."""
+    tied = load_hf(_broken_copy(tmp_path, "llama", tie_word_embeddings=True), dtype="float32")
+    assert tied.lm_head is None
+    np.testing.assert_array_equal(tied.embed.embedding[...], model("llama").embed.embedding[...])
+
+
+def test_file_errors(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    with pytest.raises(FileNotFoundError, match="config.json not found"):
+        load_hf(tmp_path)
+    directory = _broken_copy(tmp_path, "qwen2")
+    tensors = load_file(directory / "model.safetensors")
+    tensors.pop("model.layers.1.self_attn.k_proj.bias")
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(ValueError, match="tensor model.layers.1.self_attn.k_proj.bias is missing"):
+        load_hf(directory)
+    tensors["model.layers.1.self_attn.k_proj.bias"] = np.zeros(16, np.int32)
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(ValueError, match="k_proj.bias .* has dtype int32"):
+        load_hf(directory, dtype="float32")
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="has neither model.safetensors nor model.safetensors.index.json"):
+        load_hf(directory)
+    sharded = _broken_copy(tmp_path, "llama")
+    (sharded / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00003.safetensors \\(listed in .*index.json\\)"):
+        load_hf(sharded)
+    with pytest.raises(ValueError, match="load_hf: dtype must be one of"):
+        load_hf(FIXTURES / "llama", dtype="int8")
+
+
+# --------------------------------------------------------------------------------------- tokenizer
+@pytest.mark.parametrize("name", NAMES)
+def test_tokenizer_matches_the_fixture(name):
+    tokenizer = load_tokenizer(FIXTURES / name)
+    assert tokenizer.vocab_size == model(name).config.vocab_size == VOCAB
+    for sample in expected(name)["tokenizer"]:
+        assert tokenizer.encode(sample["text"]) == sample["ids"]
+        assert tokenizer.encode(sample["text"], add_special_tokens=False) == sample["ids_without_special"]
+        assert tokenizer.decode(sample["ids"]) == sample["text"]
+    assert expected(name)["prompts"][0] == tokenizer.encode(expected(name)["tokenizer"][0]["text"])
+    assert tokenizer.token_to_id("</s>") == 2 and tokenizer.token_to_id("no such token") is None
+
+
+words = st.lists(st.text(alphabet="abcdefghijklmnopqrstuvwxyzAST", min_size=1, max_size=8), min_size=1, max_size=6)
+
+
+@settings(max_examples=30)
+@given(words=words, name=st.sampled_from(NAMES))
+def test_tokenizer_round_trip(words, name):
+    text = " ".join(words)
+    tokenizer = load_tokenizer(FIXTURES / name / "tokenizer.json")
+    ids = tokenizer.encode(text)
+    assert all(0 <= i < VOCAB for i in ids)
+    assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="load_tokenizer: .*tokenizer.json not found"):
+        load_tokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError, match="load_tokenizer: .*nothing.json not found"):
+        load_tokenizer(tmp_path / "nothing.json")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not a valid tokenizer.json") as error:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(error.value)
+    tokenizer = load_tokenizer(FIXTURES / "llama")
+    with pytest.raises(ValueError, match="token id 96 outside \\[0, vocab_size=96\\)"):
+        tokenizer.decode([1, 96])
+    with pytest.raises(ValueError, match="text must be a str"):
+        tokenizer.encode([1, 2])
