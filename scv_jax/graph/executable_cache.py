@@ -22,6 +22,7 @@ import functools
 import inspect
 import itertools
 import logging
+import re
 import sys
 import threading
 import time
@@ -59,7 +60,8 @@ class GraphModeStats:
 
     ``padding_ratio(dim)`` is padded / real size summed over all bucketed calls (1.0 = no waste).
     ``unaliased_donations``: executables whose outputs do not alias the donated arguments;
-    ``copied_donations``: executables that alias them but need as much temporary memory (a copy inside).
+    ``copied_donations``: executables that alias them but copy arrays of their shapes inside (found
+    in the optimized HLO; the in-place update is then lost).
     """
 
     hits: int = 0
@@ -90,14 +92,18 @@ class WarmupReport(NamedTuple):
 
 @dataclasses.dataclass
 class _Entry:
-    executable: Any          # jax.stages.Compiled
+    executable: Any          # jax.stages.Compiled, taking the dynamic arguments positionally
     is_fallback: bool
-    fixed: frozenset = frozenset()   # arguments the executable does not take (bound by the fallback)
 
-    def __call__(self, args: dict[str, Any]):
-        if self.fixed:
-            args = {a: v for a, v in args.items() if a not in self.fixed}
-        return self.executable(**args)
+
+def _positional(fn: Callable, dynamic: tuple[str, ...], fixed: frozenset[str] = frozenset()) -> Callable:
+    """``fn`` taking its dynamic arguments positionally (in ``dynamic``'s order) and its static ones by
+    keyword; arguments in ``fixed`` (bound by a fallback's ``functools.partial``) are dropped."""
+    def call(*values, **statics):
+        named = {**dict(zip(dynamic, values)), **statics}
+        return fn(**{a: v for a, v in named.items() if a not in fixed})
+    call.__name__ = getattr(fn, "__name__", "step")
+    return call
 
 
 def enable_persistent_cache(cache_dir: str, *, min_compile_time_secs: float = 0.0,
@@ -110,6 +116,15 @@ def enable_persistent_cache(cache_dir: str, *, min_compile_time_secs: float = 0.
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         from jax.experimental.compilation_cache import compilation_cache
         compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+
+
+_COPY_CHECK_BYTES = 1 << 12   # donated arrays smaller than this are not checked for copies
+_HLO_COPY = re.compile(r"= [a-z0-9]+\[([0-9,]*)\](?:\{[^}]*\})? copy\(")
+
+
+def _copied_shapes(hlo_text: str) -> list[tuple[int, ...]]:
+    """Shapes of the arrays that ``copy`` instructions of an optimized HLO module produce."""
+    return [tuple(int(d) for d in dims.split(",") if d) for dims in _HLO_COPY.findall(hlo_text)]
 
 
 def _nbytes(leaf: Any) -> int:
@@ -185,12 +200,19 @@ class ExecutableCache:
                                      f"not one of dims {tuple(self.dims)}")
         self._carriers = {dim: [(a, p) for a, ps in self.pads.items() for p in ps if p.dim == dim]
                           for dim in self.dims}
-        jit_options = dict(static_argnames=self.static_argnames, donate_argnames=self.donate_argnames)
-        self._jitted = jax.jit(fn, **jit_options)
+        # Dynamic arguments go to jit positionally in signature order: jit flattens keyword arguments in
+        # sorted order, and pairs donated inputs with same-shaped outputs in flattening order, so
+        # keywords could pair e.g. a donated draft cache with the target cache's output (a copy).
+        self._dynamic = tuple(a for a in self._params if a not in self.static_argnames)
+        jit_options = dict(static_argnames=self.static_argnames,
+                           donate_argnums=tuple(i for i, a in enumerate(self._dynamic) if a in self.donate_argnames))
+        self._jitted = jax.jit(_positional(fn, self._dynamic), **jit_options)
         if isinstance(fallback, Mapping):
             fallback = functools.partial(fn, **fallback)
-        self._fallback_jitted = jax.jit(fallback, **jit_options) if fallback is not None else None
-        self._fallback_fixed = frozenset(getattr(fallback, "keywords", None) or ())
+        self._fallback_jitted = None
+        if fallback is not None:
+            fixed = frozenset(getattr(fallback, "keywords", None) or ())
+            self._fallback_jitted = jax.jit(_positional(fallback, self._dynamic, fixed), **jit_options)
         if cache_dir is not None:
             enable_persistent_cache(cache_dir)
         self.stats = GraphModeStats()
@@ -207,6 +229,15 @@ class ExecutableCache:
         bound = dict(zip(self._params, args))
         bound.update(kwargs)
         return bound
+
+    def _dynamic_values(self, args: Mapping[str, Any]) -> list[Any]:
+        """The dynamic arguments in signature order (defaults where not given)."""
+        values = []
+        for arg in self._dynamic:
+            if arg not in args and arg not in self._defaults:
+                raise TypeError(f"{self.name}: missing argument {arg!r}")
+            values.append(args[arg] if arg in args else self._defaults[arg])
+        return values
 
     def _plan(self, bound: Mapping[str, Any]) -> BucketPlan:
         real, padded = {}, {}
@@ -341,10 +372,9 @@ class ExecutableCache:
             if not is_fallback and (key in self.failed or fallback_only):
                 continue
             start = time.perf_counter()
-            fixed = self._fallback_fixed if is_fallback else frozenset()
+            statics = {a: trace_args[a] for a in self.static_argnames if a in trace_args}
             try:
-                compiled = jitted.trace(**{a: v for a, v in trace_args.items()
-                                           if a not in fixed}).lower().compile()
+                compiled = jitted.trace(*self._dynamic_values(trace_args), **statics).lower().compile()
             except Exception as error:  # noqa: BLE001 - any capture failure falls back
                 if is_fallback or self._fallback_jitted is None:
                     raise
@@ -357,7 +387,7 @@ class ExecutableCache:
             with self._lock:
                 self.stats.compiles += 1
             self._check_donation(key, compiled, trace_args)
-            return _Entry(compiled, is_fallback, fixed), compiles
+            return _Entry(compiled, is_fallback), compiles
         raise RuntimeError(f"{self.name}: bucket ({self.describe(key)}) has no executable: "
                            f"{self.failed.get(key)}")
 
@@ -375,21 +405,23 @@ class ExecutableCache:
                       for leaf in jax.tree.leaves(trace_args.get(arg)))
         if not donated:
             return
-        analysis = compiled.memory_analysis()
-        aliased = getattr(analysis, "alias_size_in_bytes", None)
-        temporary = getattr(analysis, "temp_size_in_bytes", None)
+        aliased = getattr(compiled.memory_analysis(), "alias_size_in_bytes", None)
         if aliased is not None and aliased < donated:
             with self._lock:
                 self.stats.unaliased_donations += 1
             logger.warning("%s: bucket (%s) aliases %d of %d donated bytes: the donated arguments %s "
                            "are copied, not updated in place", self.name, self.describe(key),
                            aliased, donated, self.donate_argnames)
-        elif temporary is not None and temporary >= donated:
+            return
+        donated_shapes = {tuple(leaf.shape) for arg in self.donate_argnames
+                          for leaf in jax.tree.leaves(trace_args.get(arg)) if _nbytes(leaf) >= _COPY_CHECK_BYTES}
+        copied = [shape for shape in _copied_shapes(compiled.as_text()) if shape in donated_shapes]
+        if copied:
             with self._lock:
                 self.stats.copied_donations += 1
-            logger.warning("%s: bucket (%s) needs %d bytes of temporary memory, at least the %d donated "
-                           "bytes: the donated arguments %s are likely copied inside the executable",
-                           self.name, self.describe(key), temporary, donated, self.donate_argnames)
+            logger.warning("%s: bucket (%s) copies arrays of the donated arguments' shapes %s inside the "
+                           "executable: the donated arguments %s are not updated in place",
+                           self.name, self.describe(key), sorted(set(copied)), self.donate_argnames)
 
     def executable(self, key: BucketKey) -> Any | None:
         """The compiled executable serving ``key`` (``jax.stages.Compiled``), or None."""
@@ -463,7 +495,7 @@ class ExecutableCache:
         self._last_call_compiled = False
         if plan.key is None:
             self.stats.oversize += 1
-            return self._jitted(**bound)
+            return self._jitted(*self._dynamic_values(bound), **plan.statics)
         for dim, size in plan.real.items():
             self.stats.real_totals[dim] = self.stats.real_totals.get(dim, 0) + size
             self.stats.padded_totals[dim] = self.stats.padded_totals.get(dim, 0) + plan.padded[dim]
@@ -476,22 +508,21 @@ class ExecutableCache:
             self._last_call_compiled = True
         else:
             self.stats.hits += 1
-        dynamic = {a: v for a, v in padded.items() if a not in plan.statics}
+        dynamic = self._dynamic_values(padded)
         if entry.is_fallback:
             self.stats.fallbacks += 1
-            return entry(dynamic)
+            return entry.executable(*dynamic)
         try:
-            return entry(dynamic)
+            return entry.executable(*dynamic)
         except jax.errors.JaxRuntimeError as error:
             if self._fallback_jitted is None:
                 raise
             return self._after_run_failure(plan.key, padded, dynamic, error)
 
-    def _after_run_failure(self, key: BucketKey, padded: dict[str, Any], dynamic: dict[str, Any],
-                           error: Exception):
+    def _after_run_failure(self, key: BucketKey, padded: dict[str, Any], dynamic: list[Any], error: Exception):
         """Retries a failed run on the fallback while the donated inputs are alive (see ``fallback``)."""
         consumed = [a for a in self.donate_argnames
-                    if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(dynamic.get(a)))]
+                    if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(padded.get(a)))]
         if consumed:
             self._mark_failed(key, f"run failed: {error}")
             del self._entries[key]   # the next call of this bucket compiles the fallback
@@ -501,7 +532,7 @@ class ExecutableCache:
                 f"fallback. Cause: {error}") from error
         fallback, _ = self._compile_one(key, padded, fallback_only=True)
         try:
-            result = fallback(dynamic)
+            result = fallback.executable(*dynamic)
         except Exception:
             raise error from None  # the fallback fails too: the inputs are at fault, not the executable
         self._mark_failed(key, f"run failed: {error}")

@@ -230,6 +230,14 @@ def test_donation_is_checked():
     copying(jnp.zeros(KV_SIZE), ids, cu, weights, k=2)
     assert copying.stats.unaliased_donations == 1
 
+    def keeps_the_old_cache(kv, ids, cu, weights, *, k, backend="auto"):   # both versions live: a copy
+        new_kv, out = toy_step(kv, ids, cu, weights, k=k)
+        return new_kv, out + kv[:out.shape[0]] * kv[-1]
+    copying = make_cache(keeps_the_old_cache, dims={"batch": [2], "tokens": lambda b: b["batch"] * b["k"]})
+    copying(jnp.zeros(4096), ids, cu, weights, k=2)
+    assert copying.stats.unaliased_donations == 0 and copying.stats.copied_donations == 1
+    assert cache.stats.copied_donations == 0
+
 
 def test_oversize_runs_unpadded():
     cache = make_cache()
