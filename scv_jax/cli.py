@@ -1,5 +1,6 @@
-"""The ``scv-jax`` command: ``scv-jax demo`` (speculative vs autoregressive on the demo models) and
-``scv-jax bench`` (the end-to-end benchmark)."""
+"""The ``scv-jax`` command: ``scv-jax demo`` (speculative vs autoregressive on the demo models),
+``scv-jax generate`` (text in, text out with a Hugging Face checkpoint) and ``scv-jax bench`` (the
+end-to-end benchmark)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,21 @@ def _parser() -> argparse.ArgumentParser:
     mode = demo.add_mutually_exclusive_group()
     mode.add_argument("--k", type=_int_at_least(0), default=6, help="fixed drafts per step (0 = no speculation)")
     mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
+    generate = sub.add_parser("generate", help="continue a text with a local Hugging Face model",
+                              formatter_class=formatter)
+    generate.add_argument("--model", required=True, metavar="DIR", help="the target's model directory")
+    generate.add_argument("--draft", metavar="DIR", help="a draft model's directory (same vocabulary)")
+    generate.add_argument("--prompt", required=True, help="text to continue")
+    generate.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens to generate")
+    generate.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
+    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling draws")
+    generate.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                          help="parameter, activation and KV-cache dtype")
+    generate.add_argument("--compare", action="store_true",
+                          help="also run the target alone and report the speedup")
+    generate_mode = generate.add_mutually_exclusive_group()
+    generate_mode.add_argument("--k", type=_int_at_least(0), default=4, help="fixed drafts per step")
+    generate_mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
     bench = sub.add_parser("bench", help="end-to-end benchmark on the demo models (with progress)",
                            formatter_class=formatter)
     bench.add_argument("--batch-sizes", type=_int_at_least(1), nargs="+", default=[1, 4, 16],
@@ -76,8 +92,47 @@ def _ratio(value: float, fmt: str) -> str:
     return "-" if math.isnan(value) else format(value, fmt)
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def _decoder_config(args: argparse.Namespace, prompt_len: int, **fields):
+    """A ``DecoderConfig`` for one request of ``prompt_len`` tokens and ``args``' k and length."""
     from scv_jax.decoding.config import DecoderConfig
+
+    config = DecoderConfig(k=args.k, adaptive=args.adaptive, batch_buckets=(1,), **fields)
+    needed = prompt_len + args.max_new_tokens + max(config.allowed_k)
+    return dataclasses.replace(config, max_seq_len=max(config.max_seq_len, needed),
+                               num_blocks=max(config.num_blocks, -(-needed // config.block_size)))
+
+
+def _timed_generations(decoders: list, prompt: list[int], args: argparse.Namespace, eos_token_id: int | None):
+    """Each decoder's output for ``prompt``, timed after an untimed call that compiles what it uses."""
+    print("compiling (one time) ...", file=sys.stderr, flush=True)
+    for decoder in decoders:
+        decoder.generate([prompt], args.max_new_tokens, temperature=args.temperature, seed=args.seed + 1,
+                         eos_token_id=eos_token_id, progress=True)
+    return [decoder.generate([prompt], args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                             eos_token_id=eos_token_id) for decoder in decoders]
+
+
+def _print_stats(args: argparse.Namespace, spec, base=None) -> None:
+    """The stats table of a speculative run, against an autoregressive one when given."""
+    s = spec.stats
+    mode = "adaptive k" if args.adaptive else f"k={args.k}"
+    per_position = " ".join(_ratio(a, ".2f") for a in s.acceptance_per_position) or "-"
+    rows = [(f"speculative ({mode})", f"{s.tokens_per_second:8.1f} tokens/s", f"{s.wall_seconds:.2f} s")]
+    if base is not None:
+        b = base.stats
+        same = ("yes" if spec.tokens == base.tokens else "NO") if args.temperature == 0 else \
+            "n/a (sampling: same distribution, different draws)"
+        rows = [("autoregressive", f"{b.tokens_per_second:8.1f} tokens/s", f"{b.wall_seconds:.2f} s"), *rows,
+                ("speedup", f"{s.tokens_per_second / b.tokens_per_second:8.2f}x", "")]
+    rows += [("mean accepted length", f"{s.mean_accepted_length:8.2f} tokens/step", f"{s.steps} steps"),
+             ("acceptance", f"{_ratio(s.acceptance_rate, '8.2f'):>8s}", f"per position: {per_position}")]
+    if base is not None:
+        rows.append(("greedy outputs identical", same, ""))
+    for name, value, extra in rows:
+        print(f"{name:26s}{value:22s}{extra}")
+
+
+def run_demo(args: argparse.Namespace) -> int:
     from scv_jax.decoding.decoder import SpeculativeDecoder
     from scv_jax.models import load_demo
 
@@ -85,34 +140,39 @@ def run_demo(args: argparse.Namespace) -> int:
     if not prompt:
         raise ValueError("--prompt must not be empty")
     target, draft = load_demo()
-    config = DecoderConfig(k=args.k, adaptive=args.adaptive, batch_buckets=(1,))
-    needed = len(prompt) + args.max_new_tokens + max(config.allowed_k)
-    config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, needed),
-                                 num_blocks=max(config.num_blocks, -(-needed // config.block_size)))
-    speculative = SpeculativeDecoder(target, draft, config=config)
-    autoregressive = SpeculativeDecoder(target, None, config=config)
-    print("compiling (one time) ...", file=sys.stderr, flush=True)
-    for decoder in (speculative, autoregressive):       # untimed run: compiles every executable used
-        decoder.generate([prompt], args.max_new_tokens, temperature=args.temperature, seed=args.seed + 1,
-                         progress=True)
-    spec = speculative.generate([prompt], args.max_new_tokens, temperature=args.temperature, seed=args.seed)
-    base = autoregressive.generate([prompt], args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    config = _decoder_config(args, len(prompt))
+    spec, base = _timed_generations([SpeculativeDecoder(target, draft, config=config),
+                                     SpeculativeDecoder(target, None, config=config)], prompt, args, None)
     print(_text(prompt + spec.tokens[0]))
     print()
-    s, b = spec.stats, base.stats
-    mode = "adaptive k" if args.adaptive else f"k={args.k}"
-    same = ("yes" if spec.tokens == base.tokens else "NO") if args.temperature == 0 else \
-        "n/a (sampling: same distribution, different draws)"
-    per_position = " ".join(_ratio(a, ".2f") for a in s.acceptance_per_position) or "-"
-    rows = [("autoregressive", f"{b.tokens_per_second:8.1f} tokens/s", f"{b.wall_seconds:.2f} s"),
-            (f"speculative ({mode})", f"{s.tokens_per_second:8.1f} tokens/s", f"{s.wall_seconds:.2f} s"),
-            ("speedup", f"{s.tokens_per_second / b.tokens_per_second:8.2f}x", ""),
-            ("mean accepted length", f"{s.mean_accepted_length:8.2f} tokens/step", f"{s.steps} steps"),
-            ("acceptance", f"{_ratio(s.acceptance_rate, '8.2f'):>8s}", f"per position: {per_position}"),
-            ("greedy outputs identical", same, "")]
-    for name, value, extra in rows:
-        print(f"{name:26s}{value:22s}{extra}")
+    _print_stats(args, spec, base)
     return 0 if args.temperature or spec.tokens == base.tokens else 1
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from scv_jax.decoding.decoder import SpeculativeDecoder
+    from scv_jax.models import load_hf, load_tokenizer
+    from scv_jax.models.hf import eos_token_ids
+
+    tokenizer = load_tokenizer(args.model)
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise ValueError("--prompt encodes to no tokens")
+    target = load_hf(args.model, dtype=args.dtype)
+    draft = load_hf(args.draft, dtype=args.dtype) if args.draft else None
+    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--draft {args.draft} has vocab_size {draft.config.vocab_size}, the target "
+                         f"{args.model} has {target.config.vocab_size}: they must share the vocabulary")
+    eos = eos_token_ids(args.model)
+    config = _decoder_config(args, len(prompt), cache_dtype=args.dtype)
+    decoders = [SpeculativeDecoder(target, draft, config=config)]
+    if args.compare:
+        decoders.append(SpeculativeDecoder(target, None, config=config))
+    spec, *base = _timed_generations(decoders, prompt, args, eos[0] if eos else None)
+    print(args.prompt + tokenizer.decode(spec.tokens[0]))
+    print()
+    _print_stats(args, spec, *base)
+    return 0
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -138,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return run_demo(args) if args.command == "demo" else run_bench(args)
+        return {"demo": run_demo, "generate": run_generate, "bench": run_bench}[args.command](args)
     except (ValueError, FileNotFoundError) as error:     # a user's mistake: one line, no traceback
         print(f"scv-jax {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -90,3 +90,25 @@ def test_module_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "scv_jax", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "demo" in out.stdout and "bench" in out.stdout
+
+
+FIXTURE = "tests/models/hf_fixtures/qwen2"
+
+
+def test_generate_continues_text_with_a_checkpoint(capsys):
+    argv = ["generate", "--model", FIXTURE, "--draft", FIXTURE, "--prompt", "hello", "--max-new-tokens", "8",
+            "--dtype", "float32", "--k", "3", "--compare"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("hello") and "speculative (k=3)" in out and "speedup" in out
+    assert "greedy outputs identical  yes" in out
+
+
+def test_generate_mistakes_are_one_line_errors(capsys, monkeypatch, tmp_path):
+    assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert "tokenizer.json not found" in capsys.readouterr().err
+    small = {FIXTURE: tiny_model(BYTE_TARGET), "other": tiny_model(TransformerConfig(vocab_size=300))}
+    monkeypatch.setattr("scv_jax.models.load_hf", lambda path, dtype: small[path])
+    assert cli.main(["generate", "--model", FIXTURE, "--draft", "other", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--draft other has vocab_size 300" in err and "must share the vocabulary" in err

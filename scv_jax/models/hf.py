@@ -214,3 +214,16 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16") -> Transformer
             return (tensor.T if transposed else tensor), f"load_hf: tensor {hf_name} in {files[hf_name]}"
 
         return assemble_transformer(config, read)
+
+
+def eos_token_ids(path: str | pathlib.Path) -> list[int]:
+    """The end-of-sequence ids a model directory declares (``generation_config.json``, else
+    ``config.json``; ``eos_token_id`` may be one id or a list); [] when it declares none."""
+    directory = pathlib.Path(path)
+    for name in ("generation_config.json", "config.json"):
+        file = directory / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+    return []
