@@ -14,26 +14,33 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.fp8 import dequantize
+from pallas_kernels.fp8 import dequantize, is_fp8
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 
 NEG = -1e30                 # finite floor of the running max: a fully masked chunk leaves (0, 0)
 CHUNK_BYTES = 256 << 20     # float32 K + V bytes of one chunk (bounds the loop's temporaries)
+MAX_CHUNK_TOKENS = 1024     # positions per chunk: short contexts in wide tables read little past their end
 
 
 def default_chunk_tokens(batch: int, kv_heads: int, head_dim: int, block_size: int, max_blocks: int) -> int:
-    """Context positions per loop step: a whole number of blocks holding about ``CHUNK_BYTES`` of
-    float32 K and V for the batch, at most the whole table."""
+    """Context positions per loop step: a whole number of blocks, at most ``MAX_CHUNK_TOKENS``, holding at
+    most ``CHUNK_BYTES`` of float32 K and V for the batch (at least one block), at most the whole table."""
     per_position = 2 * 4 * max(batch, 1) * kv_heads * head_dim
-    blocks = max(1, CHUNK_BYTES // (per_position * block_size))
-    return min(blocks, max(max_blocks, 1)) * block_size
+    positions = min(MAX_CHUNK_TOKENS, CHUNK_BYTES // per_position)
+    return min(max(1, positions // block_size), max(max_blocks, 1)) * block_size
 
 
 def _read_chunk(pages: jax.Array, scale: jax.Array | None, cache: PagedKVCache, layer: jax.Array,
                 blocks: jax.Array) -> jax.Array:
     """[B, C * block_size, kv_heads, head_dim] entries of ``blocks`` int32[B, C] of ``layer``: the cache
-    dtype when unscaled, else dequantised float32."""
-    values = pages[layer, blocks]                                   # NHD [B, C, BS, H, D]; HND [B, C, H, BS, D]
+    dtype when unscaled, else dequantised float32.
+
+    fp8 pages are gathered as uint8: XLA:CPU would otherwise convert all layers' pages to float16 first.
+    """
+    if is_fp8(pages.dtype):
+        values = lax.bitcast_convert_type(lax.bitcast_convert_type(pages, jnp.uint8)[layer, blocks], pages.dtype)
+    else:
+        values = pages[layer, blocks]                               # NHD [B, C, BS, H, D]; HND [B, C, H, BS, D]
     if cache.layout == "HND":
         values = jnp.swapaxes(values, 2, 3)
     batch, columns, block_size, heads, head_dim = values.shape
