@@ -1,9 +1,10 @@
 """Mosaic GPU kernel: verification attention over a paged KV cache, a staging buffer and the new tokens.
 
-Semantics (``paged_attention_kernel``): query t of request b attends to the cache positions
-< ``context_lens[b]`` (read through ``block_tables[b]``), the staged entries < ``staged_lens[b]`` and
-the new tokens <= t; scores are scaled by ``head_dim ** -0.5``; query head h reads kv head
-``h // (heads // kv_heads)``.
+Semantics (``paged_attention_kernel``): query t of request b (at position ``context_lens[b] +
+staged_lens[b] + t``) attends to the cache positions < ``context_lens[b]`` (read through
+``block_tables[b]``), the staged entries < ``staged_lens[b]`` and the new tokens <= t, and with a
+sliding window W only to keys at positions > its own - W; scores are scaled by ``head_dim ** -0.5``;
+query head h reads kv head ``h // (heads // kv_heads)``.
 
 Design (Hopper, tensor cores, one warpgroup per CTA):
   * **Rows.** The G = heads / kv_heads query heads of one kv head and the T query tokens form the rows
@@ -36,7 +37,8 @@ Design (Hopper, tensor cores, one warpgroup per CTA):
     float32-grade attention (~1e-5); a bf16 model pays one wgmma per product and a bf16 P, as
     FlashAttention does.
   * **Softmax.** Online softmax in base 2 with a finite -1e30 floor: masked scores (positions >=
-    context, staged entries >= staged length, new tokens after the query) get probability 0, so the
+    context, staged entries >= staged length, new tokens after the query, keys before the sliding
+    window; tiles wholly before the earliest query's window are not read) get probability 0, so the
     rows of an empty split stay (acc 0, l 0, m -1e30) and never produce NaN. V rows past the context
     are zeroed before the PV product, so stale non-finite bytes in a partly used page stay out.
   * **Staged and new K/V.** The wrapper packs the valid staged entries (zeros past ``staged_lens``)
@@ -135,6 +137,7 @@ class Plan:
     stages: int
     splits: int
     tiles_per_split: int
+    sliding_window: int | None
 
     @property
     def direct(self) -> bool:
@@ -181,7 +184,8 @@ class Plan:
 
 def make_plan(*, layout: str, scale_mode: str | None, cache_dtype, num_layers: int, num_blocks: int,
               block_size: int, max_blocks: int, batch: int, kv_heads: int, group: int, head_dim: int,
-              tokens: int, staged_capacity: int, q_dtype, extra_dtypes: tuple, num_splits: int | None = None) -> Plan:
+              tokens: int, staged_capacity: int, q_dtype, extra_dtypes: tuple,
+              sliding_window: int | None = None, num_splits: int | None = None) -> Plan:
     """The launch plan for these static facts (see the module docstring); ``num_splits`` overrides the
     split-K factor (clamped to the number of tiles)."""
     cache_dtype = np.dtype(cache_dtype)
@@ -204,7 +208,8 @@ def make_plan(*, layout: str, scale_mode: str | None, cache_dtype, num_layers: i
     min_stages = extra_terms if cache_terms == 0 else 1
     plans = [Plan(layout, scale_mode, cache_dtype, num_layers, num_blocks, block_size, max_blocks, batch,
                   kv_heads, group, head_dim, tokens, staged_capacity, q_terms, cache_terms, extra_terms,
-                  p_terms, stages, splits, tiles_per_split) for stages in range(MAX_STAGES, min_stages - 1, -1)]
+                  p_terms, stages, splits, tiles_per_split, sliding_window)
+             for stages in range(MAX_STAGES, min_stages - 1, -1)]
     # The deepest ring that lets two CTAs share an SM, else the deepest that fits one CTA.
     for budget in (SHARED_SMEM_BUDGET, SMEM_BUDGET):
         fitting = [plan for plan in plans if plan.smem_bytes() <= budget]
@@ -269,9 +274,14 @@ def _attention_body(plan: Plan, layer_ref, tables_ref, context_ref, staged_len_r
     row_block = lax.rem(hr, plan.row_blocks)
     layer = jnp.clip(layer_ref[0], 0, plan.num_layers - 1)
     context = jnp.clip(context_ref[b], 0, plan.max_blocks * plan.block_size)
+    staged = staged_len_ref[b]
+    base = context + staged                 # the position of query token 0
     last_page = jnp.maximum(lax.div(context + plan.block_size - 1, plan.block_size) - 1, 0)
     first_tile = split * plan.tiles_per_split
-    num_tiles = jnp.clip(lax.div(context + TILE - 1, TILE) - first_tile, 0, plan.tiles_per_split)
+    end_tile = jnp.minimum(first_tile + plan.tiles_per_split, lax.div(context + TILE - 1, TILE))
+    if plan.sliding_window is not None:     # skip tiles before the earliest query's window
+        first_tile = jnp.maximum(first_tile, lax.div(jnp.maximum(base - plan.sliding_window + 1, 0), TILE))
+    num_tiles = jnp.maximum(end_tile - first_tile, 0)
 
     def tile_pages(tile) -> list[tuple[jax.Array, jax.Array]]:
         """(block, first row) of each TMA copy of ``tile``; pages past the context repeat the last one."""
@@ -331,6 +341,15 @@ def _attention_body(plan: Plan, layer_ref, tables_ref, context_ref, staged_len_r
 
         columns = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 1, layout=wgmma)
         tile_rows = plgpu.broadcasted_iota(jnp.int32, (TILE, d), 0, layout=wgmma)
+        # row r = t * G + g is query token t, at position base + t
+        query_rows = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 0, layout=wgmma) + row_block * ROWS
+
+        def windowed(valid, key_offsets):
+            """``valid`` and, with a sliding window, the key at position base + offset inside row r's window:
+            offset > t - W, i.e. r < (offset + W) * G."""
+            if plan.sliding_window is None:
+                return valid
+            return valid & (query_rows < (key_offsets + plan.sliding_window) * plan.group)
 
         def page_step(i, carry):
             tile = first_tile + i
@@ -358,7 +377,8 @@ def _attention_body(plan: Plan, layer_ref, tables_ref, context_ref, staged_len_r
                 pl.when(i + plan.stages < num_tiles)(refetch)   # the raw slot is free once dequantised
                 k_terms = [k_ops.at[j] for j in range(plan.cache_terms)]
                 v_terms = [v_ops.at[j] for j in range(plan.cache_terms)]
-            carry = attend(k_terms, v_terms, tile * TILE + columns < context, carry)
+            positions = tile * TILE + columns
+            carry = attend(k_terms, v_terms, windowed(positions < context, positions - base), carry)
             if plan.direct:   # the wgmma ops reading the slot are done: their results were read
                 pl.when(i + plan.stages < num_tiles)(refetch)
             return carry
@@ -371,8 +391,6 @@ def _attention_body(plan: Plan, layer_ref, tables_ref, context_ref, staged_len_r
         # Staged entries and new tokens: the ring (bf16 caches) or the operand buffers are idle now.
         k_terms = [(k_ring if plan.direct else k_ops).at[t] for t in range(plan.extra_terms)]
         v_terms = [(v_ring if plan.direct else v_ops).at[t] for t in range(plan.extra_terms)]
-        staged = staged_len_ref[b]
-        query_tokens_x_group = plgpu.broadcasted_iota(jnp.int32, (ROWS, TILE), 0, layout=wgmma) + row_block * ROWS
 
         def extra_step(j, carry):
             rows = pl.ds(j * TILE, TILE)
@@ -382,10 +400,11 @@ def _attention_body(plan: Plan, layer_ref, tables_ref, context_ref, staged_len_r
             plgpu.barrier_wait(extra_barrier)
             entry = columns + j * TILE
             new_token = entry - plan.staged_capacity
-            # row r = t * G + g is query token t: new token n is visible when n <= t, i.e. n * G <= r
+            # staged entry e is at position base + e - staged; new token n at base + n, visible when n <= t
             valid = (entry < staged) | ((new_token >= 0) & (new_token < plan.tokens)
-                                        & (new_token * plan.group <= query_tokens_x_group))
-            return attend(k_terms, v_terms, valid, carry)
+                                        & (new_token * plan.group <= query_rows))
+            key_offsets = jnp.where(new_token >= 0, new_token, entry - staged)
+            return attend(k_terms, v_terms, windowed(valid, key_offsets), carry)
 
         return lax.fori_loop(0, jnp.where(split == plan.splits - 1, plan.extra_tiles, 0), extra_step, carry)
 
@@ -427,17 +446,14 @@ def _pack_queries(q: jax.Array, plan: Plan) -> jax.Array:
     return split_bf16(rows, plan.q_terms, axis=2)
 
 
-def _pack_extra(staged: jax.Array | None, staged_lens: jax.Array, new: jax.Array, layer: jax.Array,
-                plan: Plan) -> jax.Array:
-    """Staged entries (zeroed past their length) then new tokens, as bf16 [B, kv_heads, terms, E, d]."""
-    new = new.astype(jnp.float32)
-    parts = []
+def _pack_extra(staged: jax.Array | None, staged_lens: jax.Array, new: jax.Array, plan: Plan) -> jax.Array:
+    """Staged entries [B, S, kv_heads, d] (zeroed past their length) then new tokens [B, T, kv_heads, d],
+    as bf16 [B, kv_heads, terms, E, d]."""
+    extra = new.astype(jnp.float32)
     if staged is not None:
-        entries = lax.dynamic_index_in_dim(staged, layer, axis=0, keepdims=False).astype(jnp.float32)
         valid = jnp.arange(plan.staged_capacity)[None, :] < staged_lens[:, None]
-        parts.append(jnp.where(valid[:, :, None, None], entries, 0.0))
-    parts.append(new)
-    extra = jnp.concatenate(parts, axis=1) if len(parts) > 1 else new      # [B, S + T, kv_heads, d]
+        staged = jnp.where(valid[:, :, None, None], staged.astype(jnp.float32), 0.0)
+        extra = jnp.concatenate([staged, extra], axis=1)                      # [B, S + T, kv_heads, d]
     extra = jnp.pad(extra, ((0, 0), (0, plan.extra_tiles * TILE - extra.shape[1]), (0, 0), (0, 0)))
     return split_bf16(extra.transpose(0, 2, 1, 3), plan.extra_terms, axis=2)
 
@@ -460,8 +476,8 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            context_lens: jax.Array, staged_keys: jax.Array | None,
                            staged_values: jax.Array | None, staged_lens: jax.Array | None,
                            new_keys: jax.Array, new_values: jax.Array, *, layout: str,
-                           scale_mode: str | None, num_splits: int | None = None,
-                           interpret: bool = False) -> jax.Array:
+                           scale_mode: str | None, sliding_window: int | None = None,
+                           num_splits: int | None = None, interpret: bool = False) -> jax.Array:
     """Attention of ``q`` over the paged cache, the staged entries and the new tokens (causal).
 
     Args:
@@ -473,8 +489,10 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         ``[layers, blocks, block_size, kv_heads]`` ("token_head").
       layer: int32 scalar (may be traced); clamped into [0, layers).
       block_tables: int32[B, max_blocks]; context_lens, staged_lens: int32[B] (clamped into range).
-      staged_keys, staged_values: [layers, B, S, kv_heads, head_dim] or None.
+      staged_keys, staged_values: this layer's [B, S, kv_heads, head_dim] or None; staged entry s is at
+        position ``context_lens[b] + s``.
       new_keys, new_values: [B, T, kv_heads, head_dim].
+      sliding_window: None or W: query t (at position p) attends only to keys at positions > p - W.
       num_splits: split-K factor (None: chosen from the shapes, see ``make_plan``).
     Returns:
       [B, T, heads, head_dim] in q's dtype.
@@ -482,21 +500,21 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     batch, tokens, heads, head_dim = q.shape
     num_layers, num_blocks = k_pages.shape[:2]
     block_size, kv_heads = (k_pages.shape[2], k_pages.shape[3]) if layout == "NHD" else k_pages.shape[3:1:-1]
-    staged_capacity = 0 if staged_keys is None else staged_keys.shape[2]
+    staged_capacity = 0 if staged_keys is None else staged_keys.shape[1]
     extra_dtypes = tuple(x.dtype for x in (staged_keys, staged_values, new_keys, new_values) if x is not None)
     plan = make_plan(layout=layout, scale_mode=scale_mode, cache_dtype=k_pages.dtype, num_layers=num_layers,
                      num_blocks=num_blocks, block_size=block_size, max_blocks=max(block_tables.shape[1], 1),
                      batch=batch, kv_heads=kv_heads, group=heads // kv_heads, head_dim=head_dim, tokens=tokens,
                      staged_capacity=staged_capacity, q_dtype=q.dtype, extra_dtypes=extra_dtypes,
-                     num_splits=num_splits)
+                     sliding_window=sliding_window, num_splits=num_splits)
     if block_tables.shape[1] == 0:   # no pages: a dummy column (every context clamps to 0)
         block_tables = jnp.full((batch, 1), -1, jnp.int32)
         context_lens = jnp.zeros_like(context_lens)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     staged_lens = (jnp.zeros((batch,), jnp.int32) if staged_lens is None
                    else jnp.clip(staged_lens.astype(jnp.int32), 0, staged_capacity))
-    extra_k = _pack_extra(staged_keys, staged_lens, new_keys, layer[0], plan)
-    extra_v = _pack_extra(staged_values, staged_lens, new_values, layer[0], plan)
+    extra_k = _pack_extra(staged_keys, staged_lens, new_keys, plan)
+    extra_v = _pack_extra(staged_values, staged_lens, new_values, plan)
     scales = [] if scale_mode is None else [k_scale, v_scale]
     partial_rows = plan.row_blocks * plan.rows_out
     out_type = (jax.ShapeDtypeStruct((batch, kv_heads, plan.splits, partial_rows, head_dim), jnp.float32),

@@ -14,8 +14,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from scv_jax.checks import as_array, require_floating, require_int_vector, require_integer, require_rank
+from scv_jax.checks import (as_array, require_floating, require_int, require_int_vector, require_integer,
+                            require_rank)
 from scv_jax.ops import registry
 from scv_jax.ops.attention import reference
 from scv_jax.ops.commit.kv_cache import PagedKVCache
@@ -30,14 +32,15 @@ def _kernel_unsupported(**facts: Any) -> str:
 
 
 def _attention_kernel(q, cache: PagedKVCache, layer, block_tables, context_lens, staged_keys, staged_values,
-                      staged_lens, new_keys, new_values, *, interpret: bool) -> jax.Array:
+                      staged_lens, new_keys, new_values, *, sliding_window: int | None, interpret: bool) -> jax.Array:
     from pallas_kernels.paged_attention import paged_attention_kernel
     k_scale, v_scale = cache.k_scale, cache.v_scale
     if cache.scale_mode == "tensor":
         k_scale, v_scale = k_scale.reshape(1), v_scale.reshape(1)
     return paged_attention_kernel(q, cache.k_pages, cache.v_pages, k_scale, v_scale, layer, block_tables,
                                   context_lens, staged_keys, staged_values, staged_lens, new_keys, new_values,
-                                  layout=cache.layout, scale_mode=cache.scale_mode, interpret=interpret)
+                                  layout=cache.layout, scale_mode=cache.scale_mode, sliding_window=sliding_window,
+                                  interpret=interpret)
 
 
 registry.register(OP, registry.Implementation("pallas", _attention_kernel, _kernel_unsupported),
@@ -68,13 +71,15 @@ def _check_layer(layer: Any, num_layers: int) -> Any:
 
 
 def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *, staged_keys=None,
-                    staged_values=None, staged_lens=None, new_keys, new_values, backend: str = "auto") -> jax.Array:
+                    staged_values=None, staged_lens=None, new_keys, new_values, sliding_window: int | None = None,
+                    backend: str = "auto") -> jax.Array:
     """Attention of one layer's queries over the paged cache, the staged entries and the new tokens.
 
     Query t of request b sits at position ``context_lens[b] + staged_lens[b] + t`` and attends to the
     cache positions < ``context_lens[b]`` (read through ``block_tables[b]``), the staged entries <
-    ``staged_lens[b]`` and the new tokens <= t. Scores are scaled by ``head_dim ** -0.5``, softmax is
-    float32, and query head h uses kv head ``h // (heads // kv_heads)``.
+    ``staged_lens[b]`` (staged entry s is at position ``context_lens[b] + s``) and the new tokens <= t,
+    and with ``sliding_window`` W only to keys at positions > its own position - W. Scores are scaled
+    by ``head_dim ** -0.5``, softmax is float32, and query head h uses kv head ``h // (heads // kv_heads)``.
 
     Args:
       q: [B, T, heads, head_dim] float32/float16/bfloat16; heads a multiple of the cache's kv_heads.
@@ -83,10 +88,12 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
         ``lax.scan`` over layers; clamped into range inside jit).
       block_tables: int32[B, max_blocks], the cache blocks of each request in order (-1 = unallocated).
       context_lens: int32[B], committed positions per request (clamped to [0, max_blocks * block_size]).
-      staged_keys, staged_values: [layers, B, S, kv_heads, head_dim] K/V of in-flight tokens of all layers
-        (``StagedKV``), or None.
+      staged_keys, staged_values: K/V of in-flight tokens, of all layers ``[layers, B, S, kv_heads,
+        head_dim]`` (``StagedKV``; ``layer`` picks one inside the jitted op) or of this layer
+        ``[B, S, kv_heads, head_dim]``; or None.
       staged_lens: int32[B] valid staged entries per request (clamped to [0, S]); required with staged K/V.
       new_keys, new_values: [B, T, kv_heads, head_dim], this layer's K/V of the query tokens.
+      sliding_window: None, or W >= 1 (static): keys more than W - 1 positions back are not attended.
       backend: "auto", "pallas", "xla" or "interpret" (``scv_jax.ops.registry``).
     Returns:
       [B, T, heads, head_dim] in q's dtype. Padded requests (context 0, no staged entries, any block
@@ -119,10 +126,14 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
     if staged_keys is not None:
         staged_keys, staged_values, staged_lens = (as_array(OP, name, x) for name, x in zip(
             ("staged_keys", "staged_values", "staged_lens"), staged))
-        shape = (cache.num_layers, batch, None, kv_heads, head_dim)
-        _check_floating("staged_keys", staged_keys, shape, "[layers, B, S, kv_heads, head_dim]")
-        _check_floating("staged_values", staged_values, np.shape(staged_keys), "[layers, B, S, kv_heads, head_dim]")
+        per_layer = np.ndim(staged_keys) == 4
+        shape = (batch, None, kv_heads, head_dim) if per_layer else (cache.num_layers, batch, None, kv_heads, head_dim)
+        doc = "[B, S, kv_heads, head_dim] or [layers, B, S, kv_heads, head_dim]"
+        _check_floating("staged_keys", staged_keys, shape, doc)
+        _check_floating("staged_values", staged_values, np.shape(staged_keys), f"{doc} like staged_keys")
         require_int_vector(OP, "staged_lens", staged_lens, batch, "int32[B]")
+    if sliding_window is not None:
+        sliding_window = require_int(OP, "sliding_window", sliding_window, minimum=1)
     extra_dtypes = tuple(np.dtype(jnp.result_type(x)) for x in (staged_keys, staged_values, new_keys, new_values)
                          if x is not None)
     impl = registry.select(OP, backend, head_dim=head_dim, block_size=cache.block_size, layout=cache.layout,
@@ -134,11 +145,15 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
     return _paged_attention(jnp.asarray(q), cache, layer, jnp.asarray(block_tables, jnp.int32),
                             jnp.asarray(context_lens, jnp.int32), as_jax(staged_keys), as_jax(staged_values),
                             None if staged_lens is None else jnp.asarray(staged_lens, jnp.int32),
-                            jnp.asarray(new_keys), jnp.asarray(new_values), impl=impl)
+                            jnp.asarray(new_keys), jnp.asarray(new_values), sliding_window=sliding_window, impl=impl)
 
 
-@functools.partial(jax.jit, static_argnames=("impl",))
+@functools.partial(jax.jit, static_argnames=("sliding_window", "impl"))
 def _paged_attention(q, cache, layer, block_tables, context_lens, staged_keys, staged_values, staged_lens,
-                     new_keys, new_values, *, impl: registry.Selected) -> jax.Array:
+                     new_keys, new_values, *, sliding_window: int | None, impl: registry.Selected) -> jax.Array:
+    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, cache.num_layers - 1)
+    if staged_keys is not None and staged_keys.ndim == 5:   # this layer's entries (fused into their consumer)
+        staged_keys, staged_values = (lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
+                                      for x in (staged_keys, staged_values))
     return impl(q, cache, layer, block_tables, context_lens, staged_keys, staged_values, staged_lens, new_keys,
-                new_values)
+                new_values, sliding_window=sliding_window)

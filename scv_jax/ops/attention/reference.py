@@ -54,14 +54,26 @@ def _read_chunk(pages: jax.Array, scale: jax.Array | None, cache: PagedKVCache, 
     return dequantize(values, scale)
 
 
+def _visible(query_positions: jax.Array, key_positions: jax.Array, key_valid: jax.Array,
+             sliding_window: int | None) -> jax.Array:
+    """bool[B, T, N]: valid keys at or before each query position int32[B, T] (and inside the window).
+
+    key_positions, key_valid: int32/bool broadcastable to [B, N]."""
+    q, k = query_positions[:, :, None], key_positions[:, None, :]
+    visible = key_valid[:, None, :] & (k <= q)
+    if sliding_window is not None:
+        visible &= k > q - sliding_window
+    return visible
+
+
 def _softmax_step(carry, q: jax.Array, keys: jax.Array, values: jax.Array, visible: jax.Array):
     """One online-softmax update.
 
     carry: (acc float32[B, kv, G, T, D], m, l float32[B, kv, G, T]); q: [B, T, kv, G, D];
-    keys, values: [B, N, kv, D]; visible: bool broadcastable to [B, T, N].
+    keys, values: [B, N, kv, D]; visible: bool[B, T, N].
     """
     acc, m, l = carry
-    visible = jnp.broadcast_to(visible, (q.shape[0], q.shape[1], keys.shape[1]))[:, None, None]   # [B,1,1,T,N]
+    visible = visible[:, None, None]                                                    # [B, 1, 1, T, N]
     scores = jnp.einsum("btkgd,bnkd->bkgtn", q, keys, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
     scores = jnp.where(visible, scores, NEG)
     m_new = jnp.maximum(m, scores.max(axis=-1))
@@ -75,15 +87,16 @@ def _softmax_step(carry, q: jax.Array, keys: jax.Array, values: jax.Array, visib
 def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Array, block_tables: jax.Array,
                               context_lens: jax.Array, staged_keys: jax.Array | None,
                               staged_values: jax.Array | None, staged_lens: jax.Array | None,
-                              new_keys: jax.Array, new_values: jax.Array, *,
+                              new_keys: jax.Array, new_values: jax.Array, *, sliding_window: int | None = None,
                               chunk_tokens: int | None = None) -> jax.Array:
     """Attention of ``q`` [B, T, heads, D] over the cache, the staged entries and the new tokens.
 
     Query t of request b attends to cache positions < ``context_lens[b]``, staged entries <
-    ``staged_lens[b]`` and new tokens <= t (see ``scv_jax.ops.attention.api.paged_attention``).
-    Lengths are clamped into range, block ids into [0, num_blocks), ``layer`` into [0, layers).
-    ``chunk_tokens`` (a multiple of block_size) overrides the positions read per loop step.
-    Returns [B, T, heads, D] in q's dtype.
+    ``staged_lens[b]`` (``staged_keys``: this layer's [B, S, kv_heads, D]) and new tokens <= t, within
+    ``sliding_window`` (see ``scv_jax.ops.attention.api.paged_attention``). Lengths are clamped into
+    range, block ids into [0, num_blocks), ``layer`` into [0, layers). Chunks wholly outside every
+    query's window are skipped. ``chunk_tokens`` (a multiple of block_size) overrides the positions
+    read per loop step. Returns [B, T, heads, D] in q's dtype.
     """
     batch, tokens, heads, head_dim = q.shape
     kv_heads, block_size = cache.num_kv_heads, cache.block_size
@@ -93,6 +106,10 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
     columns = chunk_tokens // block_size
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, cache.num_layers - 1)
     context_lens = jnp.clip(context_lens.astype(jnp.int32), 0, max_blocks * block_size)
+    capacity = 0 if staged_keys is None else staged_keys.shape[1]
+    staged_lens = (jnp.zeros_like(context_lens) if staged_keys is None
+                   else jnp.clip(staged_lens.astype(jnp.int32), 0, capacity))
+    query_positions = (context_lens + staged_lens)[:, None] + jnp.arange(tokens, dtype=jnp.int32)   # [B, T]
     queries = q.reshape(batch, tokens, kv_heads, group, head_dim)
     carry = (jnp.zeros((batch, kv_heads, group, tokens, head_dim), jnp.float32),
              jnp.full((batch, kv_heads, group, tokens), NEG, jnp.float32),
@@ -102,29 +119,30 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
         num_chunks = -(-max_blocks // columns)
         tables = jnp.pad(jnp.clip(block_tables.astype(jnp.int32), 0, cache.num_blocks - 1),
                          ((0, 0), (0, num_chunks * columns - max_blocks)))
-        needed_chunks = -(-jnp.max(context_lens) // chunk_tokens)
+        first_chunk = 0
+        if sliding_window is not None:   # the earliest position any query's window reaches
+            first_chunk = jnp.maximum(jnp.min(query_positions[:, 0]) - sliding_window + 1, 0) // chunk_tokens
 
         def chunk_step(j, carry):
             blocks = lax.dynamic_slice_in_dim(tables, j * columns, columns, axis=1)
             keys = _read_chunk(cache.k_pages, cache.k_scale, cache, layer, blocks)
             values = _read_chunk(cache.v_pages, cache.v_scale, cache, layer, blocks)
-            positions = j * chunk_tokens + jnp.arange(chunk_tokens)
-            visible = (positions[None, :] < context_lens[:, None])[:, None, :]          # [B, 1, N]
+            positions = j * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+            visible = _visible(query_positions, positions[None], positions[None] < context_lens[:, None],
+                               sliding_window)
             return _softmax_step(carry, queries, keys, values, visible)
 
-        carry = lax.fori_loop(0, needed_chunks, chunk_step, carry)
+        carry = lax.fori_loop(first_chunk, -(-jnp.max(context_lens) // chunk_tokens), chunk_step, carry)
 
-    new_ids = jnp.arange(tokens)
-    extra_keys, extra_values = [new_keys], [new_values]
-    visible = jnp.broadcast_to(new_ids[None, :] <= new_ids[:, None], (batch, tokens, tokens))
+    # (keys, values, positions, valid) of the staged entries and the new tokens, attended in one step
+    sources = [(new_keys, new_values, query_positions, jnp.ones(query_positions.shape, jnp.bool_))]
     if staged_keys is not None:
-        capacity = staged_keys.shape[2]
-        staged_lens = jnp.clip(staged_lens.astype(jnp.int32), 0, capacity)
-        extra_keys.insert(0, lax.dynamic_index_in_dim(staged_keys, layer, axis=0, keepdims=False))
-        extra_values.insert(0, lax.dynamic_index_in_dim(staged_values, layer, axis=0, keepdims=False))
-        staged_visible = jnp.arange(capacity)[None, None, :] < staged_lens[:, None, None]
-        visible = jnp.concatenate([jnp.broadcast_to(staged_visible, (batch, tokens, capacity)), visible], axis=2)
+        slots = jnp.arange(capacity, dtype=jnp.int32)
+        sources.insert(0, (staged_keys, staged_values, context_lens[:, None] + slots,
+                           slots[None, :] < staged_lens[:, None]))
+    keys, values, positions, valid = ([source[i] for source in sources] for i in range(4))
     promote = lambda parts: jnp.concatenate([x.astype(jnp.result_type(*parts)) for x in parts], axis=1)  # noqa: E731
-    acc, _, l = _softmax_step(carry, queries, promote(extra_keys), promote(extra_values), visible)
+    visible = _visible(query_positions, promote(positions), promote(valid), sliding_window)
+    acc, _, l = _softmax_step(carry, queries, promote(keys), promote(values), visible)
     out = acc / l[..., None]                          # l >= 1: every query sees its own token
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, tokens, heads, head_dim).astype(q.dtype)

@@ -42,6 +42,7 @@ class Case:
     max_blocks: int = 4
     q_dtype: str = "bfloat16"         # also the dtype of the staged and new K/V
     num_layers: int = 2
+    window: int | None = None         # sliding window
     seed: int = 0
 
     @property
@@ -76,7 +77,7 @@ def make_inputs(case: Case) -> dict:
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)  # noqa: E731
     inputs = dict(q=normal(b, t, heads, d), cache=cache, layer=case.num_layers - 1, block_tables=jnp.asarray(tables),
                   context_lens=jnp.asarray(context, jnp.int32), new_keys=normal(b, t, case.kv_heads, d),
-                  new_values=normal(b, t, case.kv_heads, d))
+                  new_values=normal(b, t, case.kv_heads, d), sliding_window=case.window)
     if case.staged is not None:
         staged_lens = rng.integers(0, case.staged + 1, b)
         staged_lens[0] = 0
@@ -88,7 +89,7 @@ def make_inputs(case: Case) -> dict:
 
 def oracle(inputs: dict) -> np.ndarray:
     """float64 dense attention over ``gather_kv`` reads of each request's context, the staged entries
-    and the causal new tokens; lengths clamped like the op documents."""
+    and the causal new tokens, within the sliding window; lengths clamped like the op documents."""
     cache, layer = inputs["cache"], int(inputs["layer"])
     q = np.asarray(inputs["q"], np.float64)
     b, t, heads, d = q.shape
@@ -112,12 +113,14 @@ def oracle(inputs: dict) -> np.ndarray:
             values = np.concatenate([values, host["staged_values"][layer, r, :staged]])
         keys = np.concatenate([keys, host["new_keys"][r]])
         values = np.concatenate([values, host["new_values"][r]])
+        window = inputs.get("sliding_window") or len(keys)
         for i in range(t):
-            visible = len(keys) - t + i + 1
+            end = len(keys) - t + i + 1            # key index == position: query i is at position end - 1
+            start = max(0, end - window)
             for h in range(heads):
-                scores = keys[:visible, h // group] @ q[r, i, h] * d ** -0.5
+                scores = keys[start:end, h // group] @ q[r, i, h] * d ** -0.5
                 p = np.exp(scores - scores.max())
-                out[r, i, h] = (p / p.sum()) @ values[:visible, h // group]
+                out[r, i, h] = (p / p.sum()) @ values[start:end, h // group]
     return out
 
 
@@ -153,7 +156,8 @@ def cases(draw, kernel: bool = False) -> Case:
         head_dim=draw(st.sampled_from([64, 128] if kernel else [32, 64, 80, 128])),
         batch=draw(st.integers(1, 3)), tokens=draw(st.integers(1, 9)),
         staged=draw(st.sampled_from([None, 0, 1, 4, 8])), max_blocks=draw(st.integers(0, 128 // block_size)),
-        q_dtype=draw(st.sampled_from(["bfloat16", "float32", "float16"])), seed=draw(st.integers(0, 2**31)))
+        q_dtype=draw(st.sampled_from(["bfloat16", "float32", "float16"])),
+        window=draw(st.sampled_from([None, None, 1, 5, 40])), seed=draw(st.integers(0, 2**31)))
 
 
 @settings(max_examples=12)
@@ -167,12 +171,12 @@ def test_xla_matches_oracle(case):
 def test_reference_chunking_is_exact(case, chunk_blocks):
     """Several chunks per table (and a partial last chunk) give the one-chunk result."""
     inputs = make_inputs(case)
-    impl_args = {k: inputs.get(k) for k in ("staged_keys", "staged_values", "staged_lens")}
-    args = (inputs["q"], inputs["cache"], inputs["layer"], inputs["block_tables"], inputs["context_lens"],
-            impl_args["staged_keys"], impl_args["staged_values"], impl_args["staged_lens"], inputs["new_keys"],
-            inputs["new_values"])
-    chunked = paged_attention_reference(*args, chunk_tokens=chunk_blocks * case.block_size)
-    whole = paged_attention_reference(*args)
+    layer = inputs["layer"]
+    staged = [inputs[k][layer] if k in inputs else None for k in ("staged_keys", "staged_values")]
+    args = (inputs["q"], inputs["cache"], layer, inputs["block_tables"], inputs["context_lens"], *staged,
+            inputs.get("staged_lens"), inputs["new_keys"], inputs["new_values"])
+    chunked = paged_attention_reference(*args, sliding_window=case.window, chunk_tokens=chunk_blocks * case.block_size)
+    whole = paged_attention_reference(*args, sliding_window=case.window)
     np.testing.assert_allclose(np.asarray(chunked, np.float32), np.asarray(whole, np.float32),
                                **tolerance(case, "xla"))
 
@@ -208,11 +212,13 @@ KERNEL_CASES = [
     Case("NHD", "float8_e4m3fn", "tensor", 64, 1, 4, 128, tokens=3, staged=0, max_blocks=2, q_dtype="float32"),
     Case("HND", "float16", None, 128, 2, 2, 64, tokens=2, staged=3, max_blocks=1),
     Case("NHD", "float32", None, 16, 1, 4, 64, tokens=4, staged=2, q_dtype="float32"),
+    Case("HND", "float8_e4m3fn", "token_head", 16, 2, 4, 64, tokens=5, staged=4, max_blocks=9, window=70),
+    Case("NHD", "bfloat16", None, 8, 1, 8, 64, tokens=9, staged=3, max_blocks=12, window=6),
 ]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c.layout}-{c.cache_dtype}-{c.scale_mode}-"
-                         f"b{c.block_size}g{c.group}d{c.head_dim}t{c.tokens}-{c.q_dtype}")
+                         f"b{c.block_size}g{c.group}d{c.head_dim}t{c.tokens}w{c.window}-{c.q_dtype}")
 @with_kernel
 def test_kernel_cases(backend, case):
     assert kernel_supports(case)
@@ -223,17 +229,17 @@ def test_kernel_cases(backend, case):
 def test_kernel_split_k_matches_oracle(backend):
     """Split-K partials (including empty splits of short requests) combine to the one-split result."""
     from pallas_kernels.paged_attention import paged_attention_kernel
-    case = Case("NHD", "float8_e4m3fn", "token_head", 16, 1, 4, 64, batch=2, tokens=2, staged=2, max_blocks=12,
-                q_dtype="float32")
-    inputs = make_inputs(case)
-    cache = inputs["cache"]
-    args = (inputs["q"], cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale, jnp.int32(inputs["layer"]),
-            inputs["block_tables"], inputs["context_lens"], inputs["staged_keys"], inputs["staged_values"],
-            inputs["staged_lens"], inputs["new_keys"], inputs["new_values"])
-    run = functools.partial(paged_attention_kernel, layout=case.layout, scale_mode=case.scale_mode,
-                            interpret=backend == "interpret")
-    split = np.asarray(run(*args, num_splits=3))
-    np.testing.assert_allclose(split, oracle(inputs), atol=1e-4)
+    for window in (None, 100):
+        case = Case("NHD", "float8_e4m3fn", "token_head", 16, 1, 4, 64, batch=2, tokens=2, staged=2, max_blocks=12,
+                    q_dtype="float32", window=window)
+        inputs = make_inputs(case)
+        cache, layer = inputs["cache"], inputs["layer"]
+        args = (inputs["q"], cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale, jnp.int32(layer),
+                inputs["block_tables"], inputs["context_lens"], inputs["staged_keys"][layer],
+                inputs["staged_values"][layer], inputs["staged_lens"], inputs["new_keys"], inputs["new_values"])
+        split = paged_attention_kernel(*args, layout=case.layout, scale_mode=case.scale_mode, sliding_window=window,
+                                       num_splits=3, interpret=backend == "interpret")
+        np.testing.assert_allclose(np.asarray(split), oracle(inputs), atol=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # masked inf scores (interpret)
@@ -323,12 +329,12 @@ def test_query_output_does_not_depend_on_where_earlier_keys_live(backend):
 
 def _lowered_kernel_text(case: Case) -> tuple[str, PagedKVCache]:
     inputs = make_inputs(case)
+    layer = jnp.int32(inputs["layer"])
+    staged = [inputs[k][layer] if k in inputs else None for k in ("staged_keys", "staged_values")]
     kernel = registry.implementation("paged_attention", "pallas")
-    fn = functools.partial(kernel.run, interpret=False)
-    args = [inputs[k] if k in inputs else None for k in ("q", "cache", "layer", "block_tables", "context_lens",
-                                                         "staged_keys", "staged_values", "staged_lens",
-                                                         "new_keys", "new_values")]
-    args[2] = jnp.int32(args[2])
+    fn = functools.partial(kernel.run, sliding_window=case.window, interpret=False)
+    args = (inputs["q"], inputs["cache"], layer, inputs["block_tables"], inputs["context_lens"], *staged,
+            inputs.get("staged_lens"), inputs["new_keys"], inputs["new_values"])
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(), inputs["cache"]
 
 
@@ -339,7 +345,8 @@ def _lowered_kernel_text(case: Case) -> tuple[str, PagedKVCache]:
     Case("HND", "float8_e4m3fn", "token_head", 32, 2, 8, 64, batch=2, tokens=5, staged=4),
     Case("NHD", "float8_e5m2", "tensor", 64, 4, 8, 64, batch=2, tokens=9, staged=0),
     Case("NHD", "float32", None, 16, 2, 4, 128, batch=2, tokens=5, staged=4, q_dtype="float32"),
-], ids=lambda c: f"{c.layout}-{c.cache_dtype}-{c.scale_mode}-d{c.head_dim}-t{c.tokens}")
+    Case("NHD", "bfloat16", None, 16, 8, 4, 128, batch=2, tokens=9, staged=8, window=4096),
+], ids=lambda c: f"{c.layout}-{c.cache_dtype}-{c.scale_mode}-d{c.head_dim}-t{c.tokens}-w{c.window}")
 def test_kernel_lowers_for_cuda(case):
     text, cache = _lowered_kernel_text(case)
     assert "mosaic_gpu" in text
@@ -395,6 +402,8 @@ def test_empty_batch_and_tokens():
     (dict(staged_values=jnp.zeros((2, 3, 3, 2, 64))), ValueError, "staged_values must be"),
     (dict(staged_lens=jnp.zeros((3,), jnp.float32)), TypeError, "staged_lens must be"),
     (dict(cache=None), TypeError, "cache must be"),
+    (dict(sliding_window=0), ValueError, "sliding_window must be"),
+    (dict(staged_keys=jnp.zeros((3, 2, 2, 32))), ValueError, "staged_keys must be"),
     (dict(backend="cuda"), ValueError, "backend must be"),
 ])
 def test_bad_static_inputs_raise_naming_the_argument(change, error, match):
@@ -406,21 +415,32 @@ def test_bad_static_inputs_raise_naming_the_argument(change, error, match):
 # ------------------------------------------------------------------------------------------- the model
 
 
-@settings(max_examples=4)
+@settings(max_examples=5)
 @given(case=cases().map(lambda c: dataclasses.replace(c, q_dtype="float32")))
 def test_reference_equals_the_models_attention(case):
     """The XLA path equals the model's attention seam (``scv_jax.models.attention.paged_attention``:
-    the whole table gathered to float32, masked dense attention) in float32, every cache dtype, layout
-    and scale mode: swapping the seam for the op preserves the model's outputs."""
+    the whole table gathered to float32, masked dense attention) in float32, every cache dtype, layout,
+    scale mode and sliding window: swapping the seam for the op preserves the model's outputs."""
     from scv_jax.models.attention import paged_attention as model_attention
     inputs = make_inputs(case)
     layer = inputs["layer"]
     staged = [inputs[k][layer] if k in inputs else None for k in ("staged_keys", "staged_values")]
     staged_lens = inputs.get("staged_lens", jnp.zeros((case.batch,), jnp.int32))
     want = model_attention(inputs["q"], inputs["cache"], layer, inputs["block_tables"], inputs["context_lens"],
-                           *staged, staged_lens, inputs["new_keys"], inputs["new_values"])
+                           *staged, staged_lens, inputs["new_keys"], inputs["new_values"],
+                           sliding_window=case.window)
     got = scv_jax.paged_attention(**inputs, backend="xla")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["xla", KERNEL])
+def test_staged_kv_of_all_layers_or_of_this_layer(backend):
+    """``[layers, B, S, ...]`` staged K/V with a (traced) layer index equal this layer's ``[B, S, ...]``."""
+    inputs = make_inputs(Case("NHD", "float8_e4m3fn", "head", tokens=2, staged=3, q_dtype="float32"))
+    layer = inputs["layer"]
+    one_layer = dict(inputs, staged_keys=inputs["staged_keys"][layer], staged_values=inputs["staged_values"][layer])
+    np.testing.assert_array_equal(np.asarray(scv_jax.paged_attention(**inputs, backend=backend)),
+                                  np.asarray(scv_jax.paged_attention(**one_layer, backend=backend)))
 
 
 @with_kernel
