@@ -98,12 +98,11 @@ def bf16_terms(dtype, precise: bool) -> int:
     return 1 if np.dtype(dtype) in EXACT_IN_BF16 or not precise else 2
 
 
-def split_bf16(x: jax.Array, terms: int, axis: int) -> jax.Array:
-    """``x`` as ``terms`` stacked bf16 parts along ``axis``: hi = bf16(x), lo = bf16(x - hi)."""
+def bf16_parts(x: jax.Array, terms: int) -> list[jax.Array]:
+    """``x`` as ``terms`` bf16 parts: [hi] or [hi, lo] with hi = bf16(x), lo = bf16(x - hi) in float32."""
     x = x.astype(jnp.float32)
     hi = x.astype(jnp.bfloat16)
-    parts = [hi] if terms == 1 else [hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)]
-    return jnp.stack(parts, axis=axis)
+    return [hi] if terms == 1 else [hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)]
 
 
 def _swizzled(dtype, minor: int) -> tuple:
@@ -124,7 +123,6 @@ class Plan:
     num_blocks: int
     block_size: int
     max_blocks: int
-    batch: int
     kv_heads: int
     group: int
     head_dim: int
@@ -206,9 +204,9 @@ def make_plan(*, layout: str, scale_mode: str | None, cache_dtype, num_layers: i
     splits = max(1, -(-total_tiles // max(tiles_per_split, 1)))
     # Direct (bf16) caches take the packed staged/new parts into ring slots, one slot per part.
     min_stages = extra_terms if cache_terms == 0 else 1
-    plans = [Plan(layout, scale_mode, cache_dtype, num_layers, num_blocks, block_size, max_blocks, batch,
-                  kv_heads, group, head_dim, tokens, staged_capacity, q_terms, cache_terms, extra_terms,
-                  p_terms, stages, splits, tiles_per_split, sliding_window)
+    plans = [Plan(layout, scale_mode, cache_dtype, num_layers, num_blocks, block_size, max_blocks, kv_heads, group,
+                  head_dim, tokens, staged_capacity, q_terms, cache_terms, extra_terms, p_terms, stages, splits,
+                  tiles_per_split, sliding_window)
              for stages in range(MAX_STAGES, min_stages - 1, -1)]
     # The deepest ring that lets two CTAs share an SM, else the deepest that fits one CTA.
     for budget in (SHARED_SMEM_BUDGET, SMEM_BUDGET):
@@ -248,11 +246,9 @@ def _row_vector(values: list[jax.Array]) -> jax.Array:
 
 
 def _store_terms(dst, x: jax.Array, terms: int) -> None:
-    """Writes float32 ``x`` as ``terms`` bf16 parts into ``dst[0]``, ``dst[1]``."""
-    hi = x.astype(jnp.bfloat16)
-    dst[0] = hi
-    if terms == 2:
-        dst[1] = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    """Writes ``x`` as ``terms`` bf16 parts into ``dst[0]`` (and ``dst[1]``)."""
+    for i, part in enumerate(bf16_parts(x, terms)):
+        dst[i] = part
 
 
 def _products(acc_ref, a_terms: list, b_terms: list) -> jax.Array:
@@ -443,7 +439,7 @@ def _pack_queries(q: jax.Array, plan: Plan) -> jax.Array:
     rows = q.reshape(batch, tokens, plan.kv_heads, plan.group, d).transpose(0, 2, 1, 3, 4)
     rows = rows.reshape(batch, plan.kv_heads, plan.rows, d)
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, plan.row_blocks * ROWS - plan.rows), (0, 0)))
-    return split_bf16(rows, plan.q_terms, axis=2)
+    return jnp.stack(bf16_parts(rows, plan.q_terms), axis=2)
 
 
 def _pack_extra(staged: jax.Array | None, staged_lens: jax.Array, new: jax.Array, plan: Plan) -> jax.Array:
@@ -455,7 +451,7 @@ def _pack_extra(staged: jax.Array | None, staged_lens: jax.Array, new: jax.Array
         staged = jnp.where(valid[:, :, None, None], staged.astype(jnp.float32), 0.0)
         extra = jnp.concatenate([staged, extra], axis=1)                      # [B, S + T, kv_heads, d]
     extra = jnp.pad(extra, ((0, 0), (0, plan.extra_tiles * TILE - extra.shape[1]), (0, 0), (0, 0)))
-    return split_bf16(extra.transpose(0, 2, 1, 3), plan.extra_terms, axis=2)
+    return jnp.stack(bf16_parts(extra.transpose(0, 2, 1, 3), plan.extra_terms), axis=2)
 
 
 def _combine(out: jax.Array, m: jax.Array, l: jax.Array, plan: Plan, dtype) -> jax.Array:
