@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import bench_acceptance
+import bench_attention
 import bench_commit
 import harness
 import scv_jax
@@ -49,6 +50,10 @@ class Sizes:
     commit_acceptance: tuple[float, ...]
     check_vocab: int
     check_commit_shape: tuple[int, int, int, int]           # layers, kv_heads, head_dim, tokens
+    attention_shape: bench_attention.Shape                  # heads of the attention checks and timings
+    attention_checks: tuple[tuple[str, str, str | None, str], ...]   # (layout, cache dtype, scale, q dtype)
+    check_attention_size: tuple[int, int, int]              # B, context (ragged up to), T
+    attention_configs: tuple[tuple[int, int, int, str], ...]   # timed (B, context, T, cache dtype)
     repeats: int
     inner: int                                              # back-to-back calls per timing sample
     pytest_files: tuple[str, ...]
@@ -59,12 +64,24 @@ FULL = Sizes(copy_bytes=1 << 30, greedy_batches=(1, 8, 64, 256), greedy_spec_len
              rejection_configs=((1, 4, 151_936), (8, 4, 151_936), (64, 4, 32_768), (64, 4, 151_936),
                                 (256, 8, 151_936)),
              commit_tokens=(16, 256, 4096), commit_acceptance=(0.3, 0.9), check_vocab=151_936,
-             check_commit_shape=(4, 8, 128, 300), repeats=10, inner=10,
-             pytest_files=("tests/ops/acceptance/test_acceptance.py", "tests/ops/commit/test_commit.py"),
+             check_commit_shape=(4, 8, 128, 300), attention_shape=bench_attention.LLAMA_8B,
+             attention_checks=(("NHD", "bfloat16", None, "bfloat16"), ("HND", "bfloat16", None, "bfloat16"),
+                               ("NHD", "fp8_e4m3", "tensor", "bfloat16"), ("HND", "fp8_e5m2", "head", "bfloat16"),
+                               ("NHD", "fp8", "token_head", "bfloat16"), ("HND", "float16", None, "float16"),
+                               ("NHD", "float32", None, "float32")),
+             check_attention_size=(8, 3000, 9),
+             attention_configs=tuple((b, c, t, d) for d in ("bfloat16", "fp8") for b, c, t in (
+                 (1, 4096, 9), (1, 16384, 9), (8, 4096, 1), (8, 4096, 9), (8, 16384, 9), (64, 4096, 9),
+                 (64, 16384, 5))),
+             repeats=10, inner=10,
+             pytest_files=("tests/ops/acceptance/test_acceptance.py", "tests/ops/commit/test_commit.py",
+                           "tests/ops/attention/test_attention.py"),
              pytest_filter="pallas or gpu or lowers")
 DRY = Sizes(copy_bytes=1 << 20, greedy_batches=(1, 4), greedy_spec_lens=(2,),
             rejection_configs=((2, 2, 600),), commit_tokens=(4,), commit_acceptance=(0.5,), check_vocab=600,
-            check_commit_shape=(2, 2, 64, 5), repeats=1, inner=1,
+            check_commit_shape=(2, 2, 64, 5), attention_shape=bench_attention.TINY,
+            attention_checks=(("HND", "fp8", "token_head", "float32"),), check_attention_size=(2, 96, 3),
+            attention_configs=((2, 96, 3, "fp8"),), repeats=1, inner=1,
             pytest_files=("tests/ops/acceptance/test_acceptance.py",), pytest_filter="greedy_kernel_lowers")
 
 
@@ -164,6 +181,22 @@ def _check_commit(kernel: str, sizes: Sizes, layout: str, cache_dtype: str, scal
     return "bit-exact"
 
 
+def _check_attention(kernel: str, sizes: Sizes, layout: str, cache_dtype: str, scale_mode, q_dtype: str) -> str:
+    batch, context, tokens = sizes.check_attention_size
+    inputs = bench_attention.make_inputs(sizes.attention_shape, batch, context, tokens, cache_dtype, layout=layout,
+                                         scale_mode=scale_mode, q_dtype=jnp.dtype(q_dtype), ragged=True, seed=7)
+    got = np.asarray(scv_jax.paged_attention(**inputs, backend=kernel), np.float32)
+    want = np.asarray(scv_jax.paged_attention(**inputs, backend="xla"), np.float32)
+    assert np.all(np.isfinite(got)), "non-finite outputs"
+    # A few ulps of the output dtype (bf16 inputs: bf16 P and dequantised K/V operands; float32 and float16
+    # inputs run hi/lo-split bf16 products).
+    ulps = {"bfloat16": 2.0 ** -6, "float16": 2.0 ** -9, "float32": 1e-4}[q_dtype]
+    tolerance = ulps * max(1.0, float(np.abs(want).max()))
+    error = float(np.abs(got - want).max())
+    assert error <= tolerance, f"max |kernel - xla| = {error:.2e} > {tolerance:.1e}"
+    return f"max |err| {error:.1e} (tol {tolerance:.0e})"
+
+
 def native_checks(kernel: str, sizes: Sizes) -> list[dict]:
     """Each kernel against the XLA reference on fresh random inputs; never raises."""
     checks: list[tuple[str, Callable[[], str]]] = [("greedy acceptance", lambda: _check_greedy(kernel, sizes))]
@@ -176,6 +209,9 @@ def native_checks(kernel: str, sizes: Sizes) -> list[dict]:
                                   ("fp8_e4m3", "tensor"), ("fp8_e5m2", "head"), ("fp8", "token_head")):
             checks.append((f"commit {layout} {cache_dtype} scale={mode}",
                            lambda layout=layout, d=cache_dtype, m=mode: _check_commit(kernel, sizes, layout, d, m)))
+    for config in sizes.attention_checks:
+        checks.append(("attention {} {} scale={} q={}".format(*config),
+                       lambda config=config: _check_attention(kernel, sizes, *config)))
     results = []
     for name, check in checks:
         start = time.perf_counter()
@@ -292,8 +328,14 @@ def main(argv: list[str] | None = None) -> int:
                                                       inner=sizes.inner, progress=log)
     commit_rows = bench_commit.run(sizes.commit_tokens, backends, acceptance=sizes.commit_acceptance,
                                    repeats=sizes.repeats, inner=sizes.inner, progress=log)
-    report.set("timings", {"acceptance": accept_rows, "commit": commit_rows},
-               timing_table(accept_rows, commit_rows, ceilings))
+    attention_rows = []
+    for batch, context, tokens, cache_dtype in sizes.attention_configs:
+        attention_rows += bench_attention.run((batch,), (context,), (tokens,), (cache_dtype,), backends,
+                                              shape=sizes.attention_shape, repeats=sizes.repeats, inner=sizes.inner,
+                                              steps=2 * sizes.inner, copy_gbps=ceilings["copy_gbps"], progress=log)
+    report.set("timings", {"acceptance": accept_rows, "commit": commit_rows, "attention": attention_rows},
+               timing_table(accept_rows, commit_rows, ceilings) + "\n\n#### Paged attention\n\n"
+               + bench_attention.markdown_table(attention_rows))
 
     pytest_result = None
     remaining = args.budget_s - (time.perf_counter() - start)

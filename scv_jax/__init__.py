@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "gather_kv": "scv_jax.ops.commit.api",
     "slots_from_block_table": "scv_jax.ops.commit.api",
     "check_slot_mapping": "scv_jax.ops.commit.host_checks",
+    "paged_attention": "scv_jax.ops.attention.api",
     # graph mode
     "Buckets": "scv_jax.graph.buckets",
     "Pad": "scv_jax.graph.buckets",

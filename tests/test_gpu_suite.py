@@ -19,6 +19,8 @@ def test_gpu_suite_dry_run(tmp_path):
     assert len(checks) >= 17 and all(c["ok"] for c in checks), checks
     assert {r["op"] for r in report["timings"]["acceptance"]} == {"greedy", "rejection"}
     assert {r["backend"] for r in report["timings"]["commit"]} == {"interpret", "xla"}
+    assert {r["backend"] for r in report["timings"]["attention"]} == {"interpret", "xla"}
+    assert any(c["check"].startswith("attention") for c in checks)
     assert report["pytest"]["returncode"] == 0
     markdown = (tmp_path / "suite.md").read_text()
     assert "Native correctness" in markdown and "Timings" in markdown
