@@ -86,7 +86,7 @@ def make_prefill_step(target_graphdef, draft_graphdef, block_size: int):
             models.append((draft_graphdef, draft_state, draft_cache))
         caches = []
         for graphdef, state, cache in models:
-            out = nnx.merge(graphdef, state).forward_paged(tokens, cache, block_tables, start)
+            out = nnx.merge(graphdef, state).forward_paged(tokens, cache, block_tables, start, backend=backend)
             caches.append(commit_positions(cache, out.keys, out.values, block_tables, start, count,
                                            block_size, backend, after=out.logits))
         return caches[0], (caches[1] if draft_state is not None else draft_cache)
@@ -111,12 +111,12 @@ class Proposal(NamedTuple):
 
 def propose(draft, draft_cache: PagedKVCache | None, block_tables: jax.Array, lag_tokens: jax.Array,
             lag: jax.Array, draft_lens: jax.Array, keys: jax.Array, temperature: jax.Array, *, k: int,
-            greedy: bool) -> Proposal:
+            greedy: bool, backend: str) -> Proposal:
     """Stage 1: the catch-up forward over the lag tokens, then k - 1 one-token draft forwards (a scan)."""
     batch = lag_tokens.shape[0]
     if draft is None:
         return Proposal(jnp.zeros((batch, 0), jnp.int32), None, None)
-    out = draft.forward_paged(lag_tokens, draft_cache, block_tables, draft_lens)
+    out = draft.forward_paged(lag_tokens, draft_cache, block_tables, draft_lens, backend=backend)
     stage_shape = (out.keys.shape[0], batch, max(k + 1, MAX_CATCH_UP), *out.keys.shape[3:])
     stage_k = jnp.zeros(stage_shape, out.keys.dtype).at[:, :, :MAX_CATCH_UP].set(out.keys)
     stage_v = jnp.zeros(stage_shape, out.values.dtype).at[:, :, :MAX_CATCH_UP].set(out.values)
@@ -129,7 +129,7 @@ def propose(draft, draft_cache: PagedKVCache | None, block_tables: jax.Array, la
     def one_draft(carry, j):
         stage_k, stage_v, lengths, token = carry
         o = draft.forward_paged(token[:, None], draft_cache, block_tables, draft_lens,
-                                StagedKV(stage_k, stage_v, lengths))
+                                StagedKV(stage_k, stage_v, lengths), backend=backend)
         stage_k = stage_k.at[:, rows, lengths].set(o.keys[:, :, 0])
         stage_v = stage_v.at[:, rows, lengths].set(o.values[:, :, 0])
         nxt, probs = choose_tokens(o.logits[:, 0], _tagged(keys, _DRAFT + j), temperature, greedy)
@@ -143,10 +143,10 @@ def propose(draft, draft_cache: PagedKVCache | None, block_tables: jax.Array, la
 
 
 def score(target, target_cache: PagedKVCache, block_tables: jax.Array, pending: jax.Array,
-          drafts: jax.Array, context_lens: jax.Array) -> PagedForwardOutput:
+          drafts: jax.Array, context_lens: jax.Array, *, backend: str) -> PagedForwardOutput:
     """Stage 2: the target's forward over [pending, drafts] (``[B, k + 1]``) at its context lengths."""
     return target.forward_paged(jnp.concatenate([pending[:, None], drafts], axis=1), target_cache,
-                                block_tables, context_lens)
+                                block_tables, context_lens, backend=backend)
 
 
 def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, proposal: Proposal,
@@ -214,10 +214,10 @@ def make_decode_step(target_graphdef, draft_graphdef, block_size: int):
         draft = None if draft_state is None else nnx.merge(draft_graphdef, draft_state)
         draft_lens = context_lens + 1 - lag
         proposal = propose(draft, draft_cache, block_tables, lag_tokens, lag, draft_lens, keys, temperature,
-                           k=k, greedy=greedy)
+                           k=k, greedy=greedy, backend=backend)
         pending = jnp.take_along_axis(lag_tokens, (lag - 1)[:, None], axis=1)[:, 0]
         scored = score(nnx.merge(target_graphdef, target_state), target_cache, block_tables, pending,
-                       proposal.tokens, context_lens)
+                       proposal.tokens, context_lens, backend=backend)
         target_cache, result = accept_and_commit(target_cache, scored, proposal, keys, temperature, block_tables,
                                                  context_lens, request_mask, block_size=block_size,
                                                  greedy=greedy, backend=backend)

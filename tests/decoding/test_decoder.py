@@ -10,6 +10,7 @@ from flax import nnx
 import scv_jax
 from scv_jax import DecoderConfig, SpeculativeDecoder, generate_autoregressive
 from scv_jax.graph.compile_counter import CompileCounter
+from scv_jax.models import TransformerConfig
 from tests.models.fixtures import TINY, TINY_DRAFT, perturbed_copy, tiny_model
 
 # One bucket per dimension keeps the number of executables (and the test time) small.
@@ -198,3 +199,20 @@ def test_decode_steps_update_the_caches_in_place(target, partial_draft, k, with_
     decoder.warmup((1, 2), SMALL.max_seq_len)
     for name, stats in decoder.graph_stats.items():
         assert stats.compiles >= 2 and stats.unaliased_donations == stats.copied_donations == 0, name
+
+
+def test_greedy_is_lossless_with_every_kernel_interpreted():
+    """The Pallas kernels (attention, acceptance, commit) in interpret mode give the XLA path's tokens;
+    head_dim 64 and kv_heads * head_dim = 128 put every op on its kernel."""
+    wide = TransformerConfig(vocab_size=32, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=64,
+                             ffn_dim=96)
+    wide_draft = TransformerConfig(vocab_size=32, num_layers=1, d_model=32, num_heads=2, num_kv_heads=2,
+                                   head_dim=64, ffn_dim=64)
+    geometry = dict(block_size=16, num_blocks=16, max_seq_len=64, prefill_chunk=16, batch_buckets=(2,),
+                    context_buckets=(4,))
+    target, draft = tiny_model(wide), tiny_model(wide_draft, seed=1)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    want = SpeculativeDecoder(target, None, config=DecoderConfig(k=0, backend="xla", **geometry)).generate(prompts, 6)
+    out = SpeculativeDecoder(target, draft, config=DecoderConfig(k=2, backend="interpret", **geometry)).generate(
+        prompts, 6)
+    assert out.tokens == want.tokens and 0 < out.stats.acceptance_rate < 1
