@@ -4,12 +4,18 @@ Resampling from norm(max(p - q, 0)) uses the exponential race: token v wins with
 proportional to w_v when the winner is argmax_v w_v / E_v with E_v ~ Exp(1) independent. E_v comes
 from a counter-based hash of (per-slot seed, v), so a kernel tiled over the vocabulary needs no
 random state and every backend draws the same numbers.
+
+Winners (of a race, or of a greedy argmax over logits) follow one rule everywhere: the first index
+of the maximum, where NaN never wins (``argmax_ignoring_nan``). The kernels implement it with a
+strict ``>`` running best in vocabulary order, so the result does not depend on how the vocabulary
+is split into tiles and CTAs.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 # Weight of p in the race weights: a rejected draft whose residual max(p - q, 0) is all zero
 # (degenerate input, e.g. p == q with q(x) = 0) resamples from p instead of returning token 0.
@@ -53,3 +59,16 @@ def accepts_draft(uniform: jax.Array, p_draft: jax.Array, q_draft: jax.Array,
     p_draft = p_draft.astype(jnp.float32)
     q_draft = q_draft.astype(jnp.float32)
     return draft_in_vocab & (q_draft > 0) & (uniform * q_draft < p_draft)
+
+
+def argmax_ignoring_nan(x: jax.Array) -> jax.Array:
+    """int32 first index of the maximum along the last axis, NaN never winning.
+
+    Equals ``jnp.argmax(jnp.where(jnp.isnan(x), -inf, x), axis=-1)``: a row of only NaN and -inf
+    gives 0. Computed as the row maximum, then the first index equal to it (two vectorisable
+    reductions; XLA:CPU runs a fused variadic argmax several times slower).
+    """
+    clean = jnp.where(jnp.isnan(x), -jnp.inf, x)
+    best = jnp.max(clean, axis=-1, keepdims=True)
+    index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(clean == best, index, x.shape[-1]), axis=-1)
