@@ -103,6 +103,22 @@ def _argmax_ignoring_nan_np(x: np.ndarray) -> np.ndarray:
     return np.argmax(np.where(np.isnan(x), -np.inf, x.astype(np.float32)), axis=1).astype(np.int32)
 
 
+@settings(max_examples=30)
+@given(n=st.sampled_from([1, 127, 128, 129, 300, 1024]), rows=st.integers(1, 4), with_nan=st.booleans(),
+       seed=st.integers(0, 2**20))
+def test_argmax_ignoring_nan_matches_numpy(n, rows, with_nan, seed):
+    """Blocked argmax: ties within and across blocks, the maximum in a short last block, NaN and infinities."""
+    from pallas_kernels.sampling_math import argmax_ignoring_nan
+    rng = np.random.default_rng(seed)
+    x = rng.choice(np.array([-np.inf, -1.0, 0.0, 2.0, 3.0, np.inf], np.float32), (rows, n),
+                   p=[0.1, 0.3, 0.3, 0.2, 0.09, 0.01])
+    if with_nan:
+        x[rng.random((rows, n)) < 0.2] = np.nan
+        x[0] = np.nan
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax_ignoring_nan)(jnp.asarray(x))),
+                                  _argmax_ignoring_nan_np(x))
+
+
 @pytest.mark.parametrize("vocab_size,dtype", [(5000, jnp.float32), (700, jnp.bfloat16), (3, jnp.float16)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_argmax_kernel_matches_reference(vocab_size, dtype, num_splits):
