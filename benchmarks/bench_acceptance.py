@@ -233,10 +233,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CPU-sized configurations")
     parser.add_argument("--backends", nargs="*", help="default: pallas and xla on a GPU, xla on CPU")
     parser.add_argument("--device-iterations", type=int, default=None,
-                        help="chained calls per device-time sample (0: per-call only); default 20 (5 with --quick)")
+                        help="chained calls per device-time sample (0: per-call only); default 20 (10 with --quick)")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
-    iterations = args.device_iterations if args.device_iterations is not None else (5 if args.quick else 20)
+    iterations = args.device_iterations if args.device_iterations is not None else (10 if args.quick else 20)
     repeats = 5 if args.quick else 10
     greedy = QUICK_GREEDY if args.quick else GREEDY_CONFIGS
     vocab = QUICK_VOCAB if args.quick else VOCAB_CONFIGS

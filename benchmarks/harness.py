@@ -37,7 +37,8 @@ def device_seconds(fn: Callable[..., Any], args: tuple, *, updates_first_arg: bo
     """Device seconds per call of ``fn(*args)``, without host dispatch: the figure inside a fused step.
 
     ``iterations`` and ``2 * iterations`` dependent calls each run inside one jitted ``lax.fori_loop``
-    executable; the result is the difference of their median times divided by ``iterations``, so the
+    executable; the result is the difference of their fastest times (over ``repeats``) divided by
+    ``iterations``, so the
     executable's fixed costs (its launch, copying the inputs into the loop state, the host's wait)
     cancel out. Each call's inputs pass through an optimization barrier together with the previous
     call's output, so XLA can neither hoist a call out of the loop nor drop it. With
@@ -58,9 +59,17 @@ def device_seconds(fn: Callable[..., Any], args: tuple, *, updates_first_arg: bo
         init = (args, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn, *args)))
 
     loop = jax.jit(lambda carry, n: lax.fori_loop(0, n, lambda _, c: step(c), carry))   # n traced: one compile
-    t_short = median_seconds(lambda: loop(init, jnp.int32(iterations)), repeats)
-    t_long = median_seconds(lambda: loop(init, jnp.int32(2 * iterations)), repeats)
-    return max(t_long - t_short, 0.0) / iterations
+
+    def fastest(n: int) -> float:   # the minimum over repeats: the least disturbed by other load
+        count = jnp.int32(n)
+        jax.block_until_ready(loop(init, count))
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(loop(init, count))
+            samples.append(time.perf_counter() - start)
+        return min(samples)
+    return max(fastest(2 * iterations) - fastest(iterations), 0.0) / iterations
 
 
 def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 10, inner: int = 5) -> float:
