@@ -1,11 +1,18 @@
-"""Acceptance ops: Pallas kernels vs the XLA reference, greedy and rejection sampling.
+"""Acceptance ops: Pallas kernels vs the XLA reference, per call and device time.
 
-Greedy: B in {1, 8, 64, 256} requests x k in {1, 4, 8} drafts each. Rejection sampling: the same
-batches at V in {32k, 152k} (fp32 probabilities); reports the bandwidth of reading p and q once.
-On CPU only the XLA path is timed (use --quick for sizes a CPU finishes).
+* greedy (from target ids): B requests x k drafts.
+* greedy from logits: ``accept_greedy_from_logits`` (argmax fused into the acceptance, [T, V] read
+  once) against "argmax then accept" (``jnp.argmax`` + ``accept_greedy``) on the same backend.
+* rejection sampling with draft probabilities, fp32 [T, V] p and q; reports the memory floor, a jitted
+  ``sum(p) + sum(q)`` over the same arrays (the cost of reading p and q once), and the nominal p+q
+  bandwidth 2 * T * V * 4 bytes / time. The implementations race only each request's rejected row,
+  so they read fewer bytes than that (``rows`` is how many rows they raced).
+Per call: median of back-to-back jitted calls (host dispatch included). Device: ``harness.device_seconds``
+(dependent calls chained inside one executable, no dispatch). On CPU only the XLA path is timed by
+default (use --quick for sizes a CPU finishes).
 
 Run: ``python benchmarks/bench_acceptance.py [--quick] [--append]``.
-``run_greedy(...)`` / ``run_rejection(...)`` return rows for benchmarks/gpu_suite.py.
+``run_greedy`` / ``run_greedy_logits`` / ``run_rejection`` return rows for benchmarks/gpu_suite.py.
 """
 
 from __future__ import annotations
@@ -18,15 +25,20 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import scv_jax
-from harness import append_results, median_seconds, results_header
+from harness import append_results, device_seconds, median_seconds, results_header
 from scv_jax.ops.registry import cuda_available
 
-BATCHES = (1, 8, 64, 256)
-SPEC_LENS = (1, 4, 8)
-VOCABS = (32_768, 151_936)
+GREEDY_CONFIGS = tuple((b, k) for b in (1, 8, 64, 256) for k in (1, 4, 8))
+# (B, k, V): the vLLM peer benchmark's sizes (../shared/bench/vllm_peer_ab.py) and two more.
+VOCAB_CONFIGS = ((1, 4, 32_000), (64, 4, 32_000), (256, 8, 32_000), (32, 8, 152_064), (256, 8, 152_064),
+                 (8, 4, 151_936), (64, 4, 151_936))
+QUICK_GREEDY = tuple((b, k) for b in (1, 8, 64) for k in (1, 4))
+QUICK_VOCAB = ((1, 4, 32_768), (8, 4, 32_768), (64, 4, 32_768), (8, 4, 151_936))
 L2_BYTES = 60 << 20   # H200's L2; rotating input sets exceed it twice over
+Progress = Callable[[str], None] | None
 
 
 def default_backends() -> tuple[str, ...]:
@@ -59,87 +71,185 @@ def _rejection_inputs(batch: int, k: int, vocab: int, seed: int):
     return draft, cu, q, p, jnp.zeros((batch,), jnp.int32), jax.random.split(jax.random.fold_in(key, 4), batch)
 
 
-def _time_rotating(fn: Callable, input_sets: list, repeats: int, inner: int) -> float:
+def _logits_inputs(batch: int, k: int, vocab: int, seed: int):
+    """Target logits [T, V] and drafts equal to their argmax 70% of the time."""
+    key = jax.random.key(seed)
+    t = batch * k
+    logits = jax.random.normal(key, (t, vocab), jnp.float32)
+    mismatch = jax.random.uniform(jax.random.fold_in(key, 1), (t,)) < 0.3
+    top = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    draft = jnp.where(mismatch, (top + 1) % vocab, top)
+    return draft, jnp.arange(batch + 1, dtype=jnp.int32) * k, logits, jnp.zeros((batch,), jnp.int32)
+
+
+def _num_sets(num_bytes: int) -> int:
+    return max(1, min(4, -(-2 * L2_BYTES // max(num_bytes, 1))))
+
+
+def _time(fn: Callable, input_sets: list, *, repeats: int, inner: int, device_iterations: int) -> dict:
+    """Per-call seconds (rotating input sets, back-to-back dispatch) and device seconds (first set)."""
     position = [0]
 
     def once():
         position[0] = (position[0] + 1) % len(input_sets)
         return fn(*input_sets[position[0]])
-    return median_seconds(once, repeats, inner)
+    row = dict(seconds=median_seconds(once, repeats, inner))
+    if device_iterations:
+        row["device_seconds"] = device_seconds(fn, input_sets[0], iterations=device_iterations, repeats=repeats)
+    return row
 
 
-def run_greedy(batches: Sequence[int] = BATCHES, spec_lens: Sequence[int] = SPEC_LENS,
-               backends: Sequence[str] | None = None, *, repeats: int = 15, inner: int = 20,
-               progress: Callable[[str], None] | None = print) -> list[dict]:
-    """Median seconds per greedy acceptance call for each (B, k, backend)."""
+def _log(progress: Progress, message: str) -> None:
+    if progress:
+        progress(message)
+
+
+def run_greedy(configs: Sequence[tuple[int, int]] = GREEDY_CONFIGS, backends: Sequence[str] | None = None, *,
+               repeats: int = 15, inner: int = 20, device_iterations: int = 20, progress: Progress = print
+               ) -> list[dict]:
+    """Greedy acceptance from target ids, per (B, k, backend)."""
     rows = []
-    configs = [(b, k, be) for b in batches for k in spec_lens for be in backends or default_backends()]
-    for i, (batch, k, backend) in enumerate(configs):
-        if progress:
-            progress(f"[greedy {i + 1}/{len(configs)}] B={batch} k={k} {backend}")
-        fn = jax.jit(functools.partial(scv_jax.accept_greedy, max_spec_len=k, backend=backend))
-        seconds = _time_rotating(fn, [_greedy_inputs(batch, k, s) for s in range(2)], repeats, inner)
-        rows.append(dict(op="greedy", batch=batch, k=k, backend=backend, seconds=seconds))
+    jobs = [(b, k, be) for b, k in configs for be in backends or default_backends()]
+    for i, (batch, k, backend) in enumerate(jobs):
+        _log(progress, f"[greedy {i + 1}/{len(jobs)}] B={batch} k={k} {backend}")
+        fn = functools.partial(scv_jax.accept_greedy, max_spec_len=k, backend=backend)
+        timing = _time(jax.jit(fn), [_greedy_inputs(batch, k, s) for s in range(2)], repeats=repeats, inner=inner,
+                       device_iterations=device_iterations)
+        rows.append(dict(op="greedy", batch=batch, k=k, backend=backend, **timing))
     return rows
 
 
-def run_rejection(batches: Sequence[int] = BATCHES, spec_lens: Sequence[int] = SPEC_LENS,
-                  vocabs: Sequence[int] = VOCABS, backends: Sequence[str] | None = None, *,
-                  repeats: int = 10, inner: int = 5, progress: Callable[[str], None] | None = print
-                  ) -> list[dict]:
-    """Median seconds per rejection-sampling call for each (B, k, V, backend), with the bandwidth of
-    reading p and q (2 * T * V * 4 bytes) once."""
+def _argmax_then_accept(draft, cu, logits, bonus, *, max_spec_len: int, backend: str):
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return scv_jax.accept_greedy(draft, cu, target, bonus, max_spec_len=max_spec_len, backend=backend)
+
+
+def run_greedy_logits(configs: Sequence[tuple[int, int, int]] = VOCAB_CONFIGS, backends: Sequence[str] | None = None,
+                      *, repeats: int = 10, inner: int = 5, device_iterations: int = 20,
+                      progress: Progress = print) -> list[dict]:
+    """Greedy acceptance from fp32 logits [T, V]: fused vs argmax-then-accept, per (B, k, V, backend),
+    with the memory floor (a jitted ``sum(logits)``) and the logits bandwidth 4 * T * V / time."""
     rows = []
-    configs = [(b, k, v, be) for b in batches for k in spec_lens for v in vocabs
-               for be in backends or default_backends()]
-    for i, (batch, k, vocab, backend) in enumerate(configs):
-        if progress:
-            progress(f"[rejection {i + 1}/{len(configs)}] B={batch} k={k} V={vocab} {backend}")
-        probs_bytes = 2 * batch * k * vocab * 4
-        num_sets = max(1, min(4, -(-2 * L2_BYTES // probs_bytes)))
-        input_sets = [_rejection_inputs(batch, k, vocab, s) for s in range(num_sets)]
+    jobs = [(b, k, v, be) for b, k, v in configs for be in backends or default_backends()]
+    for i, (batch, k, vocab, backend) in enumerate(jobs):
+        _log(progress, f"[greedy-logits {i + 1}/{len(jobs)}] B={batch} k={k} V={vocab} {backend}")
+        num_bytes = batch * k * vocab * 4
+        input_sets = [_logits_inputs(batch, k, vocab, s) for s in range(_num_sets(num_bytes))]
+        timings = dict(repeats=repeats, inner=inner, device_iterations=device_iterations)
+        floor = _time(jax.jit(lambda d, cu, lg, bo: jnp.sum(lg)), input_sets, **timings)
+        for variant, op in (("fused", scv_jax.accept_greedy_from_logits), ("argmax+accept", _argmax_then_accept)):
+            fn = jax.jit(functools.partial(op, max_spec_len=k, backend=backend))
+            row = dict(op="greedy-logits", variant=variant, batch=batch, k=k, vocab=vocab, backend=backend,
+                       bytes=num_bytes, **_time(fn, input_sets, **timings))
+            rows.append(_with_floor(row, floor))
+        del input_sets
+    return rows
+
+
+def _with_floor(row: dict, floor: dict) -> dict:
+    row["floor_seconds"] = floor["seconds"]
+    if "device_seconds" in floor:
+        row["floor_device_seconds"] = floor["device_seconds"]
+    row["gbps"] = row["bytes"] / (row.get("device_seconds") or row["seconds"]) / 1e9
+    return row
+
+
+def run_rejection(configs: Sequence[tuple[int, int, int]] = VOCAB_CONFIGS, backends: Sequence[str] | None = None,
+                  *, repeats: int = 10, inner: int = 5, device_iterations: int = 20,
+                  progress: Progress = print) -> list[dict]:
+    """Rejection sampling with fp32 draft probabilities per (B, k, V, backend), with the memory floor
+    (a jitted ``sum(p) + sum(q)``) and the nominal p+q bandwidth 2 * T * V * 4 / time."""
+    rows = []
+    jobs = [(b, k, v, be) for b, k, v in configs for be in backends or default_backends()]
+    for i, (batch, k, vocab, backend) in enumerate(jobs):
+        _log(progress, f"[rejection {i + 1}/{len(jobs)}] B={batch} k={k} V={vocab} {backend}")
+        num_bytes = 2 * batch * k * vocab * 4
+        input_sets = [_rejection_inputs(batch, k, vocab, s) for s in range(_num_sets(num_bytes))]
+        timings = dict(repeats=repeats, inner=inner, device_iterations=device_iterations)
+        floor = _time(jax.jit(lambda d, cu, q, p, bo, key: jnp.sum(p) + jnp.sum(q)), input_sets, **timings)
         fn = jax.jit(lambda d, cu, q, p, bo, key, k=k, backend=backend: scv_jax.rejection_sample(
             d, cu, q, p, bo, key=key, max_spec_len=k, backend=backend))
-        seconds = _time_rotating(fn, input_sets, repeats, inner)
+        result = fn(*input_sets[0])
+        rows_raced = int(np.sum(np.asarray(result.num_accepted) < k))
+        row = dict(op="rejection", batch=batch, k=k, vocab=vocab, backend=backend, bytes=num_bytes,
+                   rows=rows_raced, **_time(fn, input_sets, **timings))
+        rows.append(_with_floor(row, floor))
         del input_sets
-        rows.append(dict(op="rejection", batch=batch, k=k, vocab=vocab, backend=backend, seconds=seconds,
-                         probs_gbps=probs_bytes / seconds / 1e9))
     return rows
 
 
-def speedups(rows: list[dict]) -> dict[tuple, float]:
-    """XLA seconds / kernel seconds per configuration (where both were timed)."""
-    key = lambda r: (r["op"], r["batch"], r["k"], r.get("vocab"))  # noqa: E731
-    xla = {key(r): r["seconds"] for r in rows if r["backend"] == "xla"}
-    return {key(r): xla[key(r)] / r["seconds"] for r in rows if r["backend"] != "xla" and key(r) in xla}
+def _key(r: dict) -> tuple:
+    return r["op"], r.get("variant"), r["batch"], r["k"], r.get("vocab")
+
+
+def speedups(rows: list[dict], field: str = "seconds") -> dict[tuple, float]:
+    """XLA ``field`` / kernel ``field`` per configuration (where both were timed)."""
+    xla = {_key(r): r[field] for r in rows if r["backend"] == "xla" and field in r}
+    return {_key(r): xla[_key(r)] / r[field] for r in rows
+            if r["backend"] != "xla" and _key(r) in xla and r.get(field)}
+
+
+def fused_speedups(rows: list[dict], field: str = "seconds") -> dict[tuple, float]:
+    """Greedy from logits: "argmax+accept" ``field`` / "fused" ``field`` per (B, k, V, backend)."""
+    key = lambda r: (r["batch"], r["k"], r["vocab"], r["backend"])  # noqa: E731
+    separate = {key(r): r.get(field) for r in rows if r.get("variant") == "argmax+accept"}
+    return {key(r): separate[key(r)] / r[field] for r in rows
+            if r.get("variant") == "fused" and r.get(field) and separate.get(key(r))}
+
+
+def _ratio(ratios: tuple[dict, dict], key: tuple) -> str:
+    text = f"{ratios[0][key]:.2f}x" if key in ratios[0] else ""
+    return text + (f" / {ratios[1][key]:.2f}x" if key in ratios[1] else "")
+
+
+def _us(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e6:.1f}"
 
 
 def markdown_table(rows: list[dict]) -> str:
-    ratio = speedups(rows)
-    lines = ["| op | B | k | V | backend | µs | p+q GB/s | speed-up vs XLA |", "|---|---|---|---|---|---|---|---|"]
+    """One line per row: per-call and device µs, multiples of the memory floor, bandwidth, speed-ups
+    (kernel vs XLA; fused greedy vs argmax then accept), each as "per call / device"."""
+    vs_xla = speedups(rows), speedups(rows, "device_seconds")
+    vs_separate = fused_speedups(rows), fused_speedups(rows, "device_seconds")
+    lines = ["| op | B | k | V | backend | µs per call | device µs | x floor | GB/s | vs XLA | "
+             "fused vs argmax+accept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        key = (r["op"], r["batch"], r["k"], r.get("vocab"))
-        gbps = f"{r['probs_gbps']:.1f}" if "probs_gbps" in r else ""
-        speedup = f"{ratio[key]:.2f}x" if r["backend"] != "xla" and key in ratio else ""
-        lines.append(f"| {r['op']} | {r['batch']} | {r['k']} | {r.get('vocab', '')} | {r['backend']} | "
-                     f"{r['seconds'] * 1e6:.1f} | {gbps} | {speedup} |")
+        dev = r.get("device_seconds")
+        floor = f"{r['seconds'] / r['floor_seconds']:.1f}" if "floor_seconds" in r else ""
+        if floor and dev and r.get("floor_device_seconds"):
+            floor += f" / {dev / r['floor_device_seconds']:.1f}"
+        kernel_row = r["backend"] != "xla"
+        fused = _ratio(vs_separate, (r["batch"], r["k"], r.get("vocab"), r["backend"])) if r.get("variant") == "fused" else ""
+        gbps = f"{r['gbps']:.1f}" if "gbps" in r else ""
+        name = r["op"] + (f" ({r['variant']})" if "variant" in r else "")
+        lines.append(f"| {name} | {r['batch']} | {r['k']} | {r.get('vocab', '')} | {r['backend']} | "
+                     f"{_us(r['seconds'])} | {_us(dev)} | {floor} | {gbps} | "
+                     f"{_ratio(vs_xla, _key(r)) if kernel_row else ''} | {fused} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="CPU-sized: B <= 64, V = 32k only")
+    parser.add_argument("--quick", action="store_true", help="CPU-sized configurations")
     parser.add_argument("--backends", nargs="*", help="default: pallas and xla on a GPU, xla on CPU")
+    parser.add_argument("--device-iterations", type=int, default=None,
+                        help="chained calls per device-time sample (0: per-call only); default 20 (10 with --quick)")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
-    batches = (1, 8, 64) if args.quick else BATCHES
-    vocabs = (32_768,) if args.quick else VOCABS
-    rows = run_greedy(batches, backends=args.backends)
-    rows += run_rejection(batches, (1, 4) if args.quick else SPEC_LENS, vocabs, backends=args.backends,
-                          repeats=3 if args.quick else 10, inner=1 if args.quick else 5)
+    iterations = args.device_iterations if args.device_iterations is not None else (10 if args.quick else 20)
+    repeats = 5 if args.quick else 10
+    greedy = QUICK_GREEDY if args.quick else GREEDY_CONFIGS
+    vocab = QUICK_VOCAB if args.quick else VOCAB_CONFIGS
+    rows = run_greedy(greedy, args.backends, device_iterations=iterations)
+    rows += run_greedy_logits(vocab, args.backends, repeats=repeats, inner=1 if args.quick else 5,
+                              device_iterations=iterations)
+    rows += run_rejection(vocab, args.backends, repeats=repeats, inner=1 if args.quick else 5,
+                          device_iterations=iterations)
     command = "python " + " ".join([os.path.relpath(__file__, os.getcwd())] + sys.argv[1:])
-    text = results_header("bench_acceptance: greedy and rejection sampling", command,
-                          "All requests full (T = B * k); fp32 probabilities; medians of back-to-back calls. ")
+    text = results_header("bench_acceptance: greedy, greedy from logits and rejection sampling", command,
+                          "All requests full (T = B * k); fp32 logits / probabilities. Per call: median of "
+                          "back-to-back calls; device: chained calls in one executable. Floor: a jitted "
+                          "sum over the same [T, V] arrays (read once), timed the same way. ")
     text += markdown_table(rows)
     print(text)
     if args.append:

@@ -1,22 +1,31 @@
 """One-command GPU validation and benchmark suite for every scv-jax kernel.
 
-On a CUDA GPU (one call, a few minutes on an H200):
+On a CUDA GPU (one call, at most ``--budget-s`` seconds, 6 minutes by default, on an H200):
   1. environment (GPU, driver, jax/jaxlib) and two ceilings: device copy bandwidth and launch floor;
   2. native correctness: every kernel (Pallas backend, not interpret) on fresh random inputs against
-     the XLA reference, every layout and dtype, then the test suite's kernel tests under pytest;
-  3. timings of each kernel against the XLA path at the kernel issues' benchmark sizes, as
-     microseconds, bandwidth, fraction of the measured copy bandwidth and speed-up;
-  4. writes ``suite.json`` and ``suite.md`` under ``--out`` after every section (a time-out keeps
+     the XLA reference, every layout, dtype and register layout;
+  3. timings of each kernel and its XLA reference at the vLLM peer benchmark's sizes: per call (host
+     dispatch included) and device time (``harness.device_seconds``: dependent calls chained inside
+     one executable), bandwidth, fraction of the copy bandwidth, multiple of the memory floor,
+     speed-ups;
+  4. the vLLM peer benchmark (vLLM's Triton kernels vs ours on identical inputs, with vLLM's CUDA-graph
+     replay as its device time) when its script has been copied to ``.peer/vllm_peer_ab.py``
+     (git-ignored; never committed) and torch + triton are importable; its report lands in
+     ``--out``/peer and in the suite's markdown;
+  5. the test suite's kernel tests under pytest, with the time left;
+  6. writes ``suite.json`` and ``suite.md`` under ``--out`` after every section (a time-out keeps
      what finished) and prints the markdown last.
+Sections that would not fit the budget are skipped and listed as such.
 ``--dry-run`` runs the same code on CPU at tiny sizes with the interpret backends (CI runs it).
 
-Run: ``python benchmarks/gpu_suite.py --out DIR [--dry-run] [--budget-s 420]``.
+Run: ``python benchmarks/gpu_suite.py --out DIR [--dry-run] [--budget-s 360]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -25,29 +34,35 @@ import sys
 import time
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# The vLLM peer runs in a child process on the same GPU: let JAX allocate on demand instead of taking
+# 75% of the device up front (set before jax is imported).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import bench_acceptance
-import bench_attention
-import bench_commit
-import harness
-import scv_jax
-from scv_jax.ops.registry import cuda_available
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import bench_acceptance  # noqa: E402
+import bench_attention  # noqa: E402
+import bench_commit  # noqa: E402
+import harness  # noqa: E402
+import scv_jax  # noqa: E402
+from scv_jax.ops.registry import cuda_available  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PEER_SCRIPT = os.path.join(REPO, ".peer", "vllm_peer_ab.py")
 
 
 @dataclasses.dataclass
 class Sizes:
     """Problem sizes of one suite run (``FULL`` on a GPU, ``DRY`` on CPU)."""
     copy_bytes: int
-    greedy_batches: tuple[int, ...]
-    greedy_spec_lens: tuple[int, ...]
-    rejection_configs: tuple[tuple[int, int, int], ...]    # (B, k, V)
+    greedy_configs: tuple[tuple[int, int], ...]              # (B, k)
+    vocab_configs: tuple[tuple[int, int, int], ...]          # (B, k, V): greedy from logits, rejection
     commit_tokens: tuple[int, ...]
+    commit_layers: int
     commit_acceptance: tuple[float, ...]
+    commit_extra: tuple[tuple[int, int, int, int], ...]      # (T, layers, kv_heads, head_dim), bf16, all written
     check_vocab: int
     check_commit_shape: tuple[int, int, int, int]           # layers, kv_heads, head_dim, tokens
     attention_shape: bench_attention.Shape                  # heads of the attention checks and timings
@@ -56,15 +71,18 @@ class Sizes:
     attention_configs: tuple[tuple[int, int, int, str], ...]   # timed (B, context, T, cache dtype)
     repeats: int
     inner: int                                              # back-to-back calls per timing sample
+    device_iterations: int                                  # chained calls per device-time sample
+    peer_budget_s: float                                    # the peer script's --budget-s
     pytest_files: tuple[str, ...]
     pytest_filter: str
 
 
-FULL = Sizes(copy_bytes=1 << 30, greedy_batches=(1, 8, 64, 256), greedy_spec_lens=(1, 4, 8),
-             rejection_configs=((1, 4, 151_936), (8, 4, 151_936), (64, 4, 32_768), (64, 4, 151_936),
-                                (256, 8, 151_936)),
-             commit_tokens=(16, 256, 4096), commit_acceptance=(0.3, 0.9), check_vocab=151_936,
-             check_commit_shape=(4, 8, 128, 300), attention_shape=bench_attention.LLAMA_8B,
+# The vLLM peer benchmark's acceptance sizes (../shared/bench/vllm_peer_ab.py: GPU_ACCEPT_CASES).
+PEER_VOCAB_CONFIGS = ((1, 4, 32_000), (64, 4, 32_000), (256, 8, 32_000), (32, 8, 152_064), (256, 8, 152_064))
+FULL = Sizes(copy_bytes=1 << 30, greedy_configs=((1, 4), (64, 4), (256, 8)), vocab_configs=PEER_VOCAB_CONFIGS,
+             commit_tokens=(16, 4096), commit_layers=32, commit_acceptance=(0.3,),
+             commit_extra=((4096, 1, 8, 128), (4096, 32, 2, 80), (256, 32, 1, 64)),
+             check_vocab=151_936, check_commit_shape=(4, 8, 128, 300), attention_shape=bench_attention.LLAMA_8B,
              attention_checks=(("NHD", "bfloat16", None, "bfloat16"), ("HND", "bfloat16", None, "bfloat16"),
                                ("NHD", "fp8_e4m3", "tensor", "bfloat16"), ("HND", "fp8_e5m2", "head", "bfloat16"),
                                ("NHD", "fp8", "token_head", "bfloat16"), ("HND", "float16", None, "float16"),
@@ -73,15 +91,15 @@ FULL = Sizes(copy_bytes=1 << 30, greedy_batches=(1, 8, 64, 256), greedy_spec_len
              attention_configs=tuple((b, c, t, d) for d in ("bfloat16", "fp8") for b, c, t in (
                  (1, 4096, 9), (1, 16384, 9), (8, 4096, 1), (8, 4096, 9), (8, 16384, 9), (64, 4096, 9),
                  (64, 16384, 5))),
-             repeats=10, inner=10,
+             repeats=7, inner=10, device_iterations=20, peer_budget_s=140,
              pytest_files=("tests/ops/acceptance/test_acceptance.py", "tests/ops/commit/test_commit.py",
                            "tests/ops/attention/test_attention.py"),
              pytest_filter="pallas or gpu or lowers")
-DRY = Sizes(copy_bytes=1 << 20, greedy_batches=(1, 4), greedy_spec_lens=(2,),
-            rejection_configs=((2, 2, 600),), commit_tokens=(4,), commit_acceptance=(0.5,), check_vocab=600,
+DRY = Sizes(copy_bytes=1 << 20, greedy_configs=((1, 2), (4, 2)), vocab_configs=((2, 2, 600),), commit_tokens=(4,),
+            commit_layers=2, commit_acceptance=(0.5,), commit_extra=((4, 1, 1, 64),), check_vocab=600,
             check_commit_shape=(2, 2, 64, 5), attention_shape=bench_attention.TINY,
             attention_checks=(("HND", "fp8", "token_head", "float32"),), check_attention_size=(2, 96, 3),
-            attention_configs=((2, 96, 3, "fp8"),), repeats=1, inner=1,
+            attention_configs=((2, 96, 3, "fp8"),), repeats=1, inner=1, device_iterations=1, peer_budget_s=60,
             pytest_files=("tests/ops/acceptance/test_acceptance.py",), pytest_filter="greedy_kernel_lowers")
 
 
@@ -143,6 +161,18 @@ def _check_greedy(kernel: str, sizes: Sizes) -> str:
     return "bit-exact"
 
 
+def _check_greedy_logits(kernel: str, sizes: Sizes, dtype) -> str:
+    batch, k, vocab = 32, 4, sizes.check_vocab
+    draft, cu, logits, bonus = bench_acceptance._logits_inputs(batch, k, vocab, seed=2)
+    logits = logits.astype(dtype)
+    logits = logits.at[0].set(jnp.nan).at[1, 7].set(jnp.nan).at[2, 5].set(logits[2].max())   # NaN, a tie
+    got = scv_jax.accept_greedy_from_logits(draft, cu, logits, bonus, max_spec_len=k, backend=kernel)
+    want = scv_jax.accept_greedy_from_logits(draft, cu, logits, bonus, max_spec_len=k, backend="xla")
+    for name in ("output_token_ids", "num_accepted", "accept_mask"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), name)
+    return "bit-exact"
+
+
 def _check_rejection(kernel: str, sizes: Sizes, with_draft_probs: bool, dtype) -> str:
     batch, k, vocab = 32, 4, sizes.check_vocab
     draft, cu, q, p, bonus, keys = bench_acceptance._rejection_inputs(batch, k, vocab, seed=5)
@@ -160,8 +190,11 @@ def _check_rejection(kernel: str, sizes: Sizes, with_draft_probs: bool, dtype) -
     return "bit-exact" if differing == 0 else f"{differing} near-tie token differs"
 
 
-def _check_commit(kernel: str, sizes: Sizes, layout: str, cache_dtype: str, scale_mode) -> str:
+def _check_commit(kernel: str, sizes: Sizes, layout: str, cache_dtype: str, scale_mode,
+                  heads_and_dim: tuple[int, int] | None = None) -> str:
     layers, heads, head_dim, tokens = sizes.check_commit_shape
+    if heads_and_dim is not None:
+        heads, head_dim = heads_and_dim
     rng = np.random.default_rng(3)
     cache = scv_jax.PagedKVCache.create(layers, 64, 16, heads, head_dim, dtype=cache_dtype, layout=layout,
                                         scale_mode=scale_mode)
@@ -200,6 +233,9 @@ def _check_attention(kernel: str, sizes: Sizes, layout: str, cache_dtype: str, s
 def native_checks(kernel: str, sizes: Sizes) -> list[dict]:
     """Each kernel against the XLA reference on fresh random inputs; never raises."""
     checks: list[tuple[str, Callable[[], str]]] = [("greedy acceptance", lambda: _check_greedy(kernel, sizes))]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        checks.append((f"greedy from logits {jnp.dtype(dtype).name} (NaN, ties)",
+                       lambda dtype=dtype: _check_greedy_logits(kernel, sizes, dtype)))
     for with_q in (True, False):
         for dtype in (jnp.float32, jnp.bfloat16):
             checks.append((f"rejection sampling q={'probs' if with_q else 'None'} {jnp.dtype(dtype).name}",
@@ -209,6 +245,11 @@ def native_checks(kernel: str, sizes: Sizes) -> list[dict]:
                                   ("fp8_e4m3", "tensor"), ("fp8_e5m2", "head"), ("fp8", "token_head")):
             checks.append((f"commit {layout} {cache_dtype} scale={mode}",
                            lambda layout=layout, d=cache_dtype, m=mode: _check_commit(kernel, sizes, layout, d, m)))
+    for layout, cache_dtype, mode, shape in (("NHD", "bfloat16", None, (1, 64)), ("HND", "fp8", "token_head", (2, 80)),
+                                             ("NHD", "fp8_e5m2", "head", (3, 112)), ("HND", "float16", None, (5, 96))):
+        checks.append((f"commit {layout} {cache_dtype} scale={mode} {shape[0]} x {shape[1]} (tiled layout)",
+                       lambda layout=layout, d=cache_dtype, m=mode, hd=shape: _check_commit(kernel, sizes, layout, d,
+                                                                                          m, hd)))
     for config in sizes.attention_checks:
         checks.append(("attention {} {} scale={} q={}".format(*config),
                        lambda config=config: _check_attention(kernel, sizes, *config)))
@@ -247,6 +288,43 @@ def run_pytest(sizes: Sizes, out_dir: str, timeout_s: float) -> dict:
     return result
 
 
+def peer_unavailable_reason() -> str:
+    """"" when the vLLM peer benchmark can run here, else why not."""
+    if not os.path.exists(PEER_SCRIPT):
+        return (f"no {os.path.relpath(PEER_SCRIPT, REPO)} (copy ../shared/bench/vllm_peer_ab.py there; "
+                "it is git-ignored)")
+    missing = [name for name in ("torch", "triton") if importlib.util.find_spec(name) is None]
+    return f"{' and '.join(missing)} not importable" if missing else ""
+
+
+def run_peer(sizes: Sizes, out_dir: str, budget_s: float, dry_run: bool) -> dict:
+    """The vLLM peer benchmark in a child process; its files go to ``out_dir``/peer."""
+    why = peer_unavailable_reason()
+    if why:
+        return dict(status="skipped", reason=why)
+    peer_out = os.path.join(out_dir, "peer")
+    command = [sys.executable, PEER_SCRIPT, "--project", REPO, "--out", peer_out, "--budget-s",
+               str(int(budget_s)), "--grace-s", "15"] + (["--dry-run"] if dry_run else [])
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=budget_s + 60)
+        code, tail = proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+    except subprocess.TimeoutExpired:
+        code, tail = -1, [f"timed out after {budget_s + 60:.0f} s"]
+    report_path = os.path.join(peer_out, "peer_ab.md")
+    markdown = open(report_path).read() if os.path.exists(report_path) else ""
+    return dict(status="ran", returncode=code, seconds=round(time.perf_counter() - start, 1),
+                command=" ".join(command[1:]), tail=tail, markdown=markdown)
+
+
+def peer_section(peer: dict) -> str:
+    lines = ["### vLLM peer benchmark (vLLM's Triton kernels vs ours, one process, identical inputs)", ""]
+    if peer["status"] != "ran":
+        return "\n".join(lines + [f"Not run: {peer['reason']}."])
+    lines.append(f"`{peer['command']}` (exit {peer['returncode']}, {peer['seconds']} s; files under peer/)")
+    return "\n".join(lines + ["", peer["markdown"] or "no peer_ab.md was written: " + " / ".join(peer["tail"])])
+
+
 # ---------------------------------------------------------------- tables
 
 
@@ -261,45 +339,106 @@ def checks_table(checks: list[dict], pytest_result: dict | None) -> str:
     return "\n".join(lines)
 
 
+def _us(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
 def timing_table(accept_rows: list[dict], commit_rows: list[dict], ceilings: dict) -> str:
+    """Per call and device µs for every kernel and its XLA reference, with bandwidth (from device time)
+    and its share of the copy bandwidth, multiples of the launch and memory floors, and speed-ups."""
     copy = ceilings["copy_gbps"]
     floor_us = ceilings["launch_floor_us"]
-    ratio = bench_acceptance.speedups(accept_rows)
-    lines = ["### Timings (median per call, back-to-back dispatch)", "",
-             f"Copy bandwidth {copy:.0f} GB/s (read + write); launch floor {floor_us:.1f} µs.", "",
-             "| op | size | backend | µs | x launch floor | GB/s | % of copy | speed-up vs XLA |",
-             "|---|---|---|---|---|---|---|---|"]
+    vs_xla = bench_acceptance.speedups(accept_rows), bench_acceptance.speedups(accept_rows, "device_seconds")
+    vs_separate = (bench_acceptance.fused_speedups(accept_rows),
+                   bench_acceptance.fused_speedups(accept_rows, "device_seconds"))
+    lines = ["### Timings", "",
+             f"Copy bandwidth {copy:.0f} GB/s (read + write); launch floor {floor_us:.1f} µs. Per call: median of "
+             "back-to-back jitted calls (host dispatch included). Device: dependent calls chained in one "
+             "executable (`harness.device_seconds`). GB/s from device time over the nominal bytes (rejection: "
+             "2 * T * V * 4 for p and q, though only the `rows` rejected rows are raced). Ratios are "
+             "per call / device.", "",
+             "| op | size | backend | µs per call | device µs | x launch floor | GB/s | % of copy | x memory floor | "
+             "vs XLA | fused vs argmax+accept |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in accept_rows:
-        key = (r["op"], r["batch"], r["k"], r.get("vocab"))
         size = f"B={r['batch']} k={r['k']}" + (f" V={r['vocab']}" if "vocab" in r else "")
-        gbps = r.get("probs_gbps")
-        lines.append(f"| {r['op']} | {size} | {r['backend']} | {r['seconds'] * 1e6:.1f} | "
+        size += f" ({r['rows']} rows raced)" if "rows" in r else ""
+        name = r["op"] + (f" ({r['variant']})" if "variant" in r else "")
+        dev = r.get("device_seconds")
+        gbps = r.get("gbps")
+        floor = ""
+        if "floor_seconds" in r:
+            floor = f"{r['seconds'] / r['floor_seconds']:.1f}"
+            floor += f" / {dev / r['floor_device_seconds']:.1f}" if dev and r.get("floor_device_seconds") else ""
+        key = bench_acceptance._key(r)
+        fused = (bench_acceptance._ratio(vs_separate, (r["batch"], r["k"], r["vocab"], r["backend"]))
+                 if r.get("variant") == "fused" else "")
+        lines.append(f"| {name} | {size} | {r['backend']} | {_us(r['seconds'])} | {_us(dev)} | "
                      f"{r['seconds'] * 1e6 / floor_us:.1f} | {'' if gbps is None else f'{gbps:.0f}'} | "
-                     f"{'' if gbps is None else f'{100 * gbps / copy:.0f}%'} | "
-                     f"{f'{ratio[key]:.2f}x' if r['backend'] != 'xla' and key in ratio else ''} |")
-    xla_commit = {(r["tokens"], r["cache_dtype"], r["acceptance"]): r for r in commit_rows if r["backend"] == "xla"}
+                     f"{'' if gbps is None else f'{100 * gbps / copy:.0f}%'} | {floor} | "
+                     f"{bench_acceptance._ratio(vs_xla, key) if r['backend'] != 'xla' else ''} | {fused} |")
+    shape_key = lambda r: (r["tokens"], r["layers"], r["heads"], r["head_dim"], r["cache_dtype"], r["acceptance"])  # noqa: E731
+    xla_commit = {shape_key(r): r for r in commit_rows if r["backend"] == "xla"}
     for r in commit_rows:
-        base = xla_commit.get((r["tokens"], r["cache_dtype"], r["acceptance"]))
+        base = xla_commit.get(shape_key(r))
         for kind in ("accepted", "all"):
-            speedup = (f"{base[kind + '_s'] / r[kind + '_s']:.2f}x"
-                       if r["backend"] != "xla" and base else "")
+            if kind == "accepted" and r["acceptance"] >= 1.0:
+                continue
+            speedup = ""
+            if r["backend"] != "xla" and base:
+                speedup = f"{base[kind + '_s'] / r[kind + '_s']:.2f}x"
+                if r.get(kind + "_device_s") and base.get(kind + "_device_s"):
+                    speedup += f" / {base[kind + '_device_s'] / r[kind + '_device_s']:.2f}x"
             gbps = r[kind + "_gbps"]
-            size = f"T={r['tokens']} {r['cache_dtype']} " + (f"accept {r['acceptance']}" if kind == "accepted"
-                                                             else "write-all")
-            lines.append(f"| commit | {size} | {r['backend']} | {r[kind + '_s'] * 1e6:.1f} | "
-                         f"{r[kind + '_s'] * 1e6 / floor_us:.1f} | {gbps:.0f} | {100 * gbps / copy:.0f}% | "
-                         f"{speedup} |")
+            size = (f"T={r['tokens']} L={r['layers']} {r['heads']}x{r['head_dim']} {r['cache_dtype']} "
+                    + (f"accept {r['acceptance']}" if kind == "accepted" else "write-all"))
+            lines.append(f"| commit | {size} | {r['backend']} | {_us(r[kind + '_s'])} | "
+                         f"{_us(r.get(kind + '_device_s'))} | {r[kind + '_s'] * 1e6 / floor_us:.1f} | {gbps:.0f} | "
+                         f"{100 * gbps / copy:.0f}% | | {speedup} | |")
     return "\n".join(lines)
+
+
+def _attention_timings(sizes: Sizes, backends: tuple[str, ...], copy_gbps: float) -> list[dict]:
+    rows = []
+    for batch, context, tokens, cache_dtype in sizes.attention_configs:
+        rows += bench_attention.run((batch,), (context,), (tokens,), (cache_dtype,), backends,
+                                    shape=sizes.attention_shape, repeats=sizes.repeats, inner=sizes.inner,
+                                    steps=2 * sizes.inner, copy_gbps=copy_gbps, progress=log)
+    return rows
+
+
+def _timing_groups(sizes: Sizes, backends: tuple[str, ...],
+                   ceilings: dict) -> list[tuple[str, str, Callable[[], list[dict]]]]:
+    """(name, kind, run) per timing group, most important first (each is skipped when over budget)."""
+    common = dict(repeats=sizes.repeats, device_iterations=sizes.device_iterations, progress=log)
+    groups = [
+        ("rejection sampling", "acceptance", lambda: bench_acceptance.run_rejection(
+            sizes.vocab_configs, backends, inner=sizes.inner, **common)),
+        ("greedy from logits", "acceptance", lambda: bench_acceptance.run_greedy_logits(
+            sizes.vocab_configs, backends, inner=sizes.inner, **common)),
+        ("commit", "commit", lambda: bench_commit.run(
+            sizes.commit_tokens, backends, acceptance=sizes.commit_acceptance, layers=sizes.commit_layers,
+            inner=sizes.inner, **common)),
+        ("paged attention", "attention", lambda: _attention_timings(sizes, backends, ceilings["copy_gbps"])),
+        ("greedy", "acceptance", lambda: bench_acceptance.run_greedy(
+            sizes.greedy_configs, backends, inner=2 * sizes.inner, **common)),
+    ]
+    for tokens, layers, heads, head_dim in sizes.commit_extra:
+        groups.append((f"commit T={tokens} L={layers} {heads}x{head_dim}", "commit", lambda t=tokens, l=layers, h=heads,
+                       d=head_dim: bench_commit.run((t,), backends, cache_dtypes=("bfloat16",), acceptance=(1.0,),
+                                                    layers=l, heads=h, head_dim=d, inner=sizes.inner, **common)))
+    return groups
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output folder for suite.json, suite.md, pytest.xml")
+    parser.add_argument("--out", required=True, help="output folder for suite.json, suite.md, pytest.xml, peer/")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, interpret backends")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new sections after this")
+    parser.add_argument("--budget-s", type=float, default=360.0, help="stop starting new sections after this")
     parser.add_argument("--skip-pytest", action="store_true")
+    parser.add_argument("--skip-peer", action="store_true")
     args = parser.parse_args(argv)
     start = time.perf_counter()
+    left = lambda: args.budget_s - (time.perf_counter() - start)  # noqa: E731
     on_gpu = cuda_available()
     if not on_gpu and not args.dry_run:
         print("error: no CUDA GPU found; use --dry-run on CPU", file=sys.stderr)
@@ -320,28 +459,35 @@ def main(argv: list[str] | None = None) -> int:
     checks = native_checks(kernel, sizes)
     report.set("checks", checks, checks_table(checks, None))
 
-    backends = (kernel, "xla")
-    accept_rows = bench_acceptance.run_greedy(sizes.greedy_batches, sizes.greedy_spec_lens, backends,
-                                              repeats=sizes.repeats, inner=2 * sizes.inner, progress=log)
-    for batch, k, vocab in sizes.rejection_configs:
-        accept_rows += bench_acceptance.run_rejection((batch,), (k,), (vocab,), backends, repeats=sizes.repeats,
-                                                      inner=sizes.inner, progress=log)
-    commit_rows = bench_commit.run(sizes.commit_tokens, backends, acceptance=sizes.commit_acceptance,
-                                   repeats=sizes.repeats, inner=sizes.inner, progress=log)
-    attention_rows = []
-    for batch, context, tokens, cache_dtype in sizes.attention_configs:
-        attention_rows += bench_attention.run((batch,), (context,), (tokens,), (cache_dtype,), backends,
-                                              shape=sizes.attention_shape, repeats=sizes.repeats, inner=sizes.inner,
-                                              steps=2 * sizes.inner, copy_gbps=ceilings["copy_gbps"], progress=log)
-    report.set("timings", {"acceptance": accept_rows, "commit": commit_rows, "attention": attention_rows},
-               timing_table(accept_rows, commit_rows, ceilings) + "\n\n#### Paged attention\n\n"
-               + bench_attention.markdown_table(attention_rows))
+    # Keep time for the peer (its budget + grace + start-up) and for pytest.
+    reserve = (0 if args.skip_peer or peer_unavailable_reason() else sizes.peer_budget_s + 40) + 30
+    timings: dict[str, list] = {"acceptance": [], "commit": [], "attention": [], "skipped": []}
+    for name, kind, run in _timing_groups(sizes, (kernel, "xla"), ceilings):
+        if left() < reserve:
+            log(f"skip timings of {name}: {left():.0f} s left")
+            timings["skipped"].append(name)
+            continue
+        timings[kind] += run()
+        markdown = timing_table(timings["acceptance"], timings["commit"], ceilings)
+        if timings["attention"]:
+            markdown += "\n\n#### Paged attention\n\n" + bench_attention.markdown_table(timings["attention"])
+        if timings["skipped"]:
+            markdown += f"\n\nSkipped (budget): {', '.join(timings['skipped'])}."
+        report.set("timings", timings, markdown)
+
+    if args.skip_peer:
+        peer = dict(status="skipped", reason="--skip-peer")
+    else:
+        peer_budget = max(0.0, min(sizes.peer_budget_s, left() - 60))
+        log(f"vLLM peer benchmark (budget {peer_budget:.0f} s): {peer_unavailable_reason() or 'running'}")
+        peer = run_peer(sizes, args.out, peer_budget, args.dry_run) if peer_budget > 30 or not on_gpu else \
+            dict(status="skipped", reason=f"budget ({left():.0f} s left)")
+    report.set("peer", peer, peer_section(peer))
 
     pytest_result = None
-    remaining = args.budget_s - (time.perf_counter() - start)
-    if not args.skip_pytest and remaining > 30:
-        log(f"pytest kernel tests (time left {remaining:.0f} s)")
-        pytest_result = run_pytest(sizes, args.out, timeout_s=remaining)
+    if not args.skip_pytest and left() > 30:
+        log(f"pytest kernel tests (time left {left():.0f} s)")
+        pytest_result = run_pytest(sizes, args.out, timeout_s=left())
         log(f"pytest: {pytest_result['summary']}")
     report.set("pytest", pytest_result)
     report.set("checks", checks, checks_table(checks, pytest_result))

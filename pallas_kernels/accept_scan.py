@@ -1,10 +1,15 @@
 """Mosaic GPU kernel: the sequential accept/reject scan over each request's drafts.
 
 One CTA per request walks its drafts in order (at most ``max_spec_len`` scalar steps), stops at the
-first rejection, writes the request's row of ``output_token_ids`` and its ``accept_mask`` slots, and
-emits the bonus token when every draft was accepted. Slots past the last request (padding) are
-cleared by all CTAs in a strided loop. The greedy and the sampling variants differ only in the
-per-draft test and in the token emitted on rejection.
+first rejection, writes the request's row of ``output_token_ids`` and its bool ``accept_mask`` slots
+(straight from the kernel), and emits the bonus token when every draft was accepted. Slots past the
+last request (padding) are cleared by all CTAs in a strided loop. The variants differ only in the
+per-draft test and in the token emitted on rejection:
+
+* greedy: target token ids given;
+* greedy from logits: the target id of a slot is the combined winner of ``target_argmax``'s splits;
+* sampling: u < p(x) / q(x); the rejected slot's token is left at -1 and written afterwards by
+  ``recovered_tokens.recover_rejected_tokens``, which samples only the rejected rows.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.platform import interpret_params
 from pallas_kernels.ragged_batch import request_span
 from pallas_kernels.sampling_math import accepts_draft
+from pallas_kernels.target_argmax import argmax_splits
+from pallas_kernels.vocab_tiles import combine_splits
 
 # (slot index, draft id) -> (draft accepted?, token emitted if accepted, token emitted if rejected)
 SlotRule = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
@@ -44,7 +51,7 @@ def _scan_body(rule_factory, num_requests: int, num_slots: int, max_spec_len: in
 
         @pl.when(in_request)
         def _():
-            mask_ref[slot] = still_alive.astype(jnp.int32)
+            mask_ref[slot] = still_alive
 
         return still_alive, num_accepted + still_alive.astype(jnp.int32)
 
@@ -65,7 +72,7 @@ def _scan_body(rule_factory, num_requests: int, num_slots: int, max_spec_len: in
 
         @pl.when(slot < num_slots)
         def _():
-            mask_ref[slot] = jnp.int32(0)
+            mask_ref[slot] = jnp.bool_(False)
 
     lax.fori_loop(0, num_rounds, clear_padding, None)
 
@@ -76,12 +83,11 @@ def _run_scan(rule_factory, cu, draft_token_ids, bonus_token_ids, rule_inputs, *
     num_slots = draft_token_ids.shape[0]
     out_type = (jax.ShapeDtypeStruct((num_requests, max_spec_len + 1), jnp.int32),
                 jax.ShapeDtypeStruct((num_requests,), jnp.int32),
-                jax.ShapeDtypeStruct((num_slots,), jnp.int32))
+                jax.ShapeDtypeStruct((num_slots,), jnp.bool_))
     body = functools.partial(_scan_body, rule_factory, num_requests, num_slots, max_spec_len)
-    tokens, num_accepted, mask = plgpu.kernel(
-        body, out_type=out_type, grid=(num_requests,), grid_names=("b",),
-        interpret=interpret_params(interpret))(cu, draft_token_ids, bonus_token_ids, *rule_inputs)
-    return tokens, num_accepted, mask.astype(jnp.bool_)
+    return plgpu.kernel(body, out_type=out_type, grid=(num_requests,), grid_names=("b",),
+                        interpret=interpret_params(interpret))(cu, draft_token_ids, bonus_token_ids,
+                                                               *rule_inputs)
 
 
 def _greedy_rule(target_ref) -> SlotRule:
@@ -98,40 +104,51 @@ def accept_greedy_kernel(draft_token_ids: jax.Array, cu: jax.Array, target_token
                      max_spec_len=max_spec_len, interpret=interpret)
 
 
-def _sampling_rule(vocab_size: int, num_splits: int, has_draft_probs: bool):
-    def factory(uniform_ref, score_ref, index_ref, target_ref, *draft_ref):
+def _logits_rule(num_splits: int):
+    def factory(max_ref, index_ref) -> SlotRule:
+        def rule(slot, draft):
+            _, target = combine_splits(lambda s: max_ref[slot, s], lambda s: index_ref[slot, s], num_splits)
+            return draft == target, target, target
+        return rule
+    return factory
+
+
+def accept_greedy_from_logits_kernel(draft_token_ids: jax.Array, cu: jax.Array, target_logits: jax.Array,
+                                     bonus_token_ids: jax.Array, *, max_spec_len: int,
+                                     num_splits: int | None = None, interpret: bool = False):
+    """Greedy acceptance against the argmax of ``target_logits`` float[T, V] (first index of the
+    maximum, NaN never wins), read once; other inputs as ``accept_greedy_kernel``."""
+    maxima, indices = argmax_splits(target_logits, num_splits=num_splits, interpret=interpret)
+    return _run_scan(_logits_rule(maxima.shape[1]), cu, draft_token_ids, bonus_token_ids, (maxima, indices),
+                     max_spec_len=max_spec_len, interpret=interpret)
+
+
+def _sampling_rule(vocab_size: int, has_draft_probs: bool):
+    def factory(uniform_ref, target_ref, *draft_ref) -> SlotRule:
         def rule(slot, draft):
             in_vocab = (draft >= 0) & (draft < vocab_size)
             safe_draft = jnp.clip(draft, 0, vocab_size - 1)
             p_draft = target_ref[slot, safe_draft]
             q_draft = draft_ref[0][slot, safe_draft] if has_draft_probs else jnp.float32(1.0)
             accepted = accepts_draft(uniform_ref[slot], p_draft, q_draft, in_vocab)
-
-            def best_split(s, carry):
-                best_score, best_index = carry
-                score = score_ref[slot, s]
-                better = score > best_score
-                return jnp.where(better, score, best_score), jnp.where(better, index_ref[slot, s], best_index)
-
-            _, recovered = lax.fori_loop(0, num_splits, best_split, (jnp.float32(-1.0), jnp.int32(0)))
-            return accepted, draft, recovered
+            return accepted, draft, jnp.int32(-1)
         return rule
     return factory
 
 
 def rejection_scan_kernel(draft_token_ids: jax.Array, cu: jax.Array, draft_probs: jax.Array | None,
-                          target_probs: jax.Array, bonus_token_ids: jax.Array, uniforms: jax.Array,
-                          split_scores: jax.Array, split_indices: jax.Array, *, max_spec_len: int,
-                          interpret: bool = False):
-    """Rejection-sampling acceptance given the recovered-token race winners of each vocab split.
+                          target_probs: jax.Array, bonus_token_ids: jax.Array, uniforms: jax.Array, *,
+                          max_spec_len: int, interpret: bool = False):
+    """The acceptance decisions of rejection sampling; a rejected slot's token is left at -1.
 
     Args:
-      draft_probs: float[T, V] or None; target_probs: float[T, V]; uniforms: float32[T].
-      split_scores, split_indices: float32/int32[T, S] from ``recovered_token_splits``.
+      draft_probs: float[T, V] or None (q = one-hot(draft)); target_probs: float[T, V];
+      uniforms: float32[T] acceptance uniforms.
+    Returns:
+      (tokens int32[B, max_spec_len + 1], num_accepted int32[B], accept_mask bool[T]); feed tokens and
+      num_accepted to ``recovered_tokens.recover_rejected_tokens``.
     """
-    rule = _sampling_rule(target_probs.shape[1], split_scores.shape[1], draft_probs is not None)
-    rule_inputs = (uniforms, split_scores, split_indices, target_probs)
-    if draft_probs is not None:
-        rule_inputs += (draft_probs,)
+    rule = _sampling_rule(target_probs.shape[1], draft_probs is not None)
+    rule_inputs = (uniforms, target_probs) + (() if draft_probs is None else (draft_probs,))
     return _run_scan(rule, cu, draft_token_ids, bonus_token_ids, rule_inputs,
                      max_spec_len=max_spec_len, interpret=interpret)

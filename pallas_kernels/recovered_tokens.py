@@ -1,11 +1,11 @@
-"""Mosaic GPU kernel: per draft slot, the exponential-race winner of norm(max(p - q, 0)).
+"""Mosaic GPU kernels: the recovered token of each request that rejected a draft.
 
-Grid (T, S): CTA (t, s) streams its share of the vocabulary in tiles of ``TILE`` tokens straight
-from global memory (coalesced 16-byte vector loads across the warpgroup), computes race scores
-w_v / E_v (``pallas_kernels.sampling_math``) and keeps the running best score and its first index. The S
-per-split winners are combined by the accept scan, which reads only the rows it needs. The last
-tile is read shifted back to end at V, so no load is ever out of bounds; tokens already seen are
-masked out.
+Only a request's first rejected slot emits a sample of norm(max(p - q, 0)), so after the accept scan
+(``accept_scan``) has found it, the race runs on that one row per request: B rows of p and q are read
+instead of T (k times less at k drafts per request), and requests that accepted every draft read
+nothing. Grid (B, S): CTA (b, s) streams split s of request b's rejected row
+(``vocab_tiles.stream_best``) with race scores w_v / E_v (``sampling_math``); a second, tiny kernel
+combines the S split winners and writes the token into the scan's output in place.
 """
 
 from __future__ import annotations
@@ -19,89 +19,78 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.platform import interpret_params
+from pallas_kernels.ragged_batch import request_span
 from pallas_kernels.sampling_math import race_scores, race_weights
-
-LANES = 128            # threads of one warpgroup
-VECTOR = 4             # 32-bit elements per 16-byte load
-SMALL_TILE = LANES * VECTOR
-LARGE_TILE = 4 * SMALL_TILE
-TARGET_CTAS = 16 * 132  # CTAs to keep an H100/H200's 132 SMs busy (one warpgroup per CTA hides little latency)
-_NO_INDEX = 2**30
+from pallas_kernels.vocab_tiles import SplitPlan, combine_splits, pad_vocab, plan_splits, stream_best
 
 
-def tile_size(vocab_size: int) -> int:
-    """Tokens per tile; vocabularies smaller than a tile are zero-padded to it by the caller."""
-    return LARGE_TILE if vocab_size >= LARGE_TILE else SMALL_TILE
+def _rejected_row(cu_ref, num_accepted_ref, b, num_slots: int, max_spec_len: int):
+    """(request b rejected a draft?, the slot of its first rejection, clamped into [0, T))."""
+    start, count = request_span(cu_ref[b], cu_ref[b + 1], num_slots, max_spec_len)
+    accepted = num_accepted_ref[b]
+    return accepted < count, jnp.minimum(start + accepted, num_slots - 1), accepted
 
 
-def num_splits(num_slots: int, vocab_size: int) -> int:
-    """Vocabulary splits per slot: enough CTAs for the GPU, at least one tile per split."""
-    num_tiles = -(-max(vocab_size, 1) // tile_size(vocab_size))
-    wanted = -(-TARGET_CTAS // max(num_slots, 1))
-    return max(1, min(num_tiles, wanted))
-
-
-def _race_body(vocab_size: int, tile: int, tiles_per_split: int, num_tiles: int,
-               has_draft_probs: bool, seed_ref, draft_ref, target_ref, *refs):
+def _race_body(plan: SplitPlan, num_slots: int, max_spec_len: int, has_draft_probs: bool,
+               cu_ref, num_accepted_ref, seed_ref, draft_ref, target_ref, *refs):
     *draft_probs_ref, score_ref, index_ref = refs
-    t = lax.axis_index("t")
+    b = lax.axis_index("b")
     s = lax.axis_index("s")
-    seed = seed_ref[t]
-    draft = draft_ref[t]
-    layout = plgpu.Layout.WG_STRIDED((tile,), vec_size=VECTOR)
-    lane_ids = plgpu.broadcasted_iota(jnp.int32, (tile,), 0, layout=layout)
-    first_tile = s * tiles_per_split
-    last_tile = jnp.minimum(first_tile + tiles_per_split, num_tiles)
+    rejected, row, _ = _rejected_row(cu_ref, num_accepted_ref, b, num_slots, max_spec_len)
+    seed = seed_ref[row]
+    draft = draft_ref[row]
 
-    def step(j, carry):
-        best_score, best_index = carry
-        tile_start = j * tile
-        load_start = jnp.minimum(tile_start, vocab_size - tile)
-        token_ids = lane_ids + load_start
-        p = target_ref[t, pl.ds(load_start, tile)]
+    def scores(load_start, token_ids):
+        p = target_ref[row, pl.ds(load_start, plan.tile)]
         if has_draft_probs:
-            q = draft_probs_ref[0][t, pl.ds(load_start, tile)]
+            q = draft_probs_ref[0][row, pl.ds(load_start, plan.tile)]
         else:
             q = (token_ids == draft).astype(jnp.float32)
-        scores = race_scores(race_weights(p, q), seed, token_ids)
-        scores = jnp.where(token_ids >= tile_start, scores, -1.0)
-        tile_best = jnp.max(scores)
-        tile_index = jnp.min(jnp.where(scores == tile_best, token_ids, _NO_INDEX))
-        better = tile_best > best_score
-        return jnp.where(better, tile_best, best_score), jnp.where(better, tile_index, best_index)
+        return race_scores(race_weights(p, q), seed, token_ids)
 
-    best_score, best_index = lax.fori_loop(first_tile, last_tile, step,
-                                           (jnp.float32(-1.0), jnp.int32(0)))
-    score_ref[t, s] = best_score
-    index_ref[t, s] = best_index
+    best, index = stream_best(scores, plan, s, rejected)
+    score_ref[b, s] = best
+    index_ref[b, s] = index
 
 
-def recovered_token_splits(draft_token_ids: jax.Array, draft_probs: jax.Array | None,
-                           target_probs: jax.Array, seeds: jax.Array, *, interpret: bool = False
-                           ) -> tuple[jax.Array, jax.Array]:
-    """Race winners per (slot, vocab split).
+def _place_body(num_slots: int, max_spec_len: int, num_splits: int, cu_ref, num_accepted_ref,
+                score_ref, index_ref, tokens_ref):
+    b = lax.axis_index("b")
+    rejected, _, accepted = _rejected_row(cu_ref, num_accepted_ref, b, num_slots, max_spec_len)
+
+    @pl.when(rejected)
+    def _():
+        _, token = combine_splits(lambda s: score_ref[b, s], lambda s: index_ref[b, s], num_splits)
+        tokens_ref[b, accepted] = token
+
+
+def recover_rejected_tokens(tokens: jax.Array, num_accepted: jax.Array, cu: jax.Array,
+                            draft_token_ids: jax.Array, draft_probs: jax.Array | None,
+                            target_probs: jax.Array, seeds: jax.Array, *, max_spec_len: int,
+                            num_splits: int | None = None, interpret: bool = False) -> jax.Array:
+    """Writes each rejecting request's recovered token at ``tokens[b, num_accepted[b]]``.
 
     Args:
-      draft_token_ids: int32[T]; draft_probs: float[T, V] or None (q = one-hot(draft));
-      target_probs: float[T, V]; seeds: uint32[T].
+      tokens: int32[B, max_spec_len + 1] from the sampling accept scan; num_accepted: int32[B].
+      cu: int32[B + 1]; draft_token_ids: int32[T]; seeds: uint32[T] per-slot race seeds.
+      draft_probs: float[T, V] or None (q = one-hot(draft)); target_probs: float[T, V].
+      num_splits: vocabulary splits per request (default: fill the GPU); results do not depend on it.
     Returns:
-      float32[T, S] best scores and int32[T, S] their token ids (-1 score: empty split).
+      ``tokens`` with the recovered tokens written (requests without a rejection are unchanged).
     """
+    num_requests = num_accepted.shape[0]
     num_slots, vocab_size = target_probs.shape
-    tile = tile_size(vocab_size)
-    if vocab_size < tile:  # tiny vocabularies: pad once to a whole tile (zeros never win a race)
-        pad = ((0, 0), (0, tile - vocab_size))
-        target_probs = jnp.pad(target_probs, pad)
-        draft_probs = None if draft_probs is None else jnp.pad(draft_probs, pad)
-    padded_vocab = target_probs.shape[1]
-    num_tiles = -(-padded_vocab // tile)
-    splits = num_splits(num_slots, padded_vocab)
-    tiles_per_split = -(-num_tiles // splits)
-    splits = -(-num_tiles // tiles_per_split)
-    body = functools.partial(_race_body, padded_vocab, tile, tiles_per_split, num_tiles,
-                             draft_probs is not None)
-    inputs = (seeds, draft_token_ids, target_probs) + (() if draft_probs is None else (draft_probs,))
-    out_type = (jax.ShapeDtypeStruct((num_slots, splits), jnp.float32),
-                jax.ShapeDtypeStruct((num_slots, splits), jnp.int32))
-    return plgpu.kernel(body, out_type=out_type, grid=(num_slots, splits), grid_names=("t", "s"),
-                        interpret=interpret_params(interpret))(*inputs)
+    plan = plan_splits(num_requests, vocab_size, num_splits)
+    target_probs, draft_probs = pad_vocab(target_probs, plan), pad_vocab(draft_probs, plan)
+    body = functools.partial(_race_body, plan, num_slots, max_spec_len, draft_probs is not None)
+    inputs = (cu, num_accepted, seeds, draft_token_ids, target_probs)
+    inputs += () if draft_probs is None else (draft_probs,)
+    out_type = (jax.ShapeDtypeStruct((num_requests, plan.num_splits), jnp.float32),
+                jax.ShapeDtypeStruct((num_requests, plan.num_splits), jnp.int32))
+    scores, indices = plgpu.kernel(body, out_type=out_type, grid=(num_requests, plan.num_splits),
+                                   grid_names=("b", "s"), interpret=interpret_params(interpret))(*inputs)
+    tokens_ref = jax.new_ref(tokens)
+    place = functools.partial(_place_body, num_slots, max_spec_len, plan.num_splits)
+    plgpu.kernel(place, out_type=(), grid=(num_requests,), grid_names=("b",),
+                 interpret=interpret_params(interpret))(cu, num_accepted, scores, indices, tokens_ref)
+    return jax.freeze(tokens_ref)

@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "BACKENDS": "scv_jax.ops.registry",
     "AcceptResult": "scv_jax.ops.acceptance.result",
     "accept_greedy": "scv_jax.ops.acceptance.api",
+    "accept_greedy_from_logits": "scv_jax.ops.acceptance.api",
     "rejection_sample": "scv_jax.ops.acceptance.api",
     "check_draft_batch": "scv_jax.ops.acceptance.host_checks",
     "PagedKVCache": "scv_jax.ops.commit.kv_cache",

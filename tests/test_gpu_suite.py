@@ -16,11 +16,36 @@ def test_gpu_suite_dry_run(tmp_path):
     report = json.loads((tmp_path / "suite.json").read_text())
     assert report["environment"]["launch_floor_us"] > 0 and report["environment"]["copy_gbps"] > 0
     checks = report["checks"]
-    assert len(checks) >= 17 and all(c["ok"] for c in checks), checks
-    assert {r["op"] for r in report["timings"]["acceptance"]} == {"greedy", "rejection"}
-    assert {r["backend"] for r in report["timings"]["commit"]} == {"interpret", "xla"}
-    assert {r["backend"] for r in report["timings"]["attention"]} == {"interpret", "xla"}
+    assert len(checks) >= 23 and all(c["ok"] for c in checks), checks
+    timings = report["timings"]
+    assert {r["op"] for r in timings["acceptance"]} == {"greedy", "greedy-logits", "rejection"}
+    assert {r["backend"] for r in timings["acceptance"] + timings["commit"]} == {"interpret", "xla"}
+    assert all("device_seconds" in r for r in timings["acceptance"])              # device time for every kernel
+    assert all("all_device_s" in r for r in timings["commit"]) and not timings["skipped"]
+    assert {(r["heads"], r["head_dim"]) for r in timings["commit"]} >= {(1, 64)}  # a "tiled" layout shape
+    assert report["peer"]["status"] in ("ran", "skipped")
+    assert {r["backend"] for r in timings["attention"]} == {"interpret", "xla"}
     assert any(c["check"].startswith("attention") for c in checks)
     assert report["pytest"]["returncode"] == 0
     markdown = (tmp_path / "suite.md").read_text()
-    assert "Native correctness" in markdown and "Timings" in markdown
+    assert "Native correctness" in markdown and "Timings" in markdown and "vLLM peer" in markdown
+
+
+def test_peer_runs_when_its_script_is_present(tmp_path, monkeypatch):
+    """The suite runs .peer/vllm_peer_ab.py (given torch and triton) and keeps its report."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.pop(0)
+    script = tmp_path / "vllm_peer_ab.py"
+    script.write_text("import os, sys\nout = sys.argv[sys.argv.index('--out') + 1]\nos.makedirs(out)\n"
+                      "open(os.path.join(out, 'peer_ab.md'), 'w').write('| op | vLLM graph |' + str(sys.argv[1:]))\n")
+    monkeypatch.setattr(gpu_suite, "PEER_SCRIPT", str(script))
+    monkeypatch.setattr(gpu_suite.importlib.util, "find_spec", lambda name: object())
+    peer = gpu_suite.run_peer(gpu_suite.DRY, str(tmp_path / "out"), budget_s=30, dry_run=True)
+    assert peer["status"] == "ran" and peer["returncode"] == 0
+    assert "| op | vLLM graph |" in peer["markdown"] and "--dry-run" in peer["markdown"]
+    assert "vLLM graph" in gpu_suite.peer_section(peer)
+    monkeypatch.setattr(gpu_suite, "PEER_SCRIPT", str(tmp_path / "missing.py"))
+    assert gpu_suite.run_peer(gpu_suite.DRY, str(tmp_path), 30, True)["status"] == "skipped"

@@ -5,12 +5,14 @@ Layouts (per K and per V):
   * ``"HND"``: ``[layers, num_blocks, kv_heads, block_size, head_dim]``.
 A token's slot is ``block * block_size + offset``.
 
-Scale modes (fp8 caches only; stored value = round(x / scale), read value = q * scale):
+Scale modes (fp8 caches only; stored value = round(x / scale) with a true division, read value =
+q * scale; NaN / inf policy in ``pallas_kernels.fp8``):
   * ``None``         no scale (an fp8 cache then saturates and casts with scale 1);
   * ``"tensor"``     one float32 scalar per K and per V;
   * ``"head"``       float32 ``[kv_heads]`` per K and per V;
   * ``"token_head"`` dynamic: float32 scale pages ``[layers, num_blocks, block_size, kv_heads]`` written
-                     by each commit with ``max(absmax / fp8_max, tiny)`` of the token's head.
+                     by each commit with ``max(absmax / fp8_max, tiny)`` of the token's head, absmax
+                     over its finite elements.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.fp8 import dequantize, dynamic_scale, is_fp8, quantize
+from pallas_kernels.fp8 import dequantize, dynamic_scale, finite_magnitudes, is_fp8, quantize
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 
 
@@ -34,10 +34,10 @@ def _block_and_offset(slots: jax.Array, cache: PagedKVCache) -> tuple[jax.Array,
 
 def quantize_tokens(x: jax.Array, cache: PagedKVCache, scale: jax.Array | None):
     """[layers, T, kv_heads, head_dim] input -> (cache-dtype values, float32 [layers, T, kv_heads]
-    dynamic scales or None)."""
+    dynamic scales or None). Non-finite inputs follow ``pallas_kernels.fp8``'s policy."""
     x = x.astype(jnp.float32)
     if cache.scale_mode == "token_head":
-        token_scale = dynamic_scale(jnp.max(jnp.abs(x), axis=-1), cache.dtype)
+        token_scale = dynamic_scale(jnp.max(finite_magnitudes(x), axis=-1), cache.dtype)
         return quantize(x, cache.dtype, token_scale[..., None]), token_scale
     if cache.scale_mode == "head":
         scale = scale[:, None]

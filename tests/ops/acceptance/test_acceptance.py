@@ -52,23 +52,117 @@ def test_rejection_matches_oracle(backend, batch, kind, seed):
     assert_result_equal(result, rejection_oracle(batch, draft_probs, target_probs, uniforms, seeds))
 
 
-@pytest.mark.parametrize("vocab_size,num_slots,with_draft_probs,dtype", [
-    (5000, 3, True, jnp.float32),      # several tiles and splits, V not a multiple of the tile
-    (2048, 1, False, jnp.bfloat16),    # exactly one large tile, q = one-hot(draft)
-    (700, 5, True, jnp.float16),       # between the small and the large tile
-    (3, 2, True, jnp.float32),         # padded up to one small tile
+def _kernel_interpret() -> bool:
+    return not cuda_available()
+
+
+@pytest.mark.parametrize("vocab_size,with_draft_probs,dtype", [
+    (5000, True, jnp.float32),      # several tiles, V not a multiple of the tile
+    (2048, False, jnp.bfloat16),    # exactly one large tile, q = one-hot(draft)
+    (700, True, jnp.float16),       # between the small and the large tile
+    (3, True, jnp.float32),         # padded up to one small tile (with NaN, which never wins)
 ])
-def test_recovered_token_kernel_matches_reference(vocab_size, num_slots, with_draft_probs, dtype):
-    from pallas_kernels.recovered_tokens import recovered_token_splits
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_recovered_token_kernel_matches_reference(vocab_size, with_draft_probs, dtype, num_splits):
+    """The race runs only at each request's first rejected slot, for any number of vocab splits."""
+    from pallas_kernels.recovered_tokens import recover_rejected_tokens
     rng = np.random.default_rng(vocab_size)
-    p = jnp.asarray(random_probs(rng, (num_slots, vocab_size), "dirichlet"), dtype)
-    q = jnp.asarray(random_probs(rng, (num_slots, vocab_size), "dirichlet"), dtype) if with_draft_probs else None
-    draft = jnp.asarray(rng.integers(0, vocab_size, num_slots), jnp.int32)
-    seeds = jnp.asarray(rng.integers(0, 2**32, num_slots, dtype=np.uint64), jnp.uint32)
-    scores, indices = recovered_token_splits(draft, q, p, seeds, interpret=not cuda_available())
-    best = np.asarray(indices)[np.arange(num_slots), np.argmax(np.asarray(scores), axis=1)]
-    expected = acceptance_ref.recovered_tokens_reference(draft, q, p, seeds)
-    np.testing.assert_array_equal(best, np.asarray(expected))
+    cu = jnp.array([0, 3, 3, 5, 8], jnp.int32)          # requests of 3, 0, 2, 3 drafts
+    num_accepted = jnp.array([1, 0, 2, 0], jnp.int32)   # 1 rejects at slot 1, 2 accepts all, 3 at slot 5
+    t, k = 8, 3
+    p = jnp.asarray(random_probs(rng, (t, vocab_size), "dirichlet"), dtype)
+    q = jnp.asarray(random_probs(rng, (t, vocab_size), "dirichlet"), dtype) if with_draft_probs else None
+    draft = jnp.asarray(rng.integers(0, vocab_size, t), jnp.int32)
+    seeds = jnp.asarray(rng.integers(0, 2**32, t, dtype=np.uint64), jnp.uint32)
+    tokens = jnp.full((4, k + 1), -7, jnp.int32)
+    got = np.asarray(recover_rejected_tokens(tokens, num_accepted, cu, draft, q, p, seeds, max_spec_len=k,
+                                             num_splits=num_splits, interpret=_kernel_interpret()))
+    recovered = np.asarray(acceptance_ref.recovered_tokens_reference(draft, q, p, seeds))
+    expected = np.full((4, k + 1), -7, np.int32)
+    expected[0, 1], expected[3, 0] = recovered[1], recovered[5]
+    np.testing.assert_array_equal(got, expected)
+
+
+def _special_logits(rng, shape, dtype) -> np.ndarray:
+    """Logits with exact ties at the maximum, NaNs, infinities and all-NaN / all -inf rows."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    t, v = shape
+    top = rng.integers(0, v, (t, 2))
+    x[np.arange(t), top[:, 0]] = x[np.arange(t), top[:, 1]] = 9.0      # a tie (or one max)
+    x[rng.random(shape) < 0.05] = np.nan
+    x[rng.random(shape) < 0.02] = -np.inf
+    x[0] = np.nan
+    if t > 1:
+        x[1] = -np.inf
+    if t > 2:
+        x[2, v // 2] = np.inf
+    return np.asarray(jnp.asarray(x, dtype))
+
+
+def _argmax_ignoring_nan_np(x: np.ndarray) -> np.ndarray:
+    return np.argmax(np.where(np.isnan(x), -np.inf, x.astype(np.float32)), axis=1).astype(np.int32)
+
+
+@settings(max_examples=30)
+@given(n=st.sampled_from([1, 127, 128, 129, 300, 1024]), rows=st.integers(1, 4), with_nan=st.booleans(),
+       seed=st.integers(0, 2**20))
+def test_argmax_ignoring_nan_matches_numpy(n, rows, with_nan, seed):
+    """Blocked argmax: ties within and across blocks, the maximum in a short last block, NaN and infinities."""
+    from pallas_kernels.sampling_math import argmax_ignoring_nan
+    rng = np.random.default_rng(seed)
+    x = rng.choice(np.array([-np.inf, -1.0, 0.0, 2.0, 3.0, np.inf], np.float32), (rows, n),
+                   p=[0.1, 0.3, 0.3, 0.2, 0.09, 0.01])
+    if with_nan:
+        x[rng.random((rows, n)) < 0.2] = np.nan
+        x[0] = np.nan
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax_ignoring_nan)(jnp.asarray(x))),
+                                  _argmax_ignoring_nan_np(x))
+
+
+@pytest.mark.parametrize("vocab_size,dtype", [(5000, jnp.float32), (700, jnp.bfloat16), (3, jnp.float16)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_argmax_kernel_matches_reference(vocab_size, dtype, num_splits):
+    from pallas_kernels.sampling_math import argmax_ignoring_nan
+    from pallas_kernels.target_argmax import argmax_splits
+    from pallas_kernels.vocab_tiles import plan_splits
+    logits = _special_logits(np.random.default_rng(vocab_size), (5, vocab_size), dtype)
+    maxima, indices = argmax_splits(jnp.asarray(logits), num_splits=num_splits, interpret=_kernel_interpret())
+    assert maxima.shape[1] == plan_splits(5, vocab_size, num_splits).num_splits
+    maxima, indices = np.asarray(maxima), np.asarray(indices)
+    best = np.zeros(5, np.int32)
+    for row in range(5):                                   # the scan's rule: first split among the best
+        best[row] = indices[row, np.argmax(maxima[row])]
+    expected = _argmax_ignoring_nan_np(logits)
+    np.testing.assert_array_equal(best, expected)
+    np.testing.assert_array_equal(np.asarray(argmax_ignoring_nan(jnp.asarray(logits))), expected)
+    assert expected[0] == 0 and (vocab_size < 3 or expected[2] == vocab_size // 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=10)
+@given(batch=draft_batches(spec_lens=(1, 4), batch_sizes=(2, 5), vocab_sizes=(12,)),
+       vocab_size=st.sampled_from([3, 600]), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       seed=st.integers(0, 2**20))
+def test_greedy_from_logits_matches_oracle(backend, batch, vocab_size, dtype, seed):
+    rng = np.random.default_rng(seed)
+    t = len(batch.draft)
+    logits = _special_logits(rng, (t, vocab_size), dtype)
+    target = _argmax_ignoring_nan_np(logits)
+    draft = np.where(rng.random(t) < 0.7, target, rng.integers(0, vocab_size, t)).astype(np.int32)
+    case = DraftBatch(batch.cu, draft, target, np.clip(batch.bonus, 0, vocab_size - 1), batch.max_spec_len,
+                      vocab_size)
+    result = scv_jax.accept_greedy_from_logits(*as_jax(draft, batch.cu, logits, case.bonus),
+                                               max_spec_len=batch.max_spec_len, backend=backend)
+    assert result.accept_mask.dtype == jnp.bool_
+    assert_result_equal(result, greedy_oracle(case))
+
+
+def test_greedy_from_logits_auto_falls_back_for_other_dtypes():
+    from scv_jax.ops import registry
+    assert registry.select("accept_greedy_from_logits", "auto", dtypes=(np.dtype(np.float32),)).name == (
+        "pallas" if cuda_available() else "xla")
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        registry.select("accept_greedy_from_logits", "interpret", dtypes=(np.dtype(jnp.float8_e4m3fn),))
 
 
 def _lowered_text(fn, *args) -> str:
@@ -85,21 +179,42 @@ def test_greedy_kernel_lowers_for_cuda():
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("vocab_size,dtype", [(151_936, jnp.float32), (700, jnp.bfloat16)])
+def test_greedy_from_logits_kernel_lowers_for_cuda(vocab_size, dtype):
+    from pallas_kernels.accept_scan import accept_greedy_from_logits_kernel
+    b, k = 32, 8
+    t = b * k
+    ints = lambda n: jnp.zeros((n,), jnp.int32)  # noqa: E731
+    text = _lowered_text(lambda d, cu, lg, bo: accept_greedy_from_logits_kernel(d, cu, lg, bo, max_spec_len=k),
+                         ints(t), ints(b + 1), jnp.zeros((t, vocab_size), dtype), ints(b))
+    assert text.count("mosaic_gpu") >= 2
+
+
 @pytest.mark.parametrize("with_draft_probs,dtype", [(True, jnp.float32), (False, jnp.bfloat16)])
 def test_rejection_kernels_lower_for_cuda(with_draft_probs, dtype):
     from pallas_kernels.accept_scan import rejection_scan_kernel
-    from pallas_kernels.recovered_tokens import recovered_token_splits
+    from pallas_kernels.recovered_tokens import recover_rejected_tokens
     t, b, v, k = 64, 16, 151_936, 4
 
     def step(draft, cu, q, p, bonus, uniforms, seeds):
-        scores, indices = recovered_token_splits(draft, q, p, seeds)
-        return rejection_scan_kernel(draft, cu, q, p, bonus, uniforms, scores, indices, max_spec_len=k)
+        tokens, num_accepted, mask = rejection_scan_kernel(draft, cu, q, p, bonus, uniforms, max_spec_len=k)
+        return recover_rejected_tokens(tokens, num_accepted, cu, draft, q, p, seeds, max_spec_len=k), mask
 
     q = jnp.zeros((t, v), dtype) if with_draft_probs else None
     text = _lowered_text(step, jnp.zeros(t, jnp.int32), jnp.zeros(b + 1, jnp.int32), q,
                          jnp.zeros((t, v), dtype), jnp.zeros(b, jnp.int32), jnp.zeros(t, jnp.float32),
                          jnp.zeros(t, jnp.uint32))
-    assert text.count("mosaic_gpu") >= 2
+    assert text.count("mosaic_gpu") >= 3
+
+
+def test_accept_mask_is_bool_in_the_kernel():
+    """The scan kernel declares a bool[T] output: no int32 mask and no conversion pass after it."""
+    from pallas_kernels.accept_scan import accept_greedy_kernel
+    ints = lambda n: jnp.zeros((n,), jnp.int32)  # noqa: E731
+    jaxpr = jax.make_jaxpr(lambda d, cu, tg, bo: accept_greedy_kernel(d, cu, tg, bo, max_spec_len=2))(
+        ints(6), ints(4), ints(6), ints(3))
+    assert jaxpr.out_avals[2].dtype == jnp.bool_
+    assert not any(e.primitive.name == "convert_element_type" for e in jaxpr.jaxpr.eqns)
 
 
 def _chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -222,6 +337,29 @@ def test_adversarial_inputs_stay_in_range(backend, data):
     assert np.all(np.asarray(greedy.num_accepted) <= k)
 
 
+def test_nan_probabilities_never_win_and_backends_agree():
+    """NaN in p or q: a NaN race score never wins (a row of NaN resamples token 0), on every backend."""
+    rng = np.random.default_rng(5)
+    t, v, k = 12, 600, 3
+    cu = np.array([0, 3, 6, 9, 12], np.int32)
+    p, q = random_probs(rng, (t, v), "dirichlet"), random_probs(rng, (t, v), "dirichlet")
+    p[rng.random((t, v)) < 0.3] = np.nan
+    q[rng.random((t, v)) < 0.3] = np.nan
+    p[3:6] = np.nan                                       # request 1: every score NaN
+    draft = rng.integers(0, v, t).astype(np.int32)
+    outs = [scv_jax.rejection_sample(*as_jax(draft, cu, q, p, np.zeros(4, np.int32)), key=jax.random.key(1),
+                                     max_spec_len=k, backend=backend) for backend in BACKENDS]
+    for out in outs[1:]:
+        assert_result_equal(out, (np.asarray(outs[0].output_token_ids), np.asarray(outs[0].num_accepted),
+                                  np.asarray(outs[0].accept_mask)))
+    tokens, num_accepted = np.asarray(outs[0].output_token_ids), np.asarray(outs[0].num_accepted)
+    assert tokens[1, 0] == 0 and num_accepted[1] == 0     # NaN p(x): rejected; all-NaN row: token 0
+    for r in range(4):
+        if num_accepted[r] < k:
+            slot, token = cu[r] + num_accepted[r], tokens[r, num_accepted[r]]
+            assert 0 <= token < v and (r == 1 or not np.isnan(p[slot, token] - q[slot, token]))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_batches(backend):
     empty = scv_jax.accept_greedy(jnp.zeros(0, jnp.int32), jnp.zeros(1, jnp.int32), jnp.zeros(0, jnp.int32),
@@ -267,6 +405,14 @@ def test_works_under_jit():
     (lambda: scv_jax.rejection_sample(jnp.zeros(4, jnp.int32), jnp.zeros(3, jnp.int32), None,
                                       jnp.zeros((4, 8)), jnp.zeros(2, jnp.int32),
                                       key=jax.random.split(jax.random.key(0), 3), max_spec_len=2), "one key or 2 keys"),
+    (lambda: scv_jax.accept_greedy_from_logits(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros((4,)),
+                                               jnp.zeros(1, jnp.int32), max_spec_len=2), "target_logits must be float"),
+    (lambda: scv_jax.accept_greedy_from_logits(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32),
+                                               jnp.zeros((3, 8)), jnp.zeros(1, jnp.int32), max_spec_len=2),
+     "target_logits must be float\\[T, V\\] with T=4"),
+    (lambda: scv_jax.accept_greedy_from_logits(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32),
+                                               jnp.zeros((4, 8), jnp.int32), jnp.zeros(1, jnp.int32), max_spec_len=2),
+     "target_logits must be a floating"),
     pytest.param(lambda: scv_jax.accept_greedy(jnp.zeros(4, jnp.int32), jnp.zeros(2, jnp.int32),
                                                jnp.zeros(4, jnp.int32), jnp.zeros(1, jnp.int32), max_spec_len=2,
                                                backend="pallas"), "needs a CUDA GPU",

@@ -68,8 +68,9 @@ def numpy_commit(case: Case, pages: dict, scales: dict, new: dict, slots: np.nda
             scale = scales[n]
             if case.scale_mode == "head":
                 scale = scale[:, None]
-            elif case.scale_mode == "token_head":
-                token_scale = np.maximum(np.abs(x).max(-1) * np.float32(1 / fp8_max[case.cache_dtype]),
+            elif case.scale_mode == "token_head":      # the finite absmax defines the scale
+                finite_absmax = np.where(np.isfinite(x), np.abs(x), 0).max(-1)
+                token_scale = np.maximum(finite_absmax * np.float32(1 / fp8_max[case.cache_dtype]),
                                          np.float32(np.finfo(np.float32).tiny))
                 scales[n][:, block, offset] = token_scale
                 scale = token_scale[..., None]
@@ -140,11 +141,15 @@ def kernel_supports(case: Case) -> bool:
     return not unsupported_reason(case.num_kv_heads, case.head_dim, sizes)
 
 
+HEAD_DIMS = (64, 80, 96, 112, 128, 256)     # the head sizes of real models
+KV_HEADS = (1, 2, 4, 8)
+
+
 @st.composite
-def cases(draw, kernel_only: bool = False, max_tokens: int = 9) -> Case:
+def cases(draw, max_tokens: int = 9, head_dims=HEAD_DIMS, kv_heads=(1, 2, 3, 4, 8)) -> Case:
     cache_dtype = draw(st.sampled_from(CACHE_DTYPES))
-    head_dim = draw(st.sampled_from([64, 80, 128, 256]))
-    heads = draw(st.sampled_from([h for h in (1, 2, 3, 4, 8) if not kernel_only or (h * head_dim) % 128 == 0]))
+    head_dim = draw(st.sampled_from(head_dims))
+    heads = draw(st.sampled_from(kv_heads))
     return Case(
         layout=draw(st.sampled_from(["NHD", "HND"])),
         key_dtype=draw(st.sampled_from(INPUT_DTYPES)), value_dtype=draw(st.sampled_from(INPUT_DTYPES)),
@@ -162,15 +167,22 @@ def test_xla_matches_numpy(case):
     check_case(case, "xla")
 
 
-@settings(max_examples=5)
-@given(case=cases(kernel_only=True, max_tokens=5))
+@settings(max_examples=8)
+@given(case=cases(max_tokens=5, kv_heads=KV_HEADS))
 def test_interpret_matches_numpy_random(case):
+    """Every head size of real models with 1-8 kv heads runs in the kernel ("strided" or "tiled")."""
+    assert kernel_supports(case)
     check_case(case, "interpret")
 
 
 # Hand-picked kernel cases: every cache dtype, input dtype, scale mode, layout, block size and head_dim,
-# incl. head_dim 80 (1-element accesses), one head, mixed K/V input dtypes, odd T.
+# incl. head_dim 80 (1-element accesses), one head, mixed K/V input dtypes, odd T, and the "tiled"
+# layout (kv_heads * head_dim not a multiple of 128: 1 x 64, 2 x 80, 3 x 112, 1 x 96).
 KERNEL_CASES = [
+    Case("NHD", "float32", "bfloat16", "bfloat16", None, 2, 2, 8, 1, 64, 5),
+    Case("HND", "bfloat16", "float32", "float8_e4m3fn", "token_head", 2, 2, 16, 2, 80, 4, magnitude=1e4),
+    Case("NHD", "float16", "float16", "float8_e5m2", "head", 1, 2, 8, 3, 112, 3),
+    Case("HND", "float32", "float32", "float8_e4m3fn", "tensor", 1, 2, 8, 1, 96, 3),
     Case("NHD", "bfloat16", "bfloat16", "bfloat16", None, 2, 3, 16, 2, 64, 5),
     Case("HND", "float32", "float32", "float16", None, 2, 2, 8, 8, 80, 7),
     Case("NHD", "float16", "bfloat16", "float32", None, 1, 2, 32, 1, 256, 3),
@@ -203,12 +215,101 @@ def test_skipped_tokens_leave_the_cache_untouched(backend):
     assert changed.tolist() == [3, 5]                                # only the accepted in-range slots
 
 
+def _fp8_midpoints(dtype) -> np.ndarray:
+    """Positive values halfway between neighbouring finite fp8 values (exact in float32)."""
+    values = np.arange(256, dtype=np.uint8).view(NP_DTYPES[dtype]).astype(np.float32)
+    values = np.unique(values[np.isfinite(values) & (values >= 0)])
+    return (values[:-1] + values[1:]) / 2
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("mode, heads, head_dim", [("head", 8, 128), ("tensor", 8, 128), ("token_head", 8, 128),
+                                                   ("head", 2, 80), ("token_head", 3, 112)])
+def test_stored_values_are_true_divisions(backend, mode, heads, head_dim):
+    """fp8 values equal round(x / scale) with an IEEE float32 division, as vLLM stores them. Inputs sit
+    at scale * (fp8 rounding midpoints), where a multiplication by the reciprocal (one float32 ulp off
+    for ~20% of values) rounds to the other fp8 neighbour."""
+    rng = np.random.default_rng(heads * head_dim)
+    layers, tokens, dtype = 2, 16, "float8_e4m3fn"
+    midpoints = _fp8_midpoints(dtype)
+    m = rng.choice(midpoints[midpoints < 440], (layers, tokens, heads, head_dim)) * rng.choice([-1, 1], (1, 1, 1, head_dim))
+    m = m.astype(np.float32)
+    if mode == "token_head":         # one element of each vector sets the scale; the others sit at midpoints
+        absmax = rng.uniform(0.5, 50, (layers, tokens, heads)).astype(np.float32)
+        scale = np.maximum(absmax * np.float32(1 / 448), np.float32(np.finfo(np.float32).tiny))[..., None]
+        x = (m * scale).astype(np.float32)
+        x[..., 0] = absmax
+        cache_scale = None
+    else:
+        shape = (heads,) if mode == "head" else ()
+        cache_scale = rng.uniform(0.01, 4, shape).astype(np.float32)
+        scale = cache_scale[:, None] if mode == "head" else cache_scale
+        x = (m * scale).astype(np.float32)
+    cache = scv_jax.PagedKVCache.create(layers, 1, tokens, heads, head_dim, dtype=dtype, scale_mode=mode,
+                                        k_scale=cache_scale, v_scale=cache_scale)
+    out = scv_jax.commit_draft_kv(cache, jnp.asarray(x), jnp.asarray(x), jnp.arange(tokens, dtype=jnp.int32),
+                                  backend=backend)
+    expected = _np_quantize(x, dtype, scale)                        # numpy: x / scale in float32
+    got = np.asarray(out.k_pages)[:, 0]
+    assert _same_bits(got, expected), f"{np.mean(got.view(np.uint8) != expected.view(np.uint8)):.1%} differ"
+
+
+@pytest.mark.parametrize("mode", ["head", "tensor"])
+def test_kernel_divides_by_the_scale(mode):
+    """The lowered kernel divides (``arith.divf``, which NVPTX emits as IEEE ``div.rn.f32``) and has no
+    multiplication that a reciprocal rewrite would leave behind."""
+    text = _lowered_text(Case("NHD", "float32", "float32", "float8_e4m3fn", mode, 2, 4, 16, 8, 128, 5))
+    assert "arith.divf" in text and "arith.mulf" not in text
+
+
+def _token_head_commit(backend: str, x: np.ndarray, cache_dtype: str = "float8_e4m3fn"):
+    """Commits x [1, T, H, D] float32 at slots 0..T-1 of a token_head cache; returns the read-back
+    values [T, H, D] and scales [T, H]."""
+    _, t, h, d = x.shape
+    cache = scv_jax.PagedKVCache.create(1, 1, t, h, d, dtype=cache_dtype, scale_mode="token_head")
+    out = scv_jax.commit_draft_kv(cache, jnp.asarray(x), jnp.asarray(x), jnp.arange(t, dtype=jnp.int32),
+                                  backend=backend)
+    keys, _ = scv_jax.gather_kv(out, jnp.arange(t))
+    return np.asarray(keys)[0], np.asarray(out.k_scale)[0, 0]
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_token_head_scales_ignore_non_finite_elements(backend):
+    """A NaN stays in its own element, +-inf saturates to +-(finite absmax), and neither changes the
+    scale of its (token, head) vector; an outlier only squeezes its own vector."""
+    rng = np.random.default_rng(4)
+    t, h, d = 5, 2, 64
+    clean = rng.standard_normal((1, t, h, d)).astype(np.float32)
+    x = clean.copy()
+    x[0, 0, 0, 5] = np.nan                                 # token 0, head 0: one NaN
+    x[0, 1, 0, 7], x[0, 1, 1, 3] = np.inf, -np.inf          # token 1: +inf in head 0, -inf in head 1
+    x[0, 2, 0, 9] = 1e6                                    # token 2, head 0: a huge finite outlier
+    x[0, 3, 1] = np.nan                                    # token 3, head 1: nothing finite
+    got, scales = _token_head_commit(backend, x)
+    reference, reference_scales = _token_head_commit(backend, np.where(np.isfinite(x), x, 0).astype(np.float32))
+    finite = np.isfinite(x[0])
+    np.testing.assert_array_equal(got[finite & (x[0] != 1e6)], reference[finite & (x[0] != 1e6)])
+    np.testing.assert_array_equal(scales, reference_scales)          # non-finite elements never set a scale
+    assert np.isnan(got[0, 0, 5]) and np.isnan(got[3, 1]).all() and not np.isnan(got[finite]).any()
+    absmax = np.abs(clean[0, 1]).max(-1)
+    np.testing.assert_allclose([got[1, 0, 7], got[1, 1, 3]], [absmax[0], -absmax[1]], rtol=1e-6)
+    # The outlier is exact to fp8 precision and defines its vector's scale; elements below half the
+    # smallest fp8 subnormal times that scale (1e6 / 448 * 2^-10 ~ 2.2) read back as 0; other heads
+    # and tokens keep their own scales.
+    scale = np.float32(1e6) * np.float32(1 / 448)
+    assert scales[2, 0] == scale and abs(got[2, 0, 9] - 1e6) <= 1e6 * 2**-4
+    bound = np.maximum(2**-4 * np.abs(x[0, 2, 0]), scale * 2**-10)
+    assert np.all(np.abs(got[2, 0] - x[0, 2, 0]) <= bound)
+    assert np.all(got[2, 0][np.abs(x[0, 2, 0]) < scale * 2**-10] == 0)
+    np.testing.assert_array_equal(got[2, 1], reference[2, 1])
+
+
 def test_auto_backend_and_kernel_fallback():
-    case = Case("NHD", "bfloat16", "bfloat16", "bfloat16", None, 1, 2, 8, 1, 64, 3)   # 1 * 64 < 128
+    case = Case("NHD", "float32", "float32", "float8_e4m3fn", None, 1, 2, 8, 1, 6, 3)   # 6 bytes a row
     assert not kernel_supports(case)
     check_case(case, "auto")
     cache, _, _, new, slots, _ = make_inputs(case)
-    with pytest.raises(ValueError, match="multiple of 128"):
+    with pytest.raises(ValueError, match="head_dim = 6 must be a multiple of 4"):
         scv_jax.commit_draft_kv(cache, new["k"], new["v"], slots, backend="interpret")
     with pytest.raises(ValueError, match="does not support these inputs"):
         scv_jax.commit_draft_kv(cache, new["k"], new["v"], slots, backend="pallas")
@@ -308,6 +409,23 @@ def _lowered_text(case: Case) -> str:
 def test_kernel_lowers_for_cuda(case):
     text = _lowered_text(case)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("num_kv_heads", KV_HEADS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_kernel_lowers_for_every_head_size(head_dim, num_kv_heads):
+    """Every real head size with 1-8 kv heads lowers (layouts, scale modes and dtypes rotate)."""
+    from pallas_kernels.commit_kv import plan_layout
+    i = HEAD_DIMS.index(head_dim) + KV_HEADS.index(num_kv_heads)
+    cache_dtype, mode = [("bfloat16", None), ("float8_e4m3fn", "token_head"), ("float8_e5m2", "head"),
+                         ("float8_e4m3fn", "tensor"), ("float16", None)][i % 5]
+    input_dtype = INPUT_DTYPES[i % 3]
+    case = Case(("NHD", "HND")[i % 2], input_dtype, input_dtype, cache_dtype, mode, 2, 4, 16, num_kv_heads,
+                head_dim, 5)
+    sizes = tuple(np.dtype(NP_DTYPES[d]).itemsize for d in (input_dtype, input_dtype, cache_dtype))
+    expected = "strided" if (num_kv_heads * head_dim) % 128 == 0 else "tiled"
+    assert plan_layout(num_kv_heads, head_dim, sizes).kind == expected
+    assert "mosaic_gpu" in _lowered_text(case)
 
 
 def test_empty_and_jit():
