@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.sampling_math import argmax_ignoring_nan
 from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
 from scv_jax.models.protocol import PagedForwardOutput, StagedKV
 from scv_jax.ops.commit.api import commit_draft_kv, slots_from_block_table
@@ -44,9 +45,10 @@ def _tagged(keys: jax.Array, tag: int) -> jax.Array:
 
 
 def choose_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, greedy: bool):
-    """Next tokens from float[B, V] logits: argmax (probs None) or a sample with its probs [B, V]."""
+    """Next tokens from float[B, V] logits: the argmax (probs None; the first index of the maximum, NaN
+    never winning, as in the fused greedy acceptance) or a sample with its probs [B, V]."""
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return argmax_ignoring_nan(logits), None
     scaled = logits / temperature
     tokens = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return tokens, jax.nn.softmax(scaled, axis=-1)
@@ -163,11 +165,10 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
     # logits): with k = 0 the acceptance does not depend on them, and XLA:CPU would copy the donated
     # cache instead of updating it in place (tests/decoding: test_decode_steps_update_the_caches_in_place)
     target_cache, _ = jax.lax.optimization_barrier((target_cache, bonus))
+    vocab = scored.logits.shape[-1]
     if greedy:
-        target_ids = jnp.argmax(scored.logits[:, :k], axis=-1).astype(jnp.int32)
-        acceptance = dict(target_token_ids=target_ids.reshape(-1))
+        acceptance = dict(target_logits=scored.logits[:, :k].reshape(batch * k, vocab))
     else:
-        vocab = scored.logits.shape[-1]
         target_probs = jax.nn.softmax(scored.logits[:, :k] / temperature, axis=-1)
         acceptance = dict(target_probs=target_probs.reshape(batch * k, vocab),
                           draft_probs=None if proposal.probs is None else proposal.probs.reshape(batch * k, vocab),

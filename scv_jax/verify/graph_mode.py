@@ -18,7 +18,7 @@ def verify_step_pads(kv_layout: KVLayout = "drafts") -> dict[str, Pad]:
     return {"new_keys": Pad(rows, axis=1), "new_values": Pad(rows, axis=1),
             "slot_mapping": Pad(rows, fill=-1), "draft_token_ids": Pad("tokens"),
             "cu_num_draft_tokens": Pad("batch", fill="edge", extra=1),
-            "bonus_token_ids": Pad("batch"), "target_token_ids": Pad("tokens"),
+            "bonus_token_ids": Pad("batch"), "target_token_ids": Pad("tokens"), "target_logits": Pad("tokens"),
             "target_probs": Pad("tokens"), "draft_probs": Pad("tokens")}
 
 

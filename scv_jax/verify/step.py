@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_batch import request_spans, slot_owner
 from scv_jax.checks import require_int_vector, require_rank
-from scv_jax.ops.acceptance.api import accept_greedy, rejection_sample
+from scv_jax.ops.acceptance.api import accept_greedy, accept_greedy_from_logits, rejection_sample
 from scv_jax.ops.commit.api import commit_draft_kv
 from scv_jax.verify.summary import StepSummary
 
@@ -61,12 +61,13 @@ def _commit_rows(layout: KVLayout, num_rows: int, accept_mask: jax.Array, num_ac
 
 
 def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, cu_num_draft_tokens,
-                bonus_token_ids, *, target_token_ids=None, target_probs=None, draft_probs=None,
+                bonus_token_ids, *, target_token_ids=None, target_logits=None, target_probs=None, draft_probs=None,
                 key=None, request_mask=None, max_spec_len: int, kv_layout: KVLayout = "drafts",
                 backend: str = "auto"):
     """Acceptance and KV commit of one speculative step, fused into one traceable function.
 
-    Greedy when ``target_token_ids`` is given, lossless rejection sampling when ``target_probs`` is.
+    Greedy when ``target_token_ids`` or ``target_logits`` is given (the latter fuses the argmax into the
+    acceptance: ``accept_greedy_from_logits``), lossless rejection sampling when ``target_probs`` is.
 
     Args:
       kv_cache: the ``PagedKVCache`` (donate it under jit: the commit is in place).
@@ -76,6 +77,7 @@ def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, c
       slot_mapping: int32[N] cache slot of each row; negative = skip (padding).
       draft_token_ids: int32[T]; cu_num_draft_tokens: int32[B + 1]; bonus_token_ids: int32[B].
       target_token_ids: int32[T] the target's argmax per slot (greedy).
+      target_logits: float[T, V] the target's logits per slot (greedy, argmax fused).
       target_probs / draft_probs: float[T, V] (sampling; draft_probs may be None).
       key: one PRNG key (sampling); requests use ``fold_in(key, b)``, so padding never changes them.
       request_mask: bool[B]; False requests (padding) emit nothing and commit nothing. None = all.
@@ -86,9 +88,9 @@ def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, c
       (the updated cache, ``VerifyStepOutput``).
     """
     op = "verify_step"
-    if (target_token_ids is None) == (target_probs is None):
-        raise ValueError(f"{op}: give exactly one of target_token_ids (greedy) or target_probs "
-                         "(rejection sampling)")
+    if sum(x is not None for x in (target_token_ids, target_logits, target_probs)) != 1:
+        raise ValueError(f"{op}: give exactly one of target_token_ids or target_logits (greedy) or "
+                         "target_probs (rejection sampling)")
     if kv_layout not in ("drafts", "query"):
         raise ValueError(f"{op}: kv_layout must be 'drafts' or 'query', got {kv_layout!r}")
     require_rank(op, "new_keys", new_keys, 4, "[layers, N, kv_heads, head_dim]")
@@ -101,6 +103,9 @@ def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, c
     if target_token_ids is not None:
         result = accept_greedy(draft_token_ids, cu_num_draft_tokens, target_token_ids, bonus_token_ids,
                                max_spec_len=max_spec_len, backend=backend)
+    elif target_logits is not None:
+        result = accept_greedy_from_logits(draft_token_ids, cu_num_draft_tokens, target_logits, bonus_token_ids,
+                                           max_spec_len=max_spec_len, backend=backend)
     else:
         result = rejection_sample(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs,
                                   bonus_token_ids, key=key, max_spec_len=max_spec_len, backend=backend)

@@ -3,6 +3,7 @@ warm-up, and the one-transfer host fetch."""
 
 import functools
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -116,6 +117,18 @@ def test_padding_does_not_change_results(num_requests, max_drafts, seed, layout,
         np.testing.assert_array_equal(np.asarray(getattr(got_cache, name)), np.asarray(getattr(want_cache, name)))
 
 
+@pytest.mark.parametrize("layout", ["drafts", "query"])
+def test_greedy_from_logits_equals_greedy_from_their_argmax(layout):
+    args = random_step(7, 3, 4, layout=layout)
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((args["draft_token_ids"].shape[0], VOCAB)).astype(np.float32)
+    logits[np.arange(logits.shape[0]), args.pop("target_token_ids")] = 10.0       # the argmax per slot
+    want_cache, want = plain_verify(random_cache(1), **args, target_token_ids=np.argmax(logits, -1).astype(np.int32))
+    got_cache, got = plain_verify(random_cache(1), **args, target_logits=logits)
+    chex.assert_trees_all_equal((got_cache, got), (want_cache, want))
+    assert 0 < int(np.asarray(got.num_accepted).sum()) < args["draft_token_ids"].shape[0]
+
+
 def test_no_recompiles_after_warmup_and_no_sync_in_the_step():
     step = verify_step_cache(batch_buckets=BATCH_BUCKETS, spec_lens=SPEC_LENS)
     cache = random_cache(0)
@@ -154,7 +167,7 @@ def test_kv_cache_is_donated_in_place():
 
 def test_clear_errors():
     args = random_step(0, 2, 2)
-    with pytest.raises(ValueError, match="exactly one of target_token_ids"):
+    with pytest.raises(ValueError, match="exactly one of target_token_ids or target_logits"):
         verify_step(random_cache(0), **args, target_probs=np.ones((4, VOCAB), np.float32))
     one_more = lambda x: np.concatenate([x, x[:, :1]], axis=1)   # noqa: E731
     bad = dict(args, new_keys=one_more(args["new_keys"]), new_values=one_more(args["new_values"]),
