@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 from typing import Callable, Sequence
 
 import jax
@@ -28,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import scv_jax
-from harness import append_results, device_seconds, median_seconds, results_header
+from harness import device_seconds, median_seconds, publish
 from scv_jax.ops.registry import cuda_available
 
 GREEDY_CONFIGS = tuple((b, k) for b in (1, 8, 64, 256) for k in (1, 4, 8))
@@ -245,15 +243,10 @@ def main() -> None:
                               device_iterations=iterations)
     rows += run_rejection(vocab, args.backends, repeats=repeats, inner=1 if args.quick else 5,
                           device_iterations=iterations)
-    command = "python " + " ".join([os.path.relpath(__file__, os.getcwd())] + sys.argv[1:])
-    text = results_header("bench_acceptance: greedy, greedy from logits and rejection sampling", command,
-                          "All requests full (T = B * k); fp32 logits / probabilities. Per call: median of "
-                          "back-to-back calls; device: chained calls in one executable. Floor: a jitted "
-                          "sum over the same [T, V] arrays (read once), timed the same way. ")
-    text += markdown_table(rows)
-    print(text)
-    if args.append:
-        append_results(text)
+    publish(__file__, "bench_acceptance: greedy, greedy from logits and rejection sampling",
+            "All requests full (T = B * k); fp32 logits / probabilities. Per call: median of back-to-back "
+            "calls; device: chained calls in one executable. Floor: a jitted sum over the same [T, V] arrays "
+            "(read once), timed the same way. ", markdown_table(rows), append=args.append)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import os
-import sys
 from typing import Callable, Sequence
 
 import jax
@@ -30,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import scv_jax
-from harness import append_results, copy_bandwidth, median_seconds, results_header
+from harness import copy_bandwidth, median_seconds, publish
 from scv_jax.ops.registry import cuda_available
 
 
@@ -203,16 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         rows = run(cache_dtypes=args.cache_dtypes, backends=args.backends, repeats=args.repeats or 10)
     shape = TINY if args.dry_run else LLAMA_8B
-    command = "python " + " ".join([os.path.relpath(__file__, os.getcwd())] + (argv or sys.argv[1:]))
-    text = results_header(
-        "bench_attention: paged verification attention", command,
-        f"{shape.heads} q heads, {shape.kv_heads} kv heads, head_dim {shape.head_dim}, block_size "
-        f"{shape.block_size}, {shape.staged} staged entries, bf16 q; fp8 = e4m3 with a per-tensor scale; "
-        "device time = chained calls in one executable. ")
-    text += markdown_table(rows)
-    print(text)
-    if args.append:
-        append_results(text)
+    publish(__file__, "bench_attention: paged verification attention",
+            f"{shape.heads} q heads, {shape.kv_heads} kv heads, head_dim {shape.head_dim}, block_size "
+            f"{shape.block_size}, {shape.staged} staged entries, bf16 q; fp8 = e4m3 with a per-tensor scale; "
+            "device time = chained calls in one executable. ", markdown_table(rows), append=args.append, argv=argv)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 from typing import Callable, Sequence
 
 import jax
@@ -27,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import scv_jax
-from harness import append_results, copy_bandwidth, device_seconds, median_seconds, results_header
+from harness import copy_bandwidth, device_seconds, median_seconds, publish
 from scv_jax.ops.registry import cuda_available
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -161,14 +159,9 @@ def main() -> None:
     sizes = args.sizes or ((16, 256) if args.quick else (16, 256, 4096))
     repeats = args.repeats or (5 if args.quick else 20)
     rows = run(sizes, args.backends, repeats=repeats, device_iterations=args.device_iterations)
-    table = markdown_table(rows)
-    command = "python " + " ".join([os.path.relpath(__file__, os.getcwd())] + sys.argv[1:])
-    header = results_header("bench_commit: NWOR commit, accepted-only vs write-all", command,
-                            f"{LAYERS} layers, {HEADS} kv heads, head_dim {HEAD_DIM}, bf16 inputs, "
-                            f"block_size {BLOCK_SIZE}, donated cache, median of {repeats}. ")
-    print(header + table)
-    if args.append:
-        append_results(header + table)
+    publish(__file__, "bench_commit: NWOR commit, accepted-only vs write-all",
+            f"{LAYERS} layers, {HEADS} kv heads, head_dim {HEAD_DIM}, bf16 inputs, block_size {BLOCK_SIZE}, "
+            f"donated cache, median of {repeats}. ", markdown_table(rows), append=args.append)
 
 
 if __name__ == "__main__":

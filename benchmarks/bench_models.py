@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from harness import append_results, copy_bandwidth, results_header
+from harness import copy_bandwidth, publish
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.decoder import SpeculativeDecoder
 from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig
@@ -172,14 +172,10 @@ def main() -> None:
         batch_sizes, ks, context, new_tokens = args.batch_sizes, args.ks, args.context, args.new_tokens
         bandwidth = copy_bandwidth()
     rows = run(models, batch_sizes, ks, context, new_tokens, bandwidth, "xla" if args.dry_run else "auto")
-    table = format_table(rows)
-    print(table)
-    if args.append:
-        command = "python benchmarks/bench_models.py " + " ".join(sys.argv[1:])
-        append_results(results_header(
-            "bench_models: speculative decoding at realistic sizes (random bf16 weights)", command,
+    publish(__file__, "bench_models: speculative decoding at realistic sizes (random bf16 weights)",
             f"Context {context} prompt tokens, {new_tokens} new tokens per request; memory-bound floor = "
-            f"(parameter bytes + KV bytes read) / measured copy bandwidth {bandwidth / 1e9:.0f} GB/s. ") + table)
+            f"(parameter bytes + KV bytes read) / measured copy bandwidth {bandwidth / 1e9:.0f} GB/s. ",
+            format_table(rows), append=args.append)
 
 
 if __name__ == "__main__":

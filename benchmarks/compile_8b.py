@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -29,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from harness import append_results, results_header  # noqa: E402
+from harness import publish  # noqa: E402
 from scv_jax.decoding.device_step import make_decode_step  # noqa: E402
 from scv_jax.decoding.positions import MAX_CATCH_UP  # noqa: E402
 from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig  # noqa: E402
@@ -96,14 +95,9 @@ def main(argv=None) -> None:
             rows.append(f"| {name} | {layers} | {draft_config.num_layers if draft_config else '-'} | "
                         f"{lower_s:.1f} | {compile_s:.1f} |")
             print(rows[-1], flush=True)
-    table = "\n".join(rows)
-    print(f"\n{table}")
-    if args.append:
-        command = "python benchmarks/compile_8b.py " + " ".join(sys.argv[1:])
-        append_results(results_header(
-            "Compile time at Llama-3.1-8B sizes (abstract shapes)", command,
+    publish(__file__, "Compile time at Llama-3.1-8B sizes (abstract shapes)",
             f"Batch {args.batch}, {args.context}-token block tables, bfloat16 model and caches, "
-            "Llama-3.2-1B-shaped draft. ") + table + "\n")
+            "Llama-3.2-1B-shaped draft. ", "\n".join(rows), append=args.append)
 
 
 if __name__ == "__main__":

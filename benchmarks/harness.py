@@ -5,6 +5,7 @@ description and RESULTS.md appending. Imported by the scripts in this folder."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scv_jax.demo.report import append_markdown, machine, results_header  # noqa: F401 (re-exported)
+from scv_jax.demo.report import append_markdown, machine, results_header  # noqa: F401 (machine: for gpu_suite)
 
 RESULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
@@ -97,3 +98,15 @@ def launch_floor(repeats: int = 20, inner: int = 50) -> float:
 def append_results(text: str) -> None:
     """Appends ``text`` to benchmarks/RESULTS.md."""
     append_markdown(RESULTS_PATH, text)
+
+
+def publish(script: str, title: str, details: str, body: str, *, append: bool,
+            argv: list[str] | None = None) -> None:
+    """Prints ``body`` under a results header (date, machine, versions, the command that ran
+    ``script`` with ``argv``, default this process's arguments) and appends it to RESULTS.md when
+    ``append``."""
+    command = "python " + " ".join([os.path.relpath(script, os.getcwd())] + (argv or sys.argv[1:]))
+    text = results_header(title, command, details) + body.rstrip("\n") + "\n"
+    print(text)
+    if append:
+        append_results(text)

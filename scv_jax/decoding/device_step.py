@@ -27,7 +27,6 @@ from scv_jax.models.protocol import PagedForwardOutput, StagedKV
 from scv_jax.ops.commit.api import commit_draft_kv, slots_from_block_table
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.verify.step import verify_step
-from scv_jax.verify.summary import StepSummary
 
 # fold_in tags of a request's per-step key
 _ACCEPT, _BONUS, _DRAFT = 0, 1, 2
