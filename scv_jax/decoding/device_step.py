@@ -24,9 +24,10 @@ from flax import nnx
 from pallas_kernels.sampling_math import argmax_ignoring_nan
 from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
 from scv_jax.models.protocol import PagedForwardOutput, StagedKV
-from scv_jax.ops.commit.api import commit_draft_kv, slots_from_block_table
+from scv_jax.ops.commit.api import slots_from_block_table
 from scv_jax.ops.commit.kv_cache import PagedKVCache
-from scv_jax.verify.step import verify_step
+from scv_jax.ops.commit.sharded import sharded_commit_draft_kv
+from scv_jax.verify.sharded import sharded_verify_step
 
 # fold_in tags of a request's per-step key
 _ACCEPT, _BONUS, _DRAFT = 0, 1, 2
@@ -71,7 +72,8 @@ def commit_positions(cache: PagedKVCache, keys: jax.Array, values: jax.Array, bl
     t = jnp.arange(keys.shape[2], dtype=jnp.int32)
     slots = slots_from_block_table(block_tables, first_position[:, None] + t, block_size).reshape(-1)
     mask = (t[None, :] < num_rows[:, None]).reshape(-1)
-    return commit_draft_kv(cache, _flatten_rows(keys), _flatten_rows(values), slots, mask, backend=backend)
+    return sharded_commit_draft_kv(cache, _flatten_rows(keys), _flatten_rows(values), slots, mask,
+                                   backend=backend)
 
 
 def make_prefill_step(target_graphdef, draft_graphdef, block_size: int):
@@ -125,14 +127,17 @@ def propose(draft, draft_cache: PagedKVCache | None, block_tables: jax.Array, la
         return Proposal(jnp.zeros((batch, 0), jnp.int32), None, StagedKV(stage_k, stage_v, lag))
     logits = jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1)[:, 0]
     first, first_probs = choose_tokens(logits, _tagged(keys, _DRAFT), temperature, greedy)
-    rows = jnp.arange(batch)
+    slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
 
     def one_draft(carry, j):
         stage_k, stage_v, lengths, token = carry
         o = draft.forward_paged(token[:, None], draft_cache, block_tables, draft_lens,
                                 StagedKV(stage_k, stage_v, lengths), backend=backend)
-        stage_k = stage_k.at[:, rows, lengths].set(o.keys[:, :, 0])
-        stage_v = stage_v.at[:, rows, lengths].set(o.values[:, :, 0])
+        # row b's new K/V into its slot lengths[b]: elementwise (no scatter), so a batch split over
+        # devices stays local
+        at_length = (slots[None, :] == lengths[:, None])[None, :, :, None, None]
+        stage_k = jnp.where(at_length, o.keys, stage_k)
+        stage_v = jnp.where(at_length, o.values, stage_v)
         nxt, probs = choose_tokens(o.logits[:, 0], _tagged(keys, _DRAFT + j), temperature, greedy)
         return (stage_k, stage_v, lengths + 1, nxt), (nxt, probs)
 
@@ -172,10 +177,10 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
         acceptance = dict(target_probs=target_probs.reshape(batch * k, vocab),
                           draft_probs=None if proposal.probs is None else proposal.probs.reshape(batch * k, vocab),
                           key=_tagged(keys, _ACCEPT))
-    return verify_step(target_cache, _flatten_rows(scored.keys), _flatten_rows(scored.values), slots,
-                       proposal.tokens.reshape(-1), jnp.arange(batch + 1, dtype=jnp.int32) * k, bonus,
-                       request_mask=request_mask, max_spec_len=k, kv_layout="query", backend=backend,
-                       **acceptance)
+    return sharded_verify_step(target_cache, _flatten_rows(scored.keys), _flatten_rows(scored.values), slots,
+                               proposal.tokens.reshape(-1), jnp.arange(batch + 1, dtype=jnp.int32) * k, bonus,
+                               request_mask=request_mask, max_spec_len=k, kv_layout="query", backend=backend,
+                               **acceptance)
 
 
 def commit_draft(draft_cache: PagedKVCache, proposal: Proposal, block_tables: jax.Array,

@@ -17,7 +17,7 @@ from scv_jax.models.attention import causal_attention
 from scv_jax.models.config import TransformerConfig
 from scv_jax.models.protocol import PagedForwardOutput, StagedKV
 from scv_jax.models.rope import apply_rope, inverse_frequencies
-from scv_jax.ops.attention.api import paged_attention
+from scv_jax.ops.attention.sharded import sharded_paged_attention
 
 # attend(q [B, T, heads, D], k, v [B, T, kv_heads, D]) -> [B, T, heads, D]: one layer's attention of
 # the new tokens (RoPE applied) over whatever keys the forward pass provides.
@@ -158,7 +158,8 @@ class Transformer(nnx.Module):
     def forward_paged(self, tokens: jax.Array, cache, block_tables: jax.Array, context_lens: jax.Array,
                       staged: StagedKV | None = None, *, backend: str = "auto") -> PagedForwardOutput:
         """See ``PagedModel.forward_paged``; reads ``cache``, never writes it. Each layer attends with
-        ``scv_jax.paged_attention`` (its Mosaic GPU kernel or XLA path, per ``backend``)."""
+        ``scv_jax.paged_attention`` (its Mosaic GPU kernel or XLA path, per ``backend``; per shard on a
+        decoder's mesh: ``scv_jax.ops.attention.sharded``)."""
         num_tokens = tokens.shape[1]
         context_lens = context_lens.astype(jnp.int32)
         staged_lens = jnp.zeros_like(context_lens) if staged is None else staged.lengths.astype(jnp.int32)
@@ -170,9 +171,10 @@ class Transformer(nnx.Module):
         def attend(inputs, q, k, v):
             layer, layer_staged = inputs
             staged_keys, staged_values = (None, None) if layer_staged is None else layer_staged
-            return paged_attention(q, cache, layer, block_tables, context_lens, staged_keys=staged_keys,
-                                   staged_values=staged_values, staged_lens=None if staged is None else staged_lens,
-                                   new_keys=k, new_values=v, sliding_window=window, backend=backend)
+            return sharded_paged_attention(q, cache, layer, block_tables, context_lens, staged_keys=staged_keys,
+                                           staged_values=staged_values,
+                                           staged_lens=None if staged is None else staged_lens, new_keys=k,
+                                           new_values=v, sliding_window=window, backend=backend)
 
         x, keys, values = self._run_layers(self.embed(tokens), positions, attend, (layers, staged_kv))
         return PagedForwardOutput(self._logits(x), keys, values)
