@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "GenerateOutput": "scv_jax.decoding.decoder",
     "SpeculativeDecoder": "scv_jax.decoding.decoder",
     "generate_autoregressive": "scv_jax.decoding.decoder",
+    "ShardingConfig": "scv_jax.decoding.placement",
     # many devices
     "decoder_mesh": "scv_jax.sharding.mesh",
 }

@@ -3,34 +3,50 @@ the donating step calls (which update them in place and hand them back)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax.numpy as jnp
 
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 
+# (role "target" or "draft", num_layers, num_blocks, block_size, kv_heads, head_dim, dtype) -> a zero cache
+CacheFactory = Callable[[str, int, int, int, int, int, str], PagedKVCache]
+
+
+def single_device_cache(role: str, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                        head_dim: int, dtype: str) -> PagedKVCache:
+    """A zero cache on the default device (``role`` is not used)."""
+    cache = PagedKVCache.create(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    # distinct K and V buffers: a donating call may not receive one buffer twice
+    return cache.replace(v_pages=jnp.zeros_like(cache.v_pages))
+
 
 class ModelCaches:
     """Holds both caches between steps; a call that failed after donating them leaves none, and the
-    next ``take`` then starts from empty caches (the requests in flight were lost with them)."""
+    next ``take`` then starts from empty caches (the requests in flight were lost with them).
+
+    ``factory`` creates each cache (``single_device_cache``, or sharded over a mesh).
+    """
 
     def __init__(self, num_blocks: int, block_size: int, cache_dtype: str,
-                 target_dims: tuple[int, int, int], draft_dims: tuple[int, int, int] | None):
+                 target_dims: tuple[int, int, int], draft_dims: tuple[int, int, int] | None, *,
+                 factory: CacheFactory = single_device_cache):
         self._geometry = (num_blocks, block_size, cache_dtype)
         self._dims = (target_dims, draft_dims)
+        self._factory = factory
         self._caches: tuple[PagedKVCache, PagedKVCache | None] | None = None
 
-    def _new(self, dims: tuple[int, int, int]) -> PagedKVCache:
+    def _new(self, role: str, dims: tuple[int, int, int]) -> PagedKVCache:
         num_layers, kv_heads, head_dim = dims
         num_blocks, block_size, dtype = self._geometry
-        cache = PagedKVCache.create(num_layers, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-        # distinct K and V buffers: a donating call may not receive one buffer twice
-        return cache.replace(v_pages=jnp.zeros_like(cache.v_pages))
+        return self._factory(role, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
 
     def take(self) -> tuple[PagedKVCache, PagedKVCache | None]:
         """(target, draft) caches for one donating call; give the results back with ``put``."""
         caches, self._caches = self._caches, None
         if caches is None:
             target_dims, draft_dims = self._dims
-            caches = (self._new(target_dims), None if draft_dims is None else self._new(draft_dims))
+            caches = (self._new("target", target_dims), None if draft_dims is None else self._new("draft", draft_dims))
         return caches
 
     def put(self, target: PagedKVCache, draft: PagedKVCache | None) -> None:

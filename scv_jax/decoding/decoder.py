@@ -9,7 +9,8 @@ and adapt.
 
 All per-request state (tokens, lags, block tables) lives on the host; the device holds the two paged
 caches and the model weights. Each step is one call into a graph-mode executable and one batched
-device-to-host fetch of the emitted tokens.
+device-to-host fetch of the emitted tokens. With ``mesh=`` the weights, caches and batch are spread
+over a device mesh (``placement``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
 from scv_jax.decoding.block_pool import BlockPool, BlockTable, stack_block_tables
 from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.executables import step_executables
+from scv_jax.decoding.placement import OnMesh, ShardingConfig, SingleDevice
 from scv_jax.decoding.positions import MAX_CATCH_UP, lag_after_step
 from scv_jax.decoding.requests import Request, check_prompts, step_inputs
 from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
@@ -46,13 +47,13 @@ class GenerateOutput(NamedTuple):
     stats: GenerateStats
 
 
-def _model_dims(model: Any, name: str) -> tuple[int, tuple[int, int, int]]:
-    """(vocab_size, (num_layers, num_kv_heads, head_dim)) of a ``PagedModel``."""
+def _vocab_size(model: Any, name: str) -> int:
+    """The vocabulary size of a ``PagedModel``."""
     config = getattr(model, "config", None)
     if not hasattr(model, "forward_paged") or config is None:
         raise TypeError(f"SpeculativeDecoder: {name} must implement scv_jax.models.PagedModel "
                         f"(forward_paged and config), got {type(model).__name__}")
-    return config.vocab_size, (config.num_layers, config.num_kv_heads, config.head_dim)
+    return config.vocab_size
 
 
 class SpeculativeDecoder:
@@ -62,25 +63,34 @@ class SpeculativeDecoder:
     (``nnx.split``); the step functions are pure functions of their states, compiled per shape bucket
     by ``ExecutableCache``. Greedy output equals autoregressive decoding of the target token for token;
     with temperature > 0, rejection sampling keeps the target's distribution.
+
+    ``mesh``: a ``jax.sharding.Mesh`` with axes ("data", "model") (e.g. ``scv_jax.decoder_mesh(2, 4)``)
+    to run on: the target tensor-parallel over "model", requests and their cache blocks split over
+    "data" (``scv_jax.decoding.placement``; both models must then be ``scv_jax.models.Transformer``s).
+    ``sharding``: a ``ShardingConfig`` (draft placement, vocabulary-parallel embeddings) for the mesh.
     """
 
-    def __init__(self, target, draft=None, *, config: DecoderConfig | None = None):
+    def __init__(self, target, draft=None, *, config: DecoderConfig | None = None, mesh=None,
+                 sharding: ShardingConfig | None = None):
         self.config = config or DecoderConfig()
-        self.vocab_size, target_dims = _model_dims(target, "target")
-        draft_dims = None
+        self.vocab_size = _vocab_size(target, "target")
         if draft is not None:
-            draft_vocab, draft_dims = _model_dims(draft, "draft")
+            draft_vocab = _vocab_size(draft, "draft")
             if draft_vocab != self.vocab_size:
                 raise ValueError(f"SpeculativeDecoder: draft vocab_size {draft_vocab} != target vocab_size "
                                  f"{self.vocab_size}")
         elif self.config.adaptive or self.config.k:
             self.config = dataclasses.replace(self.config, k=0, adaptive=False)
         cfg = self.config
-        target_graphdef, self._target_state = nnx.split(target)
-        draft_graphdef, self._draft_state = nnx.split(draft) if draft is not None else (None, None)
-        self.pool = BlockPool(cfg.num_blocks)
-        self._caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_dims, draft_dims)
-        self._prefill, self._decode = step_executables(cfg, target_graphdef, draft_graphdef)
+        if mesh is None and sharding is not None:
+            raise ValueError("SpeculativeDecoder: sharding is for a mesh; pass mesh= too")
+        self.placement = SingleDevice(cfg) if mesh is None else OnMesh(mesh, cfg, sharding)
+        target_graphdef, self._target_state, target_dims = self.placement.split(target, "target")
+        draft_graphdef, self._draft_state, draft_dims = self.placement.split(draft, "draft")
+        self.pool = self.placement.pool
+        self._caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_dims, draft_dims,
+                                   factory=self.placement.new_cache)
+        self._prefill, self._decode = step_executables(cfg, target_graphdef, draft_graphdef, self.placement)
         self.controller = self._make_controller()
 
     @property
@@ -99,8 +109,9 @@ class SpeculativeDecoder:
             k_init=base.k_init if base.k_init in allowed else allowed[-1]))
 
     # ------------------------------------------------------------------ checks
-    def _check_request(self, prompts: list[list[int]], max_new_tokens: int) -> None:
-        """Raises before anything runs when the batch cannot fit the caches."""
+    def _check_request(self, prompts: list[list[int]], max_new_tokens: int) -> list[BlockPool]:
+        """The block pool of each request; raises before anything runs when the batch cannot fit the
+        caches."""
         cfg = self.config
         k_max = max(cfg.allowed_k)
         longest = max(len(p) for p in prompts) + max_new_tokens + k_max - 1
@@ -108,11 +119,7 @@ class SpeculativeDecoder:
             raise ValueError(f"generate: a request needs up to {longest} cache positions (prompt "
                              f"{max(len(p) for p in prompts)} + max_new_tokens {max_new_tokens} + k {k_max} "
                              f"- 1) but DecoderConfig.max_seq_len is {cfg.max_seq_len}")
-        blocks = sum(-(-(len(p) + max_new_tokens + k_max - 1) // cfg.block_size) for p in prompts)
-        if blocks > self.pool.num_free:
-            raise ValueError(f"generate: the batch needs up to {blocks} KV blocks but the cache has "
-                             f"{self.pool.num_free} free of {cfg.num_blocks} (raise DecoderConfig.num_blocks "
-                             "or split the batch)")
+        return self.pool.assign([-(-(len(p) + max_new_tokens + k_max - 1) // cfg.block_size) for p in prompts])
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -133,9 +140,9 @@ class SpeculativeDecoder:
             raise ValueError(f"generate: eos_token_id must be in [0, vocab_size={self.vocab_size}) or None, "
                              f"got {eos_token_id!r}")
         prompt_ids = check_prompts(prompts, self.vocab_size)
-        self._check_request(prompt_ids, max_new_tokens)
-        requests = [Request(i, list(p), len(p), BlockTable(self.pool, self.config.block_size))
-                    for i, p in enumerate(prompt_ids)]
+        pools = self._check_request(prompt_ids, max_new_tokens)
+        requests = [Request(i, list(p), len(p), BlockTable(pool, self.config.block_size))
+                    for i, (p, pool) in enumerate(zip(prompt_ids, pools))]
         stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_ids))
         tally = AcceptanceTally(max(self.config.allowed_k))
         start = time.perf_counter()
@@ -183,9 +190,11 @@ class SpeculativeDecoder:
                 piece = r.tokens[begin:min(begin + chunk, r.prompt_len - 1)]
                 row[:len(piece)] = piece
             width = max(len(r.table.blocks) for r in rows)
-            self._run(self._prefill, stats, block_tables=stack_block_tables([r.table for r in rows], width),
-                      tokens=tokens, start=np.full(len(rows), begin, np.int32),
-                      count=np.array([min(chunk, r.prompt_len - 1 - begin) for r in rows], np.int32))
+            layout = self.placement.rows([r.table for r in rows], self._prefill)
+            self._run(self._prefill, stats, **layout.arrange(
+                self._prefill, block_tables=stack_block_tables([r.table for r in rows], width), tokens=tokens,
+                start=np.full(len(rows), begin, np.int32),
+                count=np.array([min(chunk, r.prompt_len - 1 - begin) for r in rows], np.int32)))
             now = time.perf_counter()
             if progress and now - reported > PREFILL_PROGRESS_SECONDS:
                 reported = now
@@ -199,14 +208,16 @@ class SpeculativeDecoder:
     def _step(self, active: list[Request], base_key: np.ndarray, temperature: float, max_new_tokens: int,
               eos_token_id: int | None, tally: AcceptanceTally, stats: GenerateStats) -> None:
         step_start = time.perf_counter()
+        layout = self.placement.rows([r.table for r in active], self._decode)
         # the controller sees the batch the executable computes (padding rows cost like real ones)
-        computed_batch = self._decode.bucket("batch", len(active)) or len(active)
+        computed_batch = layout.computed
         k = self._next_k(computed_batch)
         for r in active:
             r.table.ensure(len(r.tokens) + k)
-        (summary,) = self._run(self._decode, stats, **step_inputs(active), base_key=base_key,
-                               temperature=np.float32(max(temperature, 1e-6)), k=k, greedy=temperature == 0.0)
-        host = summary.fetch(len(active))                 # the step's one device-to-host transfer
+        (summary,) = self._run(self._decode, stats, **layout.arrange(self._decode, **step_inputs(active)),
+                               base_key=base_key, temperature=np.float32(max(temperature, 1e-6)), k=k,
+                               greedy=temperature == 0.0)
+        host = layout.fetch(summary)                      # the step's one device-to-host transfer
         step_seconds = time.perf_counter() - step_start
         self._advance(active, host, k, max_new_tokens, eos_token_id)
         num_drafts = np.full(len(active), k, np.int64)
@@ -249,7 +260,7 @@ class SpeculativeDecoder:
         target_cache, draft_cache = self._caches.take()
         example = dict(target_state=self._target_state, draft_state=self._draft_state,
                        target_cache=target_cache, draft_cache=draft_cache,
-                       block_tables=np.zeros((1, 1), np.int32), backend=cfg.backend)
+                       block_tables=np.zeros((1, 1), np.int32), backend=cfg.backend, **self.placement.warmup_args())
         with CompileCounter() as compiles:
             self._prefill.warmup(**example, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
                                  start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=keep,

@@ -127,8 +127,16 @@ def _copied_shapes(hlo_text: str) -> list[tuple[int, ...]]:
     return [tuple(int(d) for d in dims.split(",") if d) for dims in _HLO_COPY.findall(hlo_text)]
 
 
+def _local_shape(leaf: Any) -> tuple[int, ...]:
+    """The shape of one device's shard of an array (all of it unless sharded): what a compiled SPMD
+    program, its memory analysis and its HLO see."""
+    sharding = getattr(leaf, "sharding", None)
+    return tuple(sharding.shard_shape(tuple(leaf.shape)) if sharding is not None else leaf.shape)
+
+
 def _nbytes(leaf: Any) -> int:
-    return int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize if is_array_leaf(leaf) else 0
+    """Bytes of one device's shard of an array leaf (0 for non-arrays)."""
+    return int(np.prod(_local_shape(leaf))) * np.dtype(leaf.dtype).itemsize if is_array_leaf(leaf) else 0
 
 
 class ExecutableCache:
@@ -413,7 +421,7 @@ class ExecutableCache:
                            "are copied, not updated in place", self.name, self.describe(key),
                            aliased, donated, self.donate_argnames)
             return
-        donated_shapes = {tuple(leaf.shape) for arg in self.donate_argnames
+        donated_shapes = {_local_shape(leaf) for arg in self.donate_argnames
                           for leaf in jax.tree.leaves(trace_args.get(arg)) if _nbytes(leaf) >= _COPY_CHECK_BYTES}
         copied = [shape for shape in _copied_shapes(compiled.as_text()) if shape in donated_shapes]
         if copied:

@@ -1,0 +1,186 @@
+"""Runs the decoder on a mesh of CPU devices and reports what ``test_mesh.py`` asserts (one JSON line).
+
+    python -m tests.decoding.mesh_worker --pair qwen --meshes 1,8 2,4:model 8,1 [--sample] [--extras]
+        [--devices 4 --process-id 0 --num-processes 2 --coordinator 127.0.0.1:PORT]
+
+It must start its own interpreter: the CPU device count (and, for several processes,
+``jax.distributed.initialize``) is fixed before JAX initialises. It decodes the same prompts with the
+model pair on one device and on each mesh ("data,model", ":model" places the draft on the mesh too),
+greedy and (``--sample``) sampled, after a warm-up, and records the tokens, the compiles after
+warm-up, the donations and the bytes each device holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pair", default="qwen", choices=("demo", "qwen"))
+    parser.add_argument("--meshes", nargs="+", required=True, help="data,model[:model]")
+    parser.add_argument("--sample", action="store_true", help="also decode with temperature 1")
+    parser.add_argument("--devices", type=int, default=8, help="CPU devices of this process")
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--coordinator", default=None)
+    parser.add_argument("--extras", action="store_true",
+                        help="also report the mesh errors and check the sharded commit's Pallas kernel")
+    return parser.parse_args()
+
+
+ARGS = _parse()
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS.devices}"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+if ARGS.num_processes > 1:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(ARGS.coordinator, ARGS.num_processes, ARGS.process_id)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import scv_jax  # noqa: E402
+from scv_jax import DecoderConfig, ShardingConfig, SpeculativeDecoder  # noqa: E402
+from scv_jax.graph.compile_counter import CompileCounter  # noqa: E402
+from scv_jax.models import TransformerConfig, load_demo  # noqa: E402
+from scv_jax.ops.commit.sharded import sharded_commit_draft_kv  # noqa: E402
+from scv_jax.sharding.mesh import cache_shardings, tracing_on  # noqa: E402
+from tests.models.fixtures import perturbed_copy, tiny_model  # noqa: E402
+
+# Qwen2-style: q/k/v biases, 2 KV heads (fewer than a model axis of 4 or 8: replicated); an LM head of its
+# own (the demo pair ties theirs), so that greedy decoding of random weights does not repeat one token
+QWEN_TINY = TransformerConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=8, num_kv_heads=2, head_dim=8,
+                              ffn_dim=128, qkv_bias=True, tie_embeddings=False)
+CONFIG = DecoderConfig(k=3, block_size=8, num_blocks=64, max_seq_len=64, prefill_chunk=16, batch_buckets=(4,),
+                       context_buckets=(8,))
+MAX_NEW = 12
+
+
+def _pair(name: str):
+    if name == "demo":
+        return load_demo()
+    target = tiny_model(QWEN_TINY, seed=0)
+    return target, perturbed_copy(target, noise=0.1)          # accepts about half of the drafts
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    if vocab == 256:
+        return [list(b"import os\n"), list(b"def main(argv):\n    "), list(b"class Foo:")]
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, vocab, rng.integers(1, 20)).tolist() for _ in range(3)]
+
+
+def _layout(tree) -> dict[str, dict]:
+    """{path ("blocks/attn/q/kernel", "k_pages"): bytes, bytes on each of this process's devices}."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", ""))) for k in path if getattr(k, "name", "") != "value")
+        held = {device.id: 0 for device in leaf.sharding.mesh.local_devices}
+        for shard in leaf.addressable_shards:
+            held[shard.device.id] += shard.data.nbytes
+        out[name] = dict(nbytes=leaf.nbytes, device_bytes=sorted(held.values()))
+    return out
+
+
+def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+    out = {"greedy": decoder.generate(prompts, MAX_NEW)}
+    if ARGS.sample:
+        out["sampled"] = decoder.generate(prompts, MAX_NEW, temperature=1.0, seed=7)
+    return out
+
+
+def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
+    shape, _, draft_placement = spec.partition(":")
+    mesh = scv_jax.decoder_mesh(*(int(x) for x in shape.split(",")))
+    decoder = SpeculativeDecoder(target, draft, config=CONFIG, mesh=mesh,
+                                 sharding=ShardingConfig(draft=draft_placement or "replicated"))
+    warmup = decoder.warmup(4, CONFIG.max_seq_len)
+    if ARGS.sample:
+        warmup += decoder.warmup(4, CONFIG.max_seq_len, greedy=False)
+    with CompileCounter() as compiles:
+        outputs = _generate(decoder, prompts)
+    target_cache, draft_cache = decoder._caches.take()
+    decoder._caches.put(target_cache, draft_cache)
+    return dict(
+        tokens={mode: out.tokens for mode, out in outputs.items()},
+        acceptance=outputs["greedy"].stats.acceptance_rate, warmup_compiles=warmup,
+        compiles_after_warmup=compiles.count,
+        graph={k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)
+               for k, s in decoder.graph_stats.items()},
+        target_state=_layout(decoder._target_state), draft_state=_layout(decoder._draft_state),
+        target_cache=_layout(target_cache), draft_cache=_layout(draft_cache),
+        cache_kv_heads=[target_cache.num_kv_heads, draft_cache.num_kv_heads], free_blocks=decoder.pool.num_free)
+
+
+def _errors(mesh) -> dict[str, str]:
+    """The one-line errors of bad meshes and models."""
+    target = tiny_model(QWEN_TINY, seed=0)
+    cases = {
+        "axis_names": lambda: SpeculativeDecoder(target, config=CONFIG, mesh=jax.make_mesh(
+            mesh.devices.shape, ("batch", "tensor"), axis_types=mesh.axis_types)),
+        "kv_heads": lambda: SpeculativeDecoder(tiny_model(TransformerConfig(
+            vocab_size=64, num_heads=6, num_kv_heads=3, ffn_dim=128), seed=0), config=CONFIG, mesh=mesh),
+        "ffn_dim": lambda: SpeculativeDecoder(tiny_model(TransformerConfig(
+            vocab_size=64, num_heads=8, num_kv_heads=2, ffn_dim=90), seed=0), config=CONFIG, mesh=mesh),
+        "num_blocks": lambda: SpeculativeDecoder(target, config=DecoderConfig(num_blocks=63), mesh=mesh),
+        "too_many_devices": lambda: scv_jax.decoder_mesh(2, len(jax.devices())),
+    }
+    messages = {}
+    for case, make in cases.items():
+        try:
+            make()
+            messages[case] = ""
+        except (ValueError, TypeError) as error:
+            messages[case] = f"{type(error).__name__}: {error}"
+    return messages
+
+
+def _sharded_commit(mesh) -> dict[str, bool]:
+    """The commit under ``shard_map`` with the Pallas kernel (interpret mode) and the XLA scatter
+    against ``commit_draft_kv`` on one device (rows of data shard s carry slots local to its blocks)."""
+    layers, blocks, block_size, heads, head_dim, rows = 2, 8, 4, mesh.shape["model"], 128, 8
+    rng = np.random.default_rng(0)
+    cache = scv_jax.PagedKVCache.create(layers, blocks, block_size, heads, head_dim, dtype="bfloat16")
+    cache = cache.replace(v_pages=jnp.zeros_like(cache.v_pages))
+    keys = jnp.asarray(rng.normal(size=(layers, rows, heads, head_dim)), jnp.float32)
+    slots = rng.permutation(blocks * block_size // mesh.shape["data"])[:rows].astype(np.int32)
+    slots[2] = -1
+    mask = np.arange(rows) != 5
+    shard = np.arange(rows) // (rows // mesh.shape["data"])
+    global_slots = np.where(slots < 0, -1, slots + shard * (blocks // mesh.shape["data"]) * block_size)
+    expected = scv_jax.commit_draft_kv(cache, keys, 2 * keys, global_slots, mask, backend="xla")
+
+    def commit(cache, keys, values, slots, mask, backend):
+        with tracing_on(mesh):
+            return sharded_commit_draft_kv(cache, keys, values, slots, mask, backend=backend)
+
+    same = {}
+    for backend in ("xla", "interpret"):
+        out = jax.jit(commit, donate_argnums=0, static_argnames="backend")(
+            jax.device_put(cache, cache_shardings(cache, mesh)), keys, 2 * keys, slots, mask, backend)
+        same[backend] = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in (
+            (out.k_pages, expected.k_pages), (out.v_pages, expected.v_pages)))
+    return same
+
+
+def main() -> None:
+    target, draft = _pair(ARGS.pair)
+    prompts = _prompts(target.config.vocab_size)
+    expected = {mode: out.tokens for mode, out in _generate(SpeculativeDecoder(target, draft, config=CONFIG),
+                                                            prompts).items()}
+    result = dict(process=jax.process_index(), devices=len(jax.devices()), local_devices=len(jax.local_devices()),
+                  expected=expected, meshes={spec: _on_mesh(target, draft, prompts, spec) for spec in ARGS.meshes})
+    if ARGS.extras:
+        mesh = scv_jax.decoder_mesh(2, len(jax.devices()) // 2)
+        result.update(errors=_errors(mesh), sharded_commit=_sharded_commit(mesh))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The decoder on meshes of CPU devices (each run in its own interpreter, ``mesh_worker``): greedy and
+sampled tokens identical to one device, the shardings (bytes per device), zero compiles after
+warm-up, in-place donations, clear errors, and one ``generate`` over two processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).parents[2]
+SHARDED_PARAMETERS = ("blocks/attn/q/kernel", "blocks/attn/k/kernel", "blocks/attn/v/kernel", "blocks/attn/q/bias",
+                      "blocks/attn/k/bias", "blocks/attn/v/bias", "blocks/attn/o/kernel", "blocks/mlp/gate/kernel",
+                      "blocks/mlp/up/kernel", "blocks/mlp/down/kernel", "embed/embedding", "lm_head/kernel")
+
+
+def _start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.decoding.mesh_worker", *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+
+
+def _result(process: subprocess.Popen, timeout: float = 900) -> dict:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr[-4000:]
+    return json.loads(stdout.splitlines()[-1])
+
+
+def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> None:
+    """Tokens as on one device, no compile after warm-up, caches updated in place, and each device
+    holding 1/model of every sharded weight, 1/(data * model) of the target cache."""
+    shape, _, draft_placement = spec.partition(":")
+    data, model = (int(x) for x in shape.split(","))
+    run = result["meshes"][spec]
+    assert run["tokens"] == result["expected"], spec
+    assert run["warmup_compiles"] > 0 and run["compiles_after_warmup"] == 0, spec
+    assert all(v == 0 for stats in run["graph"].values() for v in stats.values()), run["graph"]
+    assert run["free_blocks"] == 64
+    target_kv, draft_kv = kv_heads
+    draft_split = draft_placement == "model"
+    # KV heads fewer than the model axis are replicated up to it (vLLM's rule); a replicated draft keeps its own
+    assert run["cache_kv_heads"] == [max(target_kv, model), max(draft_kv, model) if draft_split else draft_kv]
+    for cache, split in (("target_cache", True), ("draft_cache", draft_split)):
+        for pages in run[cache].values():
+            assert pages["device_bytes"] == [pages["nbytes"] // (data * (model if split else 1))] * (data * model), \
+                (spec, cache, pages)
+    for state, split in (("target_state", True), ("draft_state", draft_split)):
+        for name, array in run[state].items():
+            share = model if split and name in SHARDED_PARAMETERS else 1
+            assert array["device_bytes"] == [array["nbytes"] // share] * (data * model), (spec, state, name, array)
+
+
+def test_demo_pair_on_meshes_decodes_as_on_one_device():
+    """The demo target has 6 query and 2 KV heads: on a model axis of 8 (or 4) each KV head is
+    replicated 4 (2) times and each query group padded to 4 heads; on (8, 1) it is data parallel only."""
+    result = _result(_start("--pair", "demo", "--meshes", "1,8", "2,4", "8,1"))
+    for spec in ("1,8", "2,4", "8,1"):
+        _check_mesh_run(result, spec, kv_heads=(2, 1))
+    assert 0.3 < result["meshes"]["2,4"]["acceptance"] < 1.0
+
+
+def test_qwen_style_pair_on_meshes_greedy_and_sampled():
+    """q/k/v biases, an untied LM head (vocabulary-parallel), 2 KV heads on model axes of 8 and 4 (the
+    draft tensor-parallel too on (2, 4)); sampling with the same seed gives the one-device tokens."""
+    result = _result(_start("--pair", "qwen", "--meshes", "1,8", "2,4:model", "8,1", "--sample", "--extras"))
+    for spec in ("1,8", "2,4:model", "8,1"):
+        _check_mesh_run(result, spec, kv_heads=(2, 2))
+    assert 0.2 < result["meshes"]["8,1"]["acceptance"] < 0.9                  # partial acceptance exercised
+    assert result["expected"]["sampled"] != result["expected"]["greedy"]
+    assert result["sharded_commit"] == {"xla": True, "interpret": True}
+    errors = result["errors"]
+    assert errors["axis_names"] == ("ValueError: mesh must have the axes ('data', 'model') (in that order), "
+                                    "got ('batch', 'tensor')")
+    assert "num_kv_heads (3) cannot be split over the mesh's model axis (4)" in errors["kv_heads"]
+    assert "ffn_dim (90) must be a multiple of the mesh's model axis (4)" in errors["ffn_dim"]
+    assert "DecoderConfig.num_blocks (63) must be a multiple of the mesh's data axis (2)" in errors["num_blocks"]
+    assert "data * model = 2 * 8 = 16 devices, but only 8 are available" in errors["too_many_devices"]
+
+
+def test_two_processes_decode_as_one_device():
+    """``jax.distributed.initialize`` with 2 processes of 4 CPU devices each (gloo collectives), a (2, 4)
+    mesh over all 8: both processes get the one-device tokens."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workers = [_start("--pair", "qwen", "--meshes", "2,4", "--devices", "4", "--num-processes", "2",
+                      "--process-id", str(i), "--coordinator", f"127.0.0.1:{port}") for i in range(2)]
+    try:
+        results = [_result(w) for w in workers]
+    finally:
+        for w in workers:          # one failing process leaves the other waiting for it
+            w.kill()
+    for i, result in enumerate(results):
+        assert (result["process"], result["devices"], result["local_devices"]) == (i, 8, 4)
+        run = result["meshes"]["2,4"]
+        assert run["tokens"] == result["expected"] and run["compiles_after_warmup"] == 0
+        assert run["target_cache"]["k_pages"]["device_bytes"] == [run["target_cache"]["k_pages"]["nbytes"] // 8] * 4
