@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 
@@ -60,6 +61,8 @@ QWEN_TINY = TransformerConfig(vocab_size=64, num_layers=2, d_model=64, num_heads
 CONFIG = DecoderConfig(k=3, block_size=8, num_blocks=64, max_seq_len=64, prefill_chunk=16, batch_buckets=(4,),
                        context_buckets=(8,))
 MAX_NEW = 12
+# a collective in optimized HLO and its result type: "= f32[2,4]{0,1} all-gather(", "= (f32[2], s32[2]) all-reduce("
+_COLLECTIVE = re.compile(r"= ([^=]+?) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
 
 
 def _pair(name: str):
@@ -107,6 +110,10 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
         outputs = _generate(decoder, prompts)
     target_cache, draft_cache = decoder._caches.take()
     decoder._caches.put(target_cache, draft_cache)
+    collectives = [(op, max(int(np.prod([int(d) for d in dims.split(",") if d]))
+                            for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result)))
+                   for key in decoder._decode._entries
+                   for result, op in _COLLECTIVE.findall(decoder._decode.executable(key).as_text())]
     return dict(
         tokens={mode: out.tokens for mode, out in outputs.items()},
         acceptance=outputs["greedy"].stats.acceptance_rate, warmup_compiles=warmup,
@@ -115,7 +122,9 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
                for k, s in decoder.graph_stats.items()},
         target_state=_layout(decoder._target_state), draft_state=_layout(decoder._draft_state),
         target_cache=_layout(target_cache), draft_cache=_layout(draft_cache),
-        cache_kv_heads=[target_cache.num_kv_heads, draft_cache.num_kv_heads], free_blocks=decoder.pool.num_free)
+        cache_kv_heads=[target_cache.num_kv_heads, draft_cache.num_kv_heads], free_blocks=decoder.pool.num_free,
+        collectives=collectives,
+        mesh_processes=[[device.process_index for device in row] for row in mesh.devices])
 
 
 def _errors(mesh) -> dict[str, str]:

@@ -53,6 +53,11 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
         for name, array in run[state].items():
             share = model if split and name in SHARDED_PARAMETERS else 1
             assert array["device_bytes"] == [array["nbytes"] // share] * (data * model), (spec, state, name, array)
+    # the decode steps' collectives: all-reduces and all-gathers of activations, logits and probabilities,
+    # never of a cache (they are as large as a device's share of the target cache's pages / 4 at most here)
+    pages = run["target_cache"]["k_pages"]["device_bytes"][0] // 4
+    assert run["collectives"] and {op for op, _ in run["collectives"]} <= {"all-reduce", "all-gather"}, run["collectives"]
+    assert max(size for _, size in run["collectives"]) < pages, (spec, pages, run["collectives"])
 
 
 def test_demo_pair_on_meshes_decodes_as_on_one_device():
@@ -98,5 +103,6 @@ def test_two_processes_decode_as_one_device():
     for i, result in enumerate(results):
         assert (result["process"], result["devices"], result["local_devices"]) == (i, 8, 4)
         run = result["meshes"]["2,4"]
+        assert run["mesh_processes"] == [[0] * 4, [1] * 4]          # "model" within a process, "data" across
         assert run["tokens"] == result["expected"] and run["compiles_after_warmup"] == 0
         assert run["target_cache"]["k_pages"]["device_bytes"] == [run["target_cache"]["k_pages"]["nbytes"] // 8] * 4
