@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import scv_jax  # noqa: E402
-from harness import append_results, results_header  # noqa: E402
+from harness import publish  # noqa: E402
 from scv_jax import DecoderConfig, ShardingConfig, SpeculativeDecoder  # noqa: E402
 from scv_jax.models import Transformer, TransformerConfig, load_demo  # noqa: E402
 
@@ -137,17 +137,15 @@ def main() -> None:
                      f"{result['weights'] / 1e6:.2f} | {result['caches'] / 1e6:.2f} | {result['warmup_s']:.1f} | "
                      f"{'yes' if same else 'NO'} |")
     table = "\n".join(lines)
-    print(table)
     if "NO" in table:
+        print(table)
         sys.exit("bench_mesh: a configuration's tokens differ from one device's (or it compiled after warm-up)")
-    if ARGS.append:
-        command = "JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_mesh.py " + " ".join(sys.argv[1:])
-        details = (f"{ARGS.devices} CPU devices on the host's cores (XLA_FLAGS device count), demo pair, batch "
-                   f"{ARGS.batch}, k = {ARGS.k}, {ARGS.max_new_tokens} new tokens, greedy, compilation excluded, "
-                   f"median of {ARGS.rounds} rounds run round-robin; times are relative only (all devices share "
-                   "the CPU, which other jobs also used). ")
-        append_results(results_header("bench_mesh: the decoder by mesh shape on CPU devices", command, details)
-                       + table + "\n")
+    publish(__file__, "bench_mesh: the decoder by mesh shape on CPU devices",
+            f"{ARGS.devices} CPU devices on the host's cores (XLA_FLAGS device count), "
+            f"{'tiny random models' if ARGS.dry_run else 'demo pair'}, batch {ARGS.batch}, k = {ARGS.k}, "
+            f"{ARGS.max_new_tokens} new tokens, greedy, compilation excluded, median of {ARGS.rounds} rounds run "
+            "round-robin; times are relative only (all devices share the CPU, which other jobs also used). ",
+            table, append=ARGS.append)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,10 @@ from scv_jax.decoding.block_pool import BlockPool, BlockTable
 from scv_jax.decoding.caches import single_device_cache
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.graph.executable_cache import ExecutableCache
+from scv_jax.models.transformer import Transformer
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.sharding.mesh import DATA, MODEL, cache_shardings, check_mesh, replicated_heads, tracing_on
+from scv_jax.sharding.params import place_transformer, tensor_parallel_config
 from scv_jax.verify.summary import HostStepResult, StepSummary
 
 DRAFT_PLACEMENTS = ("replicated", "model")
@@ -211,9 +213,6 @@ class OnMesh(SingleDevice):
 
     def split(self, model: Any, role: str) -> PlacedModel:
         """The model's parameters placed on the mesh (tensor-parallel or replicated)."""
-        from scv_jax.models.transformer import Transformer
-        from scv_jax.sharding.params import place_transformer, tensor_parallel_config
-
         if model is None:
             return PlacedModel(None, None, None)
         if not isinstance(model, Transformer):

@@ -185,6 +185,12 @@ def main() -> None:
                                                             prompts).items()}
     result = dict(process=jax.process_index(), devices=len(jax.devices()), local_devices=len(jax.local_devices()),
                   expected=expected, meshes={spec: _on_mesh(target, draft, prompts, spec) for spec in ARGS.meshes})
+    if ARGS.num_processes > 1:
+        try:
+            SpeculativeDecoder(target, draft, config=DecoderConfig(adaptive=True), mesh=scv_jax.decoder_mesh(2, 4))
+            result["adaptive_error"] = ""
+        except ValueError as error:
+            result["adaptive_error"] = str(error)
     if ARGS.extras:
         mesh = scv_jax.decoder_mesh(2, len(jax.devices()) // 2)
         result.update(errors=_errors(mesh), sharded_commit=_sharded_commit(mesh))

@@ -104,5 +104,6 @@ def test_two_processes_decode_as_one_device():
         assert (result["process"], result["devices"], result["local_devices"]) == (i, 8, 4)
         run = result["meshes"]["2,4"]
         assert run["mesh_processes"] == [[0] * 4, [1] * 4]          # "model" within a process, "data" across
+        assert result["adaptive_error"].startswith("DecoderConfig.adaptive: on a mesh over several processes")
         assert run["tokens"] == result["expected"] and run["compiles_after_warmup"] == 0
         assert run["target_cache"]["k_pages"]["device_bytes"] == [run["target_cache"]["k_pages"]["nbytes"] // 8] * 4

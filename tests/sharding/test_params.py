@@ -21,7 +21,7 @@ from tests.models.fixtures import tiny_model
     (2, 1, 8, (8, 8)),      # the demo draft on 8
 ])
 def test_laid_out_model_computes_the_same_logits(heads, kv_heads, model_size, expected):
-    config = TransformerConfig(vocab_size=32, num_layers=2, d_model=32, num_heads=heads, num_kv_heads=kv_heads,
+    config = TransformerConfig(vocab_size=32, num_layers=1, d_model=32, num_heads=heads, num_kv_heads=kv_heads,
                                head_dim=8, ffn_dim=64, qkv_bias=True)
     model = tiny_model(config, seed=0)
     laid_out = nnx.merge(*tensor_parallel_split(model, model_size, "test"))
