@@ -14,6 +14,6 @@ def test_bench_mesh_dry_run():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "mesh" not in line]
     table = rows[-4:]
     assert [row.split(" | ")[:3] for row in table] == [
-        ["| one device", "-", "-"], ["| 2 x 2", "replicated", "vocab-parallel"], ["| 2 x 2", "replicated", "replicated"],
-        ["| 2 x 2", "model", "vocab-parallel"]]
+        ["| one device", "-", "-"], ["| 2 x 2", "replicated", "vocab-parallel"],
+        ["| 2 x 2", "replicated", "replicated"], ["| 2 x 2", "model", "vocab-parallel"]]
     assert all(row.endswith("| yes |") for row in table)

@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scv_jax.decoding.block_pool import BlockPool, BlockTable
 from scv_jax.decoding.caches import single_device_cache
@@ -153,8 +153,6 @@ class BatchRows(NamedTuple):
 
 class SingleDevice:
     """Everything on the default device: the decoder as it runs without a mesh."""
-
-    mesh: Mesh | None = None
 
     def __init__(self, config: DecoderConfig):
         self.pool = ShardedBlockPool(config.num_blocks, 1)

@@ -33,8 +33,9 @@ def decoder_mesh(data: int = 1, model: int | None = None, *, devices: Sequence[A
     """A ``Mesh`` of ``data * model`` devices with axes ("data", "model").
 
     ``model`` defaults to all devices over ``data``; ``devices`` to ``jax.devices()`` (every process's
-    devices after ``jax.distributed.initialize``). The device order comes from ``jax.make_mesh``, so
-    "model" groups devices that are close (one host, one NVLink domain) and "data" spans the rest.
+    devices after ``jax.distributed.initialize``, process by process). ``jax.make_mesh`` keeps that
+    order on GPUs (TPU slices are laid out by topology), so "model", the last axis, groups one
+    process's devices when it is at most their number, and "data" spans the processes.
     """
     devices = list(jax.devices() if devices is None else devices)
     _require_axis_size("data", data)

@@ -62,7 +62,8 @@ CONFIG = DecoderConfig(k=3, block_size=8, num_blocks=64, max_seq_len=64, prefill
                        context_buckets=(8,))
 MAX_NEW = 12
 # a collective in optimized HLO and its result type: "= f32[2,4]{0,1} all-gather(", "= (f32[2], s32[2]) all-reduce("
-_COLLECTIVE = re.compile(r"= ([^=]+?) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(")
+_COLLECTIVE = re.compile(r"= ([^=]+?) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                         r"(?:-start)?\(")
 
 
 def _pair(name: str):
@@ -83,7 +84,8 @@ def _layout(tree) -> dict[str, dict]:
     """{path ("blocks/attn/q/kernel", "k_pages"): bytes, bytes on each of this process's devices}."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        name = "/".join(str(getattr(k, "key", getattr(k, "name", ""))) for k in path if getattr(k, "name", "") != "value")
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", ""))) for k in path
+                        if getattr(k, "name", "") != "value")
         held = {device.id: 0 for device in leaf.sharding.mesh.local_devices}
         for shard in leaf.addressable_shards:
             held[shard.device.id] += shard.data.nbytes

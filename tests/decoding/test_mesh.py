@@ -56,7 +56,8 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
     # the decode steps' collectives: all-reduces and all-gathers of activations, logits and probabilities,
     # never of a cache (they are as large as a device's share of the target cache's pages / 4 at most here)
     pages = run["target_cache"]["k_pages"]["device_bytes"][0] // 4
-    assert run["collectives"] and {op for op, _ in run["collectives"]} <= {"all-reduce", "all-gather"}, run["collectives"]
+    kinds = {op for op, _ in run["collectives"]}
+    assert run["collectives"] and kinds <= {"all-reduce", "all-gather"}, run["collectives"]
     assert max(size for _, size in run["collectives"]) < pages, (spec, pages, run["collectives"])
 
 

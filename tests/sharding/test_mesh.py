@@ -24,7 +24,8 @@ def test_decoder_mesh_and_its_errors():
 
 def test_check_mesh_names_the_argument():
     devices = np.array(jax.devices()[:1]).reshape(1, 1)
-    with pytest.raises(ValueError, match=r"mesh must have the axes \('data', 'model'\) \(in that order\), got \('x', 'y'\)"):
+    with pytest.raises(ValueError, match=r"mesh must have the axes \('data', 'model'\) \(in that order\), "
+                                         r"got \('x', 'y'\)"):
         check_mesh(Mesh(devices, ("x", "y")))
     with pytest.raises(ValueError, match=r"got \('model', 'data'\)"):
         check_mesh(Mesh(devices, ("model", "data")))

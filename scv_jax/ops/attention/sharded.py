@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from scv_jax.ops.attention.api import paged_attention
 from scv_jax.ops.commit.kv_cache import PagedKVCache
-from scv_jax.sharding.mesh import DATA, REPLICATED, REQUESTS, active_mesh, cache_specs, heads_axis, per_shard, token_spec
+from scv_jax.sharding.mesh import (DATA, REPLICATED, REQUESTS, active_mesh, cache_specs, heads_axis, per_shard,
+                                   token_spec)
 
 
 def sharded_paged_attention(q: jax.Array, cache: PagedKVCache, layer, block_tables: jax.Array,
