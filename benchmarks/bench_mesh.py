@@ -106,7 +106,7 @@ def _summary(decoder: SpeculativeDecoder, runs: list, warmup: float) -> dict:
                 compiles=sum(s.compile_count for s in stats),
                 tokens_per_second=float(np.median([s.tokens_per_second for s in stats])),
                 step_ms=float(np.median([1e3 * (s.wall_seconds - s.prefill_seconds) / s.steps for s in stats])),
-                warmup_s=warmup, weights=_bytes_on_first_device((decoder._target_state, decoder._draft_state)),
+                warmup_s=warmup, weights=_bytes_on_first_device((decoder._target_params, decoder._draft_params)),
                 caches=_bytes_on_first_device(caches))
 
 

@@ -9,10 +9,12 @@ size, the speedup c(k) implies at per-draft acceptance 0.6 and 0.8 (expected tok
 parameters, plus KV of the context, over the measured copy bandwidth, divided by the step time) and
 the compile seconds of the step executables.
 
-Drafters: ``2-layer``, a 2-layer model of the target's width (its own paged cache).
+Drafters (``--drafters``): ``2-layer``, a 2-layer model of the target's width (its own paged cache), on
+random prompts; ``n-gram``, prompt lookup (no draft model), on prompts that repeat one 16-token pattern, so
+every step has k drafts to verify (random weights reject them: these rows time the verify step).
 
     python benchmarks/bench_models.py [--models llama-1b ...] [--batch-sizes 1 8 32] [--ks 2 4 8]
-                                      [--context 512] [--new-tokens 64] [--append]
+                                      [--drafters 2-layer n-gram] [--context 512] [--new-tokens 64] [--append]
     python benchmarks/bench_models.py --dry-run      # tiny shapes on CPU (CI)
 
 On CPU only the dry run is practical; the real sizes are meant for a GPU.
@@ -33,6 +35,7 @@ from flax import nnx
 from harness import copy_bandwidth, publish
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.decoder import SpeculativeDecoder
+from scv_jax.decoding.ngram import NgramDrafter
 from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig
 
 LLAMA3_ROPE = Llama3RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -52,6 +55,8 @@ DRY_RUN_MODELS = {"tiny": TransformerConfig(vocab_size=512, num_layers=4, d_mode
                                             head_dim=16, ffn_dim=128, dtype="bfloat16")}
 BLOCK_SIZE = 16
 ACCEPTANCE_LEVELS = (0.6, 0.8)
+DRAFTERS = ("2-layer", "n-gram")
+PATTERN = 16                     # the n-gram rows' prompts repeat a pattern of this many tokens
 
 
 @dataclasses.dataclass
@@ -110,16 +115,23 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], new_tokens: i
     return seconds, median.mean_accepted_length, median.mean_accepted_length * len(prompts) / seconds, compile_seconds
 
 
-def run(models: dict[str, TransformerConfig], batch_sizes, ks, context: int, new_tokens: int,
+def prompts_for(drafter: str, batch: int, context: int, vocab: int) -> list[list[int]]:
+    """Random prompts; for ``n-gram``, each a random 16-token pattern repeated (a lookup always matches)."""
+    rng = np.random.default_rng(batch)
+    if drafter == "n-gram":
+        return np.tile(rng.integers(0, vocab, (batch, PATTERN)), -(-context // PATTERN))[:, :context].tolist()
+    return rng.integers(0, vocab, (batch, context)).tolist()
+
+
+def run(models: dict[str, TransformerConfig], batch_sizes, ks, drafters, context: int, new_tokens: int,
         bandwidth: float, backend: str) -> list[Row]:
     rows = []
     for name, config in models.items():
         target = random_model(config, seed=0)
-        draft = random_model(two_layer_draft(config), seed=1)
-        target_bytes, draft_bytes = parameter_bytes(target), parameter_bytes(draft)
+        draft = random_model(two_layer_draft(config), seed=1) if "2-layer" in drafters else None
+        target_bytes = parameter_bytes(target)
+        draft_bytes = parameter_bytes(draft) if draft is not None else 0
         for batch in batch_sizes:
-            rng = np.random.default_rng(batch)
-            prompts = rng.integers(0, config.vocab_size, (batch, context)).tolist()
             max_len = context + new_tokens + max(ks)
             geometry = dict(block_size=BLOCK_SIZE, max_seq_len=max_len, num_blocks=batch * -(-max_len // BLOCK_SIZE),
                             cache_dtype="bfloat16", batch_buckets=(batch,), prefill_chunk=256, backend=backend,
@@ -127,14 +139,18 @@ def run(models: dict[str, TransformerConfig], batch_sizes, ks, context: int, new
             kv_bytes = batch * (context + new_tokens // 2) * kv_bytes_per_token(config)
             draft_kv_bytes = batch * (context + new_tokens // 2) * kv_bytes_per_token(two_layer_draft(config))
             base = None
-            for k in (0, *ks):
-                decoder = SpeculativeDecoder(target, draft if k else None, config=DecoderConfig(k=k, **geometry))
-                step_seconds, tokens_per_step, tokens_per_second, compile_seconds = measure(decoder, prompts, new_tokens)
+            for drafter, k in [("-", 0)] + [(d, k) for d in drafters for k in ks]:
+                prompts = prompts_for(drafter, batch, context, config.vocab_size)
+                drafting = {"-": None, "2-layer": draft, "n-gram": NgramDrafter()}[drafter]
+                decoder = SpeculativeDecoder(target, drafting, config=DecoderConfig(k=k, **geometry))
+                step_seconds, tokens_per_step, tokens_per_second, compile_seconds = measure(
+                    decoder, prompts, new_tokens)
                 base = base or step_seconds
-                floor_bytes = target_bytes + kv_bytes + k * (draft_bytes + draft_kv_bytes)
-                rows.append(Row(name, "2-layer" if k else "-", batch, k, step_seconds * 1e3, tokens_per_step, tokens_per_second,
+                drafting_bytes = k * (draft_bytes + draft_kv_bytes) if drafter == "2-layer" else 0
+                floor_bytes = target_bytes + kv_bytes + drafting_bytes
+                rows.append(Row(name, drafter, batch, k, step_seconds * 1e3, tokens_per_step, tokens_per_second,
                                 step_seconds / base, floor_bytes / bandwidth / step_seconds, compile_seconds))
-                print(f"[bench_models] {name} batch {batch} k={k}: {step_seconds * 1e3:.2f} ms/step, "
+                print(f"[bench_models] {name} {drafter} batch {batch} k={k}: {step_seconds * 1e3:.2f} ms/step, "
                       f"c={rows[-1].cost_ratio:.2f}", file=sys.stderr, flush=True)
     return rows
 
@@ -158,6 +174,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=list(DRAFTERS))
     parser.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     parser.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request (timed)")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU with the XLA ops (CI)")
@@ -171,7 +188,7 @@ def main() -> None:
         models = {name: MODELS[name] for name in args.models}
         batch_sizes, ks, context, new_tokens = args.batch_sizes, args.ks, args.context, args.new_tokens
         bandwidth = copy_bandwidth()
-    rows = run(models, batch_sizes, ks, context, new_tokens, bandwidth, "xla" if args.dry_run else "auto")
+    rows = run(models, batch_sizes, ks, args.drafters, context, new_tokens, bandwidth, "xla" if args.dry_run else "auto")
     publish(__file__, "bench_models: speculative decoding at realistic sizes (random bf16 weights)",
             f"Context {context} prompt tokens, {new_tokens} new tokens per request; memory-bound floor = "
             f"(parameter bytes + KV bytes read) / measured copy bandwidth {bandwidth / 1e9:.0f} GB/s. ",

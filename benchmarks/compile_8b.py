@@ -29,8 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from harness import publish  # noqa: E402
-from scv_jax.decoding.device_step import make_decode_step  # noqa: E402
-from scv_jax.decoding.positions import MAX_CATCH_UP  # noqa: E402
+from scv_jax.decoding.device_step import SplitModel, StepRow, make_decode_step  # noqa: E402
 from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig  # noqa: E402
 from scv_jax.ops.commit.kv_cache import PagedKVCache  # noqa: E402
 
@@ -46,8 +45,8 @@ BLOCK_SIZE = 16
 
 
 def abstract_model(config: TransformerConfig):
-    """(graphdef, abstract state): the model's structure, no parameter allocated."""
-    return nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    """(structure, abstract parameter leaves) of the model: no parameter allocated."""
+    return SplitModel.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
 
 
 def abstract_cache(config: TransformerConfig, num_blocks: int) -> PagedKVCache:
@@ -60,17 +59,17 @@ def compile_step(target: TransformerConfig, draft: TransformerConfig | None, *, 
     """(lowering seconds, compile seconds) of one decode step (``k`` drafts; no draft: k = 0)."""
     max_blocks = -(-context // BLOCK_SIZE)
     num_blocks = batch * max_blocks
-    target_graphdef, target_state = abstract_model(target)
-    draft_graphdef, draft_state = abstract_model(draft) if draft is not None else (None, None)
-    step = jax.jit(make_decode_step(target_graphdef, draft_graphdef, BLOCK_SIZE),
+    target_split, target_params = abstract_model(target)
+    draft_split, draft_params = abstract_model(draft) if draft is not None else (None, None)
+    step = jax.jit(make_decode_step(target_split, draft_split, BLOCK_SIZE),
                    static_argnames=("k", "greedy", "backend"), donate_argnames=("target_cache", "draft_cache"))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     start = time.perf_counter()
     lowered = step.trace(
-        target_state=target_state, draft_state=draft_state, target_cache=abstract_cache(target, num_blocks),
+        target_params=target_params, draft_params=draft_params, target_cache=abstract_cache(target, num_blocks),
         draft_cache=abstract_cache(draft, num_blocks) if draft is not None else None,
-        block_tables=i32(batch, max_blocks), lag_tokens=i32(batch, MAX_CATCH_UP), lag=i32(batch),
-        context_lens=i32(batch), request_ids=i32(batch), base_key=jax.ShapeDtypeStruct((2,), jnp.uint32),
+        block_tables=i32(batch, max_blocks), rows=i32(batch, StepRow.WIDTH),
+        base_key=jax.ShapeDtypeStruct((2,), jnp.uint32),
         temperature=jax.ShapeDtypeStruct((), jnp.float32), request_mask=jax.ShapeDtypeStruct((batch,), jnp.bool_),
         k=k if draft is not None else 0, greedy=True, backend="xla").lower()
     lowered_at = time.perf_counter()

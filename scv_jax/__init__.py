@@ -52,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "GenerateStats": "scv_jax.decoding.stats",
     "GenerateOutput": "scv_jax.decoding.decoder",
     "SpeculativeDecoder": "scv_jax.decoding.decoder",
+    "NgramDrafter": "scv_jax.decoding.ngram",
     "generate_autoregressive": "scv_jax.decoding.decoder",
     "ShardingConfig": "scv_jax.decoding.placement",
     # many devices

@@ -42,6 +42,20 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _add_ngram_sizes(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ngram-min", type=_int_at_least(1), default=1, help="shortest n-gram matched (--ngram)")
+    parser.add_argument("--ngram-max", type=_int_at_least(1), default=3, help="longest n-gram matched (--ngram)")
+
+
+def _ngram_drafter(args: argparse.Namespace):
+    """The ``NgramDrafter`` of ``--ngram-min`` / ``--ngram-max`` (checked even without ``--ngram``)."""
+    from scv_jax.decoding.ngram import NgramDrafter
+
+    if args.ngram_min > args.ngram_max:
+        raise ValueError(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")
+    return NgramDrafter(min_n=args.ngram_min, max_n=args.ngram_max)
+
+
 def _parser() -> argparse.ArgumentParser:
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = _Parser(prog="scv-jax", description=__doc__, formatter_class=formatter)
@@ -55,10 +69,16 @@ def _parser() -> argparse.ArgumentParser:
     mode = demo.add_mutually_exclusive_group()
     mode.add_argument("--k", type=_int_at_least(0), default=6, help="fixed drafts per step (0 = no speculation)")
     mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
+    demo.add_argument("--ngram", action="store_true",
+                      help="draft by prompt lookup (n-gram matches in the text so far) instead of the draft model")
+    _add_ngram_sizes(demo)
     generate = sub.add_parser("generate", help="continue a text with a local Hugging Face model",
                               formatter_class=formatter)
     generate.add_argument("--model", required=True, metavar="DIR", help="the target's model directory")
-    generate.add_argument("--draft", metavar="DIR", help="a draft model's directory (same vocabulary)")
+    drafter = generate.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", metavar="DIR", help="a draft model's directory (same vocabulary)")
+    drafter.add_argument("--ngram", action="store_true",
+                         help="draft by prompt lookup (n-gram matches in the text so far), no draft model")
     generate.add_argument("--prompt", required=True, help="text to continue")
     generate.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens to generate")
     generate.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
@@ -70,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     generate_mode = generate.add_mutually_exclusive_group()
     generate_mode.add_argument("--k", type=_int_at_least(0), default=4, help="fixed drafts per step")
     generate_mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
+    _add_ngram_sizes(generate)
     bench = sub.add_parser("bench", help="end-to-end benchmark on the demo models (with progress)",
                            formatter_class=formatter)
     bench.add_argument("--batch-sizes", type=_int_at_least(1), nargs="+", default=[1, 4, 16],
@@ -79,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--modes", nargs="+", default=["2", "4", "8", "adaptive"],
                        help="fixed k values and/or 'adaptive'")
     bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=96, help="tokens per request")
+    bench.add_argument("--repeats", type=_int_at_least(1), default=3, help="interleaved timed runs per configuration")
+    bench.add_argument("--ngram", action="store_true", help="draft by prompt lookup instead of the draft model")
+    bench.add_argument("--mixed", action="store_true",
+                       help="add a batch of 8 mixing repetitive and free-form prompts (greedy)")
     bench.add_argument("--append", metavar="PATH", help="append the results to this markdown file")
     return parser
 
@@ -97,7 +122,7 @@ def _decoder_config(args: argparse.Namespace, prompt_len: int, **fields):
     from scv_jax.decoding.config import DecoderConfig
 
     config = DecoderConfig(k=args.k, adaptive=args.adaptive, batch_buckets=(1,), **fields)
-    needed = prompt_len + args.max_new_tokens + max(config.allowed_k)
+    needed = prompt_len + args.max_new_tokens
     return dataclasses.replace(config, max_seq_len=max(config.max_seq_len, needed),
                                num_blocks=max(config.num_blocks, -(-needed // config.block_size)))
 
@@ -115,7 +140,7 @@ def _timed_generations(decoders: list, prompt: list[int], args: argparse.Namespa
 def _print_stats(args: argparse.Namespace, spec, base=None) -> None:
     """The stats table of a speculative run, against an autoregressive one when given."""
     s = spec.stats
-    mode = "adaptive k" if args.adaptive else f"k={args.k}"
+    mode = ("adaptive k" if args.adaptive else f"k={args.k}") + (", n-gram" if args.ngram else "")
     per_position = " ".join(_ratio(a, ".2f") for a in s.acceptance_per_position) or "-"
     rows = [(f"speculative ({mode})", f"{s.tokens_per_second:8.1f} tokens/s", f"{s.wall_seconds:.2f} s")]
     if base is not None:
@@ -139,9 +164,10 @@ def run_demo(args: argparse.Namespace) -> int:
     prompt = list(args.prompt.encode("utf-8"))
     if not prompt:
         raise ValueError("--prompt must not be empty")
+    ngram = _ngram_drafter(args)     # checks the n-gram sizes before the weights load
     target, draft = load_demo()
     config = _decoder_config(args, len(prompt))
-    spec, base = _timed_generations([SpeculativeDecoder(target, draft, config=config),
+    spec, base = _timed_generations([SpeculativeDecoder(target, ngram if args.ngram else draft, config=config),
                                      SpeculativeDecoder(target, None, config=config)], prompt, args, None)
     print(_text(prompt + spec.tokens[0]))
     print()
@@ -154,13 +180,14 @@ def run_generate(args: argparse.Namespace) -> int:
     from scv_jax.models import load_hf, load_tokenizer
     from scv_jax.models.hf import eos_token_ids
 
+    ngram = _ngram_drafter(args)
     tokenizer = load_tokenizer(args.model)
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise ValueError("--prompt encodes to no tokens")
     target = load_hf(args.model, dtype=args.dtype)
-    draft = load_hf(args.draft, dtype=args.dtype) if args.draft else None
-    if draft is not None and draft.config.vocab_size != target.config.vocab_size:
+    draft = load_hf(args.draft, dtype=args.dtype) if args.draft else (ngram if args.ngram else None)
+    if args.draft and draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"--draft {args.draft} has vocab_size {draft.config.vocab_size}, the target "
                          f"{args.model} has {target.config.vocab_size}: they must share the vocabulary")
     eos = eos_token_ids(args.model)
@@ -176,7 +203,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from scv_jax.demo.e2e import format_table, run_e2e, write_results
+    from scv_jax.demo.e2e import adaptive_summary, format_table, run_e2e, write_results
     from scv_jax.models import load_demo
 
     modes = []
@@ -186,11 +213,14 @@ def run_bench(args: argparse.Namespace) -> int:
         modes.append(mode if mode == "adaptive" else int(mode))
     target, draft = load_demo()
     rows = run_e2e(target, draft, batch_sizes=args.batch_sizes, temperatures=args.temperatures, modes=modes,
-                   max_new_tokens=args.max_new_tokens)
-    table = format_table(rows)
-    print(table)
+                   max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                   drafter="ngram" if args.ngram else "model",
+                   workloads=("stdlib", "mixed") if args.mixed else ("stdlib",))
+    table, summary = format_table(rows), adaptive_summary(rows)
+    print(f"{table}\n\n{summary}")
     if args.append:
-        write_results(args.append, table, "scv-jax bench " + " ".join(sys.argv[2:]), args.max_new_tokens)
+        write_results(args.append, table, "scv-jax bench " + " ".join(sys.argv[2:]), args.max_new_tokens,
+                      args.repeats)
     return 0
 
 

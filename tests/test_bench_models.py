@@ -13,7 +13,8 @@ def test_bench_models_dry_run():
                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in out.stdout.splitlines() if line.startswith("| tiny")]
-    assert [(r[1].strip(), r[3].strip()) for r in rows] == [("-", "0"), ("2-layer", "2")]
-    autoregressive, speculative = rows
+    assert [(r[1].strip(), r[3].strip()) for r in rows] == [("-", "0"), ("2-layer", "2"), ("n-gram", "2")]
+    autoregressive, *speculative = rows
     assert autoregressive[7].strip() == "1.00"            # c(0) = 1 by definition
-    assert float(speculative[4]) > 0 and float(speculative[7]) > 0 and float(speculative[6]) > 0
+    for row in speculative:
+        assert float(row[4]) > 0 and float(row[7]) > 0 and float(row[6]) > 0 and float(row[5]) >= 1.0

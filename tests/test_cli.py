@@ -46,6 +46,13 @@ def test_bench_appends_table(tiny_demo, capsys, tmp_path, monkeypatch):
     assert "End-to-end" in results.read_text() and "| 2 | 0 | k=2 |" in results.read_text()
 
 
+def test_demo_with_ngram_drafting(tiny_demo, capsys):
+    assert cli.main(["demo", "--prompt", "abcabcabcabc", "--max-new-tokens", "10", "--k", "3", "--ngram",
+                     "--ngram-max", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative (k=3, n-gram)" in out and "greedy outputs identical  yes" in out
+
+
 def test_k_and_adaptive_are_exclusive(capsys):
     with pytest.raises(SystemExit):
         cli.main(["demo", "--k", "2", "--adaptive"])
@@ -64,6 +71,8 @@ def test_demo_without_speculation_prints_dashes(tiny_demo, capsys):
     (["bench", "--batch-sizes", "0"], "argument --batch-sizes: must be an int >= 1, got 0"),
     (["demo", "--prompt", ""], "--prompt must not be empty"),
     (["bench", "--modes", "two"], "--modes: each mode must be a k >= 1 or 'adaptive'"),
+    (["demo", "--ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min (3) must be <= --ngram-max (2)"),
+    (["demo", "--ngram-min", "0"], "argument --ngram-min: must be an int >= 1, got 0"),
 ])
 def test_user_mistakes_are_one_line_errors_before_loading_weights(argv, message, monkeypatch, capsys):
     def no_weights():
@@ -78,7 +87,7 @@ def test_user_mistakes_are_one_line_errors_before_loading_weights(argv, message,
 
 
 def test_help_shows_every_default():
-    for command, defaults in (("demo", ["192", "6", "0.0"]), ("bench", ["[1, 4, 16]", "96"])):
+    for command, defaults in (("demo", ["192", "6", "0.0", "1", "3"]), ("bench", ["[1, 4, 16]", "96", "3"])):
         out = subprocess.run([sys.executable, "-m", "scv_jax", command, "--help"], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0

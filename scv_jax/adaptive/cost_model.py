@@ -1,19 +1,30 @@
 """Online model of one speculative decoding step's wall time (host-side, numpy only).
 
-A step with batch size B, D = sum of per-request drafts and F sequential draft forwards costs
+Two layers, both cheap enough to update every step:
 
-    seconds ~ theta . [1, B + D, F, D]
-              (fixed, target tokens, draft forwards, draft tokens)
+* ``StepCostModel``, a linear model: a step with batch size B, D draft tokens computed and F
+  sequential draft forwards costs
 
-i.e. a fixed part, a target forward over B + D tokens, F draft forwards and their per-token part.
-The non-negative coefficients are fitted by exponentially forgetting least squares, locally in batch
-size, regularised toward a default model (pseudo-observations on a grid of (k, B)), so predictions are
-sensible before any timing arrives and track changes (load, context growth) afterwards. The default
-model is in units of one batch-1 target forward; the first measured step fixes the unit in seconds.
+      seconds ~ theta . [1, B + D, F, D']
+                (fixed, target tokens, draft forwards, draft tokens)
+
+  (D' = D with a draft model, 0 for drafts that cost no device work, e.g. n-gram prompt lookup)
+
+  with non-negative coefficients fitted by exponentially forgetting least squares, locally in batch
+  size, regularised toward a default model (pseudo-observations on a grid of (k, B)), so
+  predictions are sensible before any timing arrives and for shapes never measured. The default
+  model is in units of one batch-1 target forward; the first measured step fixes the unit in seconds.
+  Its sufficient statistics are kept per batch size, so an observation costs O(1) and a refit sums
+  a handful of 4 x 4 matrices.
+* ``StepCostTable``: the measured time of each (batch size, k) shape, blended with the linear model's
+  prediction by how well that model fits the shapes measured (a shape measured often is predicted
+  by its own measurements where the cost is not linear, e.g. XLA:CPU's step-wise cost in tokens),
+  times a load factor that follows the machine, so shapes measured at different times compare.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,12 +35,13 @@ _PRIOR_BATCHES = (1, 8, 64, 256)
 
 
 def step_features(batch_size: np.ndarray | int, num_draft_tokens: np.ndarray | int,
-                  num_draft_forwards: np.ndarray | int) -> np.ndarray:
-    """float64[..., 4] features of steps: (1, target tokens B + D, draft forwards F, draft tokens D)."""
+                  num_draft_forwards: np.ndarray | int, *, draft_model: bool = True) -> np.ndarray:
+    """float64[..., 4] features of steps: (1, target tokens B + D, draft forwards F, draft-model tokens
+    D, or 0 when ``draft_model`` is False)."""
     b, d, f = (np.asarray(v, np.float64) for v in (batch_size, num_draft_tokens, num_draft_forwards))
     shape = np.broadcast_shapes(b.shape, d.shape, f.shape)
     out = np.empty(shape + (NUM_FEATURES,))
-    out[..., 0], out[..., 1], out[..., 2], out[..., 3] = 1.0, b + d, f, d
+    out[..., 0], out[..., 1], out[..., 2], out[..., 3] = 1.0, b + d, f, d if draft_model else 0.0
     return out
 
 
@@ -77,21 +89,25 @@ class StepCostModel:
     Predictions at batch size B weight each remembered step by ``decay ** age`` times a Gaussian
     kernel in log2 batch size (``batch_bandwidth``), so the linear model is fitted locally: step cost
     is convex in tokens (memory-bound, then compute-bound), which one global line cannot follow.
+    Observations are buffered and folded into per-batch-size sufficient statistics when a fit is
+    needed; a fit is cached per batch size and refreshed after ``refit_every`` observations, or once
+    the observations at its batch size have doubled (a new batch size's fit follows its first steps),
+    so an observation costs O(1).
 
     Args:
       prior: the default model.
       decay: forgetting factor per observation, in (0, 1]; 0.98 weights the last ~50 steps.
       batch_bandwidth: kernel width in log2(batch size) (0.5: batch sizes 1.4x apart weigh 0.6).
       prior_weight: how many observations the default model is worth.
-      capacity: steps remembered.
       outlier_ratio: a step slower than ``outlier_ratio`` x the prediction (a compile, a
         pause) is skipped, at most ``max_skips`` times in a row; a step faster than prediction / ratio
         means the earlier data were outliers, and the fit restarts from it.
+      refit_every: observations a cached fit serves before it is refitted.
     """
 
     def __init__(self, prior: CostPrior, *, decay: float = 0.98, batch_bandwidth: float = 0.5,
-                 prior_weight: float = 0.1, capacity: int = 256, outlier_ratio: float = 4.0,
-                 max_skips: int = 3):
+                 prior_weight: float = 0.1, outlier_ratio: float = 4.0, max_skips: int = 3,
+                 refit_every: int = 32):
         self._prior_theta = prior.coefficients()
         grid = np.array([(k, b) for k in _PRIOR_KS for b in _PRIOR_BATCHES], np.float64)
         x = step_features(grid[:, 1], grid[:, 0] * grid[:, 1], grid[:, 0])
@@ -100,15 +116,24 @@ class StepCostModel:
         self._bandwidth = batch_bandwidth
         self._outlier_ratio = outlier_ratio
         self._max_skips = max_skips
-        self._unit: float | None = None  # seconds per target-forward unit; None until timed
-        self._features = np.zeros((capacity, NUM_FEATURES))  # ring buffers of observed steps
-        self._seconds = np.zeros(capacity)
-        self._log_batch = np.zeros(capacity)
-        self._order = np.zeros(capacity)  # observation number, for ages
-        self._fits: dict[int, np.ndarray] = {}  # batch size -> coefficients, until the next observation
-        self.num_observations = 0
+        self._refit_every = refit_every
         self.num_skipped = 0
         self._skips_in_row = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        """Forgets every observation (predictions fall back to the default model's units)."""
+        self._unit: float | None = None  # seconds per target-forward unit; None until timed
+        self._batch_index: dict[int, int] = {}                 # batch size -> row of the statistics
+        self._log_batch = np.zeros(0)
+        self._grams = np.zeros((0, NUM_FEATURES, NUM_FEATURES))   # decayed sum of x x^T per batch size,
+        self._moments = np.zeros((0, NUM_FEATURES))               # and of x * seconds, as of _folded_at
+        self._folded_at = 0
+        self._pending: list[tuple[int, tuple[float, ...], float]] = []   # (row, features, seconds)
+        self._row_counts: list[int] = []                        # observations per batch size
+        # batch size -> (coefficients, observations in all and at that batch size when fitted)
+        self._fits: dict[int, tuple[list[float], int, int]] = {}
+        self.num_observations = 0
 
     @property
     def timed(self) -> bool:
@@ -117,53 +142,220 @@ class StepCostModel:
 
     def coefficients(self, batch_size: int) -> np.ndarray:
         """float64[4] coefficients at ``batch_size`` (seconds once ``timed``, else target-forward units)."""
-        batch_size = int(batch_size)
+        return np.array(self.theta(int(batch_size)))
+
+    def _fold(self) -> None:
+        """Moves the buffered observations into the per-batch-size statistics."""
+        if not self._pending:
+            return
+        rows = np.array([p[0] for p in self._pending])
+        x = np.array([p[1] for p in self._pending])
+        seconds = np.array([p[2] for p in self._pending])
+        now = self.num_observations
+        weight = self._decay ** (now - self._folded_at)
+        self._grams *= weight
+        self._moments *= weight
+        age = self._decay ** (now - 1 - np.arange(now - len(rows), now))
+        np.add.at(self._grams, rows, age[:, None, None] * x[:, :, None] * x[:, None, :])
+        np.add.at(self._moments, rows, (age * seconds)[:, None] * x)
+        self._pending.clear()
+        self._folded_at = now
+
+    def theta(self, batch_size: int) -> list[float]:
+        """The coefficients at ``batch_size`` as a list (cached until the next refit: do not modify)."""
         if self._unit is None:
-            return self._prior_theta.copy()
-        if batch_size not in self._fits:
-            n = min(self.num_observations, self._seconds.shape[0])
-            age = self.num_observations - 1 - self._order[:n]
-            distance = (self._log_batch[:n] - np.log2(max(batch_size, 1))) / self._bandwidth
-            weight = self._decay ** age * np.exp(-0.5 * distance ** 2)
-            x = self._features[:n]
-            gram = self._prior_gram + (x * weight[:, None]).T @ x
-            moment = self._unit * self._prior_gram @ self._prior_theta + x.T @ (weight * self._seconds[:n])
-            self._fits[batch_size] = _nonnegative_solve(gram, moment)
-        return self._fits[batch_size].copy()
+            return self._prior_list
+        cached = self._fits.get(batch_size)
+        row = self._batch_index.get(batch_size)
+        here = self._row_counts[row] if row is not None else 0
+        if (cached is not None and self.num_observations - cached[1] < self._refit_every
+                and here <= 2 * cached[2]):      # and not twice as many observations at this batch size
+            return cached[0]
+        self._fold()
+        distance = (self._log_batch - math.log2(max(batch_size, 1))) / self._bandwidth
+        weight = np.exp(-0.5 * distance ** 2)
+        gram = self._prior_gram + np.tensordot(weight, self._grams, axes=1)
+        moment = self._unit * self._prior_gram @ self._prior_theta + weight @ self._moments
+        theta = _nonnegative_solve(gram, moment).tolist()
+        self._fits[batch_size] = (theta, self.num_observations, here)
+        return theta
+
+    @property
+    def _prior_list(self) -> list[float]:
+        return self._prior_theta.tolist()
+
+    def predict_one(self, batch_size: int, num_draft_tokens: float, num_draft_forwards: float,
+                    draft_model_tokens: float) -> float:
+        """Predicted seconds of one step (the features of ``step_features``), in plain Python."""
+        t0, t1, t2, t3 = self.theta(batch_size)
+        return max(t0 + t1 * (batch_size + num_draft_tokens) + t2 * num_draft_forwards + t3 * draft_model_tokens,
+                   1e-6 * max(t0, 1e-12))
 
     def predict(self, features: np.ndarray) -> np.ndarray:
         """Predicted step seconds for float64[..., 4] features (batch size = target tokens - drafts)."""
         features = np.asarray(features, np.float64)
         batch = np.rint(features[..., 1] - features[..., 3]).astype(np.int64)
         out = np.empty(features.shape[:-1])
-        for b in np.unique(batch) if batch.size > 1 else batch.reshape(1):
+        for b in np.unique(batch):
             rows = batch == b
-            theta = self._fits.get(int(b))
-            theta = self.coefficients(int(b)) if theta is None else theta
+            theta = np.array(self.theta(int(b)))
             out[rows] = np.maximum(features[rows] @ theta, 1e-6 * max(theta[0], 1e-12))
         return out
 
+    def is_outlier(self, predicted: float, seconds: float) -> bool:
+        """Whether a step of ``seconds`` against a prediction of ``predicted`` is skipped as too slow
+        (counts the skip); a fast one resets the model (the data so far were slow outliers)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"step_seconds must be a positive finite number, got {seconds!r}")
+        if self._unit is None:
+            return False
+        if seconds > self._outlier_ratio * predicted and self._skips_in_row < self._max_skips:
+            self._skips_in_row += 1
+            self.num_skipped += 1
+            return True
+        if seconds * self._outlier_ratio < predicted:
+            self._reset()
+        self._skips_in_row = 0
+        return False
+
     def observe(self, features: np.ndarray, seconds: float) -> bool:
         """Adds one measured step (float64[4] features); returns False when skipped as an outlier."""
-        if not np.isfinite(seconds) or seconds <= 0:
-            raise ValueError(f"step_seconds must be a positive finite number, got {seconds!r}")
-        if self._unit is not None:
-            predicted = float(self.predict(features))
-            if seconds > self._outlier_ratio * predicted and self._skips_in_row < self._max_skips:
-                self._skips_in_row += 1
-                self.num_skipped += 1
-                return False
-            if seconds * self._outlier_ratio < predicted:
-                self._unit = None  # the data so far were slow outliers: restart from this step
-        self._skips_in_row = 0
-        if self._unit is None:
-            self._unit = seconds / float(features @ self._prior_theta)
-            self.num_observations = 0
-        slot = self.num_observations % self._seconds.shape[0]
-        self._features[slot] = features
-        self._seconds[slot] = seconds
-        self._log_batch[slot] = np.log2(max(features[1] - features[3], 1.0))
-        self._order[slot] = self.num_observations
-        self.num_observations += 1
-        self._fits.clear()
+        if self.is_outlier(float(self.predict(features)), seconds):
+            return False
+        self.add(tuple(float(f) for f in features), seconds)
         return True
+
+    def add(self, features: tuple[float, float, float, float], seconds: float) -> None:
+        """Adds one measured step (4 features, floats) without the outlier test (the caller made it)."""
+        if self._unit is None:
+            self._unit = seconds / sum(f * t for f, t in zip(features, self._prior_list))
+        batch = int(round(features[1] - features[3]))
+        row = self._batch_index.get(batch)
+        if row is None:
+            self._fold()
+            row = self._batch_index[batch] = len(self._batch_index)
+            self._log_batch = np.append(self._log_batch, math.log2(max(batch, 1)))
+            self._grams = np.concatenate([self._grams, np.zeros((1, NUM_FEATURES, NUM_FEATURES))])
+            self._moments = np.concatenate([self._moments, np.zeros((1, NUM_FEATURES))])
+            self._row_counts.append(0)
+            self._fits.clear()   # a new batch size moves every local fit near it
+        self._row_counts[row] += 1
+        self._pending.append((row, features, seconds))
+        self.num_observations += 1
+
+
+class StepCostTable:
+    """Step seconds per shape (batch size, k) as a machine-wide load factor times a relative cost.
+
+    A shape's relative cost blends, in logs, the forgetting mean of its ``n`` (decayed)
+    load-normalised measurements (a geometric mean: one step slowed by a burst of other work moves it
+    little) with the linear model's prediction, the model worth ``w`` measurements: ``w`` is the
+    ratio of the measurements' noise variance to the model's misfit variance across this batch
+    size's measured shapes (empirical Bayes), so where the linear model fits (a cost linear in
+    tokens) it speaks for every shape, and where it does not (XLA:CPU, where 2 and 4 drafts can cost
+    the same and 6 much more) each shape's own measurements do. The load factor follows the machine
+    (other processes, clock changes): each measurement of a shape whose cost is known moves it toward
+    measured / predicted (``load_rate`` of the log-ratio, scaled by how well the shape is known), so a
+    shape measured under one load and another measured later under a heavier one still compare by
+    their own costs. Decisions compare shapes at the current load: only relative costs matter to them.
+
+    Args:
+      model: the linear model (fed the load-normalised measurements here).
+      k_values: the k of the shapes; forwards: the draft forwards of a step with each of them.
+      draft_model: whether drafts run through a draft model (its per-token cost).
+      decay: forgetting factor per measurement of a shape.
+      load_rate: how far one measurement of a well-known shape moves the load factor (in log-ratio).
+    """
+
+    _NOISE_PRIOR = 0.01      # log-variance of one measurement before any are repeated (10% noise)
+    _MISFIT_PRIOR = 0.0025   # log-variance of the model's misfit before two shapes are measured (5%)
+
+    def __init__(self, model: StepCostModel, k_values: tuple[int, ...], forwards: tuple[int, ...], *,
+                 draft_model: bool = True, decay: float = 0.98, load_rate: float = 0.1):
+        self.model = model
+        self.columns = {k: i for i, k in enumerate(k_values)}
+        self._shapes = tuple((k, f, k if draft_model else 0) for k, f in zip(k_values, forwards))
+        self._decay, self._load_rate = decay, load_rate
+        self.load = 1.0
+        # batch -> per k: decayed count, mean and decayed squared deviations of log seconds
+        self._measured: dict[int, tuple[list[float], list[float], list[float]]] = {}
+        self._model_rows: dict[int, tuple[list[float], list[float]]] = {}  # batch -> (theta, log seconds per k)
+
+    def _model_row(self, batch_size: int) -> list[float]:
+        theta = self.model.theta(batch_size)
+        cached = self._model_rows.get(batch_size)
+        if cached is None or cached[0] is not theta:
+            t0, t1, t2, t3 = theta
+            floor = 1e-6 * max(t0, 1e-12)
+            row = [math.log(max(t0 + t1 * batch_size * (k + 1) + t2 * f + t3 * batch_size * d, floor))
+                   for k, f, d in self._shapes]
+            cached = self._model_rows[batch_size] = (theta, row)
+        return cached[1]
+
+    def _model_weight(self, counts: list[float], means: list[float], squares: list[float],
+                      model: list[float]) -> float:
+        """How many measurements the model's prediction is worth at this batch size (see the class)."""
+        total = sum(counts)
+        repeated = sum(n for n in counts if n > 1.0)
+        noise = sum(squares) / repeated if repeated else self._NOISE_PRIOR
+        misfits = [(n, (mean - m) ** 2 - noise / n) for n, mean, m in zip(counts, means, model) if n >= 1.0]
+        if len(misfits) < 2:
+            misfit = self._MISFIT_PRIOR
+        else:
+            misfit = max(sum(n * v for n, v in misfits) / total, 1e-6)
+        return min(max(noise, 1e-6) / misfit, 100.0)
+
+    def relative(self, batch_size: int) -> list[float]:
+        """The relative cost (seconds at load 1) of a step at ``batch_size`` with each of the k values."""
+        model = self._model_row(batch_size)
+        measured = self._measured.get(batch_size)
+        if measured is None or not self.model.timed:
+            return [math.exp(m) for m in model]
+        w = self._model_weight(*measured, model)
+        counts, means, _ = measured
+        return [math.exp((n * mean + w * m) / (n + w)) for n, mean, m in zip(counts, means, model)]
+
+    def row(self, batch_size: int) -> list[float]:
+        """Predicted seconds of a step at ``batch_size`` with each of the k values, at the current load."""
+        load = self.load
+        return [load * c for c in self.relative(batch_size)]
+
+    def observe(self, batch_size: int, k: int | None, features: tuple[float, float, float, float],
+                seconds: float) -> bool:
+        """Adds a measured step of shape (batch_size, k) (k None: not one of the shapes, only the linear
+        model learns from it) with the linear model's features; returns False when skipped as an
+        outlier (see ``StepCostModel.is_outlier``)."""
+        i = self.columns.get(k)
+        measured = self._measured.get(batch_size)
+        if i is None:
+            t0, t1, t2, t3 = self.model.theta(batch_size)
+            relative = max(t0 + t1 * features[1] + t2 * features[2] + t3 * features[3], 1e-6 * max(t0, 1e-12))
+            known = 0.5
+        else:
+            relative = self.relative(batch_size)[i]
+            known = measured[0][i] / (measured[0][i] + 1.0) if measured else 0.0
+        if self.model.is_outlier(self.load * relative, seconds):
+            return False
+        if not self.model.timed:       # the first timing, or a restart after slow outliers
+            self.reset()
+            measured = None
+        else:
+            self.load *= (seconds / (self.load * relative)) ** (self._load_rate * known)
+        normalised = seconds / self.load
+        if i is not None:
+            if measured is None:
+                measured = self._measured[batch_size] = tuple([0.0] * len(self._shapes) for _ in range(3))
+            counts, means, squares = measured
+            x = math.log(normalised)
+            counts[i] = self._decay * counts[i] + 1.0
+            delta = x - means[i]
+            means[i] += delta / counts[i]
+            squares[i] = self._decay * squares[i] + delta * (x - means[i])
+        self.model.add(features, normalised)
+        return True
+
+    def reset(self) -> None:
+        """Forgets every measurement and the load."""
+        self.load = 1.0
+        self._measured.clear()
+        self._model_rows.clear()

@@ -1,8 +1,6 @@
-"""A free pool of KV-cache blocks and per-request block tables (host side)."""
+"""A free pool of KV-cache blocks (host side); ``requests.RequestBatch`` holds the block tables."""
 
 from __future__ import annotations
-
-import numpy as np
 
 
 class CacheFullError(RuntimeError):
@@ -32,28 +30,3 @@ class BlockPool:
         if len(set(blocks)) != len(blocks) or any(not 0 <= b < self.num_blocks for b in blocks):
             raise ValueError(f"BlockPool.free: invalid or duplicate block ids {blocks}")
         self._free.extend(reversed(blocks))
-
-
-class BlockTable:
-    """The blocks of one request; grows on demand from a ``BlockPool``."""
-
-    def __init__(self, pool: BlockPool, block_size: int):
-        self.pool, self.block_size, self.blocks = pool, block_size, []
-
-    def ensure(self, num_positions: int) -> None:
-        """Makes positions [0, num_positions) addressable."""
-        needed = -(-num_positions // self.block_size) - len(self.blocks)
-        if needed > 0:
-            self.blocks.extend(self.pool.allocate(needed))
-
-    def release(self) -> None:
-        self.pool.free(self.blocks)
-        self.blocks = []
-
-
-def stack_block_tables(tables: list[BlockTable], width: int) -> np.ndarray:
-    """int32[B, width] block ids, -1 past each request's last block."""
-    out = np.full((len(tables), width), -1, np.int32)
-    for row, table in zip(out, tables):
-        row[:len(table.blocks)] = table.blocks
-    return out

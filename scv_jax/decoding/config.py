@@ -21,12 +21,15 @@ class DecoderConfig:
     """Settings of ``SpeculativeDecoder``; every field is checked on construction.
 
     Attributes:
-      k: drafts per step when not adaptive (0 = no speculation).
+      k: drafts per request per step when not adaptive (vLLM's num_speculative_tokens; 0 = no
+        speculation); a request drafts fewer when its remaining budget or the n-gram matches allow
+        fewer. The decoder compiles a step for k and for k = 0.
       adaptive: choose k per step with ``AdaptiveController`` (goodput mode) from ``k_values``.
-      k_values: the k an adaptive decoder may pick (one executable each).
+      k_values: the k an adaptive decoder may pick (one executable each, plus k = 0).
       controller: optional ``ControllerConfig`` overriding the adaptive defaults.
       block_size, num_blocks: the paged caches' geometry (shared by target and draft).
-      max_seq_len: most positions per request (prompt + generated + k); sets the block-table width.
+      max_seq_len: most cache positions per request (prompt + max_new_tokens - 1); sets the
+        block-table width.
       cache_dtype: dtype of both caches (any ``PagedKVCache`` dtype name, e.g. "bfloat16", "fp8").
       prefill_chunk: prompt tokens per prefill call.
       batch_buckets: batch sizes steps are padded to (graph mode).

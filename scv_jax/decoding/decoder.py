@@ -1,16 +1,19 @@
-"""The speculative decoding loop (host side): prefill, then per step choose k, run the device step
-(propose -> score -> accept -> commit, ``device_step``), fetch its summary once, advance the requests
-and adapt.
+"""The speculative decoding loop (host side): prefill, then per step choose k and each request's
+drafts, run the device step (propose -> score -> accept -> commit, ``device_step``), fetch its summary
+once, advance the requests and adapt.
 
     target, draft = scv_jax.models.load_demo()
     decoder = scv_jax.SpeculativeDecoder(target, draft, config=scv_jax.DecoderConfig(k=4))
     out = decoder.generate([list(b"def main(")], max_new_tokens=64)
     out.tokens[0], out.stats.tokens_per_second
 
-All per-request state (tokens, lags, block tables) lives on the host; the device holds the two paged
-caches and the model weights. Each step is one call into a graph-mode executable and one batched
-device-to-host fetch of the emitted tokens. With ``mesh=`` the weights, caches and batch are spread
-over a device mesh (``placement``).
+    ngram = scv_jax.SpeculativeDecoder(target, scv_jax.NgramDrafter(min_n=1, max_n=3))  # or "ngram"
+
+All per-request state (tokens, lags, block tables) lives on the host in arrays (``RequestBatch``);
+the device holds the two paged caches and the model weights. Each step is one call into a
+graph-mode executable (its inputs built at bucket size, its bucket planned once per shape) and one
+batched device-to-host fetch of the emitted tokens. With ``mesh=`` the weights, caches and batch are
+spread over a device mesh (``placement``).
 """
 
 from __future__ import annotations
@@ -25,19 +28,23 @@ import jax
 import numpy as np
 
 from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
-from scv_jax.decoding.block_pool import BlockPool, BlockTable, stack_block_tables
+from scv_jax.decoding.block_pool import BlockPool
 from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DecoderConfig
+from scv_jax.decoding.device_step import SplitModel, StepRow
 from scv_jax.decoding.executables import step_executables
-from scv_jax.decoding.placement import OnMesh, ShardingConfig, SingleDevice
-from scv_jax.decoding.positions import MAX_CATCH_UP, lag_after_step
-from scv_jax.decoding.requests import Request, check_prompts, step_inputs
+from scv_jax.decoding.ngram import NgramDrafter, NgramIndex, propose_batch
+from scv_jax.decoding.placement import BatchRows, OnMesh, ShardingConfig, SingleDevice
+from scv_jax.decoding.positions import catch_up_rows
+from scv_jax.decoding.requests import RequestBatch, check_prompts
 from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
+from scv_jax.decoding.step_inputs import decode_inputs, draft_grid, prefill_chunks
 from scv_jax.graph.compile_counter import CompileCounter
-from scv_jax.graph.executable_cache import ExecutableCache, GraphModeStats
-from scv_jax.verify.summary import HostStepResult
+from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
 
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
+# the decode step's dynamic arguments that every call gives
+_DECODE_ALWAYS = ("target_params", "target_cache", "block_tables", "rows", "base_key", "temperature")
 
 
 class GenerateOutput(NamedTuple):
@@ -51,17 +58,39 @@ def _vocab_size(model: Any, name: str) -> int:
     """The vocabulary size of a ``PagedModel``."""
     config = getattr(model, "config", None)
     if not hasattr(model, "forward_paged") or config is None:
+        hint = ", an NgramDrafter or \"ngram\"" if name == "draft" else ""
         raise TypeError(f"SpeculativeDecoder: {name} must implement scv_jax.models.PagedModel "
-                        f"(forward_paged and config), got {type(model).__name__}")
+                        f"(forward_paged and config){hint}, got {type(model).__name__}")
     return config.vocab_size
 
 
-class SpeculativeDecoder:
-    """Speculative decoding of ``target`` with ``draft`` (or plain decoding when ``draft`` is None).
+@dataclasses.dataclass
+class _Call:
+    """What one ``generate`` call's steps share."""
 
-    Both models implement ``scv_jax.models.PagedModel`` with the same vocabulary. They are split once
-    (``nnx.split``); the step functions are pure functions of their states, compiled per shape bucket
-    by ``ExecutableCache``. Greedy output equals autoregressive decoding of the target token for token;
+    state: RequestBatch
+    base_key: jax.Array                   # uint32[2] on the device
+    temperature: jax.Array                # float32 scalar on the device
+    greedy: bool
+    eos_token_id: int | None
+    request_ids: np.ndarray               # int64[R] the controller's ids of the requests (unique per decoder)
+    ngram: list[NgramIndex] | None
+    controller: AdaptiveController | None
+    stats: GenerateStats
+    tally: AcceptanceTally
+    # (rows, their request ids, their batch layout), reused while the same requests run
+    step_ids: tuple[np.ndarray | None, np.ndarray | None, BatchRows | None] = (None, None, None)
+    observed: tuple | None = None          # the last step's counts and time, for the controller
+    decided: tuple[int, int] | None = None  # (batch, k) the controller chose for the next step
+
+
+class SpeculativeDecoder:
+    """Speculative decoding of ``target`` with a drafter (or plain decoding without one).
+
+    ``draft`` is a draft model (a ``scv_jax.models.PagedModel`` with the target's vocabulary), an
+    ``NgramDrafter`` (prompt lookup; ``"ngram"`` is ``NgramDrafter()``), or None. Models are split
+    once; the step functions are pure functions of their parameters, compiled per shape bucket by
+    ``ExecutableCache``. Greedy output equals autoregressive decoding of the target token for token;
     with temperature > 0, rejection sampling keeps the target's distribution.
 
     ``mesh``: a ``jax.sharding.Mesh`` with axes ("data", "model") (e.g. ``scv_jax.decoder_mesh(2, 4)``)
@@ -74,52 +103,67 @@ class SpeculativeDecoder:
                  sharding: ShardingConfig | None = None):
         self.config = config or DecoderConfig()
         self.vocab_size = _vocab_size(target, "target")
-        if draft is not None:
-            draft_vocab = _vocab_size(draft, "draft")
+        if isinstance(draft, str):
+            if draft != "ngram":
+                raise ValueError(f'SpeculativeDecoder: draft must be a model, an NgramDrafter or "ngram", '
+                                 f"got {draft!r}")
+            draft = NgramDrafter()
+        self.drafter = draft if isinstance(draft, NgramDrafter) else None
+        draft_model = None if self.drafter else draft
+        if draft_model is not None:
+            draft_vocab = _vocab_size(draft_model, "draft")
             if draft_vocab != self.vocab_size:
                 raise ValueError(f"SpeculativeDecoder: draft vocab_size {draft_vocab} != target vocab_size "
                                  f"{self.vocab_size}")
-        elif self.config.adaptive or self.config.k:
+        elif self.drafter is None and (self.config.adaptive or self.config.k):
             self.config = dataclasses.replace(self.config, k=0, adaptive=False)
         cfg = self.config
         if mesh is None and sharding is not None:
             raise ValueError("SpeculativeDecoder: sharding is for a mesh; pass mesh= too")
         self.placement = SingleDevice(cfg) if mesh is None else OnMesh(mesh, cfg, sharding)
-        target_graphdef, self._target_state, target_dims = self.placement.split(target, "target")
-        draft_graphdef, self._draft_state, draft_dims = self.placement.split(draft, "draft")
+        target_placed, draft_placed = self.placement.split(target, "target"), self.placement.split(draft_model, "draft")
+        self._target, self._target_params = SplitModel.of(target_placed.graphdef, target_placed.state)
+        self._draft, self._draft_params = (SplitModel.of(draft_placed.graphdef, draft_placed.state)
+                                           if draft_model is not None else (None, None))
         self.pool = self.placement.pool
-        self._caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_dims, draft_dims,
-                                   factory=self.placement.new_cache)
-        self._prefill, self._decode = step_executables(cfg, target_graphdef, draft_graphdef, self.placement)
-        self.controller = self._make_controller()
+        self._caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_placed.cache_dims,
+                                   draft_placed.cache_dims, factory=self.placement.new_cache)
+        # every drafter may run a k = 0 step: at the end of a budget, when no n-gram matches, or by choice
+        self._step_ks = tuple(sorted(set(cfg.allowed_k) | {0}))
+        self._prefill, self._decode = step_executables(cfg, self._target, self._draft, self._step_ks, self.placement)
+        self._plans: dict[tuple, BucketPlan] = {}
+        self._next_request_id = 0
+        # one controller per kind of step: greedy and sampled steps are different executables, with
+        # different costs and acceptance
+        self.controllers = {"greedy": self._make_controller(), "sampling": self._make_controller()} \
+            if cfg.adaptive else {}
 
     @property
     def graph_stats(self) -> dict[str, GraphModeStats]:
         """Graph-mode counters of the prefill and decode executables (hits, compiles, donations, ...)."""
         return {"prefill": self._prefill.stats, "decode": self._decode.stats}
 
-    def _make_controller(self) -> AdaptiveController | None:
+    def _make_controller(self) -> AdaptiveController:
         cfg = self.config
-        if not cfg.adaptive:
-            return None
         base = cfg.controller or ControllerConfig()
         allowed = cfg.allowed_k
         return AdaptiveController(dataclasses.replace(
-            base, k_min=allowed[0], k_max=allowed[-1], allowed_k=allowed, draft_sync="forward",
+            base, k_min=allowed[0], k_max=allowed[-1], allowed_k=allowed, draft_sync="catch_up",
+            draft_model=self._draft is not None, per_request=True,
             k_init=base.k_init if base.k_init in allowed else allowed[-1]))
 
     # ------------------------------------------------------------------ checks
     def _check_request(self, prompts: list[list[int]], max_new_tokens: int) -> list[BlockPool]:
         """The block pool of each request; raises before anything runs when the batch cannot fit the
-        caches."""
+        caches. Drafts never outrun a request's budget, so a request writes at most
+        prompt + max_new_tokens - 1 cache positions."""
         cfg = self.config
-        k_max = max(cfg.allowed_k)
-        longest = max(len(p) for p in prompts) + max_new_tokens + k_max - 1
+        longest = max(len(p) for p in prompts) + max_new_tokens - 1
         if longest > cfg.max_seq_len:
             raise ValueError(f"generate: a request needs up to {longest} cache positions (prompt "
-                             f"{max(len(p) for p in prompts)} + max_new_tokens {max_new_tokens} + k {k_max} "
-                             f"- 1) but DecoderConfig.max_seq_len is {cfg.max_seq_len}")
-        return self.pool.assign([-(-(len(p) + max_new_tokens + k_max - 1) // cfg.block_size) for p in prompts])
+                             f"{max(len(p) for p in prompts)} + max_new_tokens {max_new_tokens} - 1) but "
+                             f"DecoderConfig.max_seq_len is {cfg.max_seq_len}")
+        return self.pool.assign([-(-(len(p) + max_new_tokens - 1) // cfg.block_size) for p in prompts])
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -141,114 +185,218 @@ class SpeculativeDecoder:
                              f"got {eos_token_id!r}")
         prompt_ids = check_prompts(prompts, self.vocab_size)
         pools = self._check_request(prompt_ids, max_new_tokens)
-        requests = [Request(i, list(p), len(p), BlockTable(pool, self.config.block_size))
-                    for i, (p, pool) in enumerate(zip(prompt_ids, pools))]
+        cfg = self.config
+        state = RequestBatch(prompt_ids, int(max_new_tokens), pools, [self.pool.shard_of(p) for p in pools],
+                             cfg.block_size, cfg.max_blocks_per_seq, self._step_ks[-1])
         stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_ids))
-        tally = AcceptanceTally(max(self.config.allowed_k))
+        first_id, self._next_request_id = self._next_request_id, self._next_request_id + len(prompt_ids)
         start = time.perf_counter()
         with CompileCounter() as compiles:
             try:
-                self._prefill_all(requests, stats, progress)
+                base_key = jax.random.key_data(jax.random.key(seed))   # before the prefill: no wait on it
+                self._prefill_rows(state, state.active, np.zeros(len(prompt_ids), np.int64), state.prompt_len - 1,
+                                   stats, draft_only=False, progress=progress)
                 stats.prefill_seconds = time.perf_counter() - start
-                base_key = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
-                while active := [r for r in requests if not r.done]:
-                    self._step(active, base_key, float(temperature), max_new_tokens, eos_token_id, tally, stats)
+                call = _Call(state, base_key, jax.device_put(np.float32(max(temperature, 1e-6))), temperature == 0.0,
+                             eos_token_id,
+                             first_id + np.arange(len(prompt_ids)),
+                             [self.drafter.index(p) for p in prompt_ids] if self.drafter else None,
+                             self.controllers.get("greedy" if temperature == 0 else "sampling"), stats,
+                             AcceptanceTally(max(cfg.allowed_k)))
+                while state.active.size:
+                    self._step(call, state.active)
+                if call.controller:
+                    self._observe(call)
             finally:
-                for r in requests:
-                    r.table.release()
+                state.release(np.arange(len(prompt_ids)))
         stats.wall_seconds = time.perf_counter() - start
         stats.compile_count = compiles.count
-        stats.generated_tokens = sum(len(r.generated) for r in requests)
+        outputs = state.outputs()
+        stats.generated_tokens = sum(map(len, outputs))
         stats.tokens_per_second = stats.generated_tokens / max(stats.wall_seconds - stats.compile_seconds, 1e-9)
-        tally.fill(stats)
-        return GenerateOutput([r.generated for r in requests], stats)
+        call.tally.fill(stats)
+        return GenerateOutput(outputs, stats)
 
-    def _run(self, executable: ExecutableCache, stats: GenerateStats, **args):
-        """One donating call with both caches; returns its other outputs (time spent compiling goes to
-        ``stats.compile_seconds``)."""
-        target_cache, draft_cache = self._caches.take()
-        start = time.perf_counter()
-        target_cache, draft_cache, *outputs = executable(
-            target_state=self._target_state, draft_state=self._draft_state, target_cache=target_cache,
-            draft_cache=draft_cache, backend=self.config.backend, **args)
-        if executable.last_call_compiled:
-            stats.compile_seconds += time.perf_counter() - start
-        self._caches.put(target_cache, draft_cache)
-        return outputs
-
-    def _prefill_all(self, requests: list[Request], stats: GenerateStats, progress: bool) -> None:
-        """Commits every prompt but its last token to both caches, ``prefill_chunk`` tokens a call."""
-        chunk = self.config.prefill_chunk
-        for r in requests:
-            r.table.ensure(r.prompt_len - 1)
-        longest = max(r.prompt_len - 1 for r in requests)
+    def _prefill_rows(self, state: RequestBatch, rows: np.ndarray, begin: np.ndarray, count: np.ndarray,
+                      stats: GenerateStats, *, draft_only: bool, progress: bool = False) -> None:
+        """Commits tokens [begin[b], begin[b] + count[b]) of each request to both caches (the draft's
+        alone with ``draft_only``), ``prefill_chunk`` tokens a call."""
+        state.ensure(rows, begin + count)
+        longest = int(count.max(initial=0))
         start = reported = time.perf_counter()
-        for begin in range(0, longest, chunk):
-            rows = [r for r in requests if r.prompt_len - 1 > begin]
-            tokens = np.zeros((len(rows), chunk), np.int32)
-            for row, r in zip(tokens, rows):
-                piece = r.tokens[begin:min(begin + chunk, r.prompt_len - 1)]
-                row[:len(piece)] = piece
-            width = max(len(r.table.blocks) for r in rows)
-            layout = self.placement.rows([r.table for r in rows], self._prefill)
-            self._run(self._prefill, stats, **layout.arrange(
-                self._prefill, block_tables=stack_block_tables([r.table for r in rows], width), tokens=tokens,
-                start=np.full(len(rows), begin, np.int32),
-                count=np.array([min(chunk, r.prompt_len - 1 - begin) for r in rows], np.int32)))
+        for done, sub, inputs in prefill_chunks(state, rows, begin, count, self.config.prefill_chunk):
+            layout = self.placement.rows(state.shards[sub], self._prefill)
+            self._run(self._prefill, stats, use_target=not draft_only, use_draft=self._draft is not None,
+                      **layout.arrange(self._prefill, **inputs))
+            if done >= longest:      # wait for the last chunk: its time is the prefill's, not the next step's
+                caches = self._caches.take()
+                self._caches.put(*jax.block_until_ready(caches))
             now = time.perf_counter()
             if progress and now - reported > PREFILL_PROGRESS_SECONDS:
                 reported = now
-                print(f"prefill: {min(begin + chunk, longest)}/{longest} prompt tokens "
+                print(f"prefill: {min(done, longest)}/{longest} prompt tokens "
                       f"({now - start:.1f} s, compiling {stats.compile_seconds:.1f} s of it)",
                       file=sys.stderr, flush=True)
 
-    def _next_k(self, computed_batch: int) -> int:
-        return self.controller.next_k(computed_batch) if self.controller else self.config.k
+    def _run(self, executable: ExecutableCache, stats: GenerateStats, *, use_target: bool = True,
+             use_draft: bool, plan: BucketPlan | None = None, **args):
+        """One donating call with the models it uses (the others' params and caches are None and their
+        caches kept); returns its other outputs. ``plan``: arguments at bucket size, ``call_planned``.
+        Time spent compiling goes to ``stats.compile_seconds``."""
+        target_cache, draft_cache = self._caches.take()
+        args.update(target_params=self._target_params if use_target else None,
+                    target_cache=target_cache if use_target else None,
+                    draft_params=self._draft_params if use_draft else None,
+                    draft_cache=draft_cache if use_draft else None, backend=self.config.backend)
+        start = time.perf_counter()
+        if plan is None:
+            new_target, new_draft, *outputs = executable(**args)
+        else:
+            new_target, new_draft, *outputs = executable.call_planned(
+                plan, [args.get(name) for name in executable.dynamic_argnames])
+        if executable.last_call_compiled:
+            stats.compile_seconds += time.perf_counter() - start
+        self._caches.put(new_target if use_target else target_cache, new_draft if use_draft else draft_cache)
+        return outputs
 
-    def _step(self, active: list[Request], base_key: np.ndarray, temperature: float, max_new_tokens: int,
-              eos_token_id: int | None, tally: AcceptanceTally, stats: GenerateStats) -> None:
+    def _step_k(self, most_drafts: int) -> int:
+        """The smallest compiled k that holds ``most_drafts`` drafts."""
+        return next(k for k in self._step_ks if k >= most_drafts)
+
+    def _decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool) -> BucketPlan:
+        """The decode executable's bucket for a step's sizes (planned once per shape); ``masked``: the
+        step gives its own request mask (a batch laid out over a mesh's data shards)."""
+        key = (batch, width, k, greedy, masked)
+        plan = self._plans.get(key)
+        if plan is None:
+            given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self._draft is not None and k else ()) \
+                + (("drafts",) if self.drafter else ()) + (("request_mask",) if masked else ())
+            plan = self._plans[key] = self._decode.plan_sizes(
+                {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, backend=self.config.backend)
+        return plan
+
+    def _step(self, call: _Call, rows: np.ndarray) -> None:
         step_start = time.perf_counter()
-        layout = self.placement.rows([r.table for r in active], self._decode)
-        # the controller sees the batch the executable computes (padding rows cost like real ones)
-        computed_batch = layout.computed
-        k = self._next_k(computed_batch)
-        for r in active:
-            r.table.ensure(len(r.tokens) + k)
-        (summary,) = self._run(self._decode, stats, **layout.arrange(self._decode, **step_inputs(active)),
-                               base_key=base_key, temperature=np.float32(max(temperature, 1e-6)), k=k,
-                               greedy=temperature == 0.0)
+        state, stats = call.state, call.stats
+        if call.step_ids[0] is not rows:        # the same requests as the last step: the same layout and ids
+            call.step_ids = (rows, call.request_ids[rows], self.placement.rows(state.shards[rows], self._decode))
+        _, ids, layout = call.step_ids
+        batch = layout.computed
+        # the controller sees the batch the executable computes (padding rows cost like real ones); it
+        # chose k during the last step's device time, unless the batch changed
+        controller = call.controller
+        if controller is None:
+            k = self.config.k
+        elif call.decided is not None and call.decided[0] == batch:
+            k = call.decided[1]
+        else:
+            self._observe(call)
+            k = controller.next_k(batch, ids)
+        caps = np.minimum(state.budget[rows] - 1, k)        # never draft past a request's budget
+        proposals = propose_batch([call.ngram[r] for r in rows.tolist()], caps) if call.ngram else None
+        num_drafts = caps if proposals is None else np.array([len(p) for p in proposals], np.int64)
+        step_k = self._step_k(int(num_drafts.max()))
+        if self._draft is not None and step_k and state.may_lag:
+            self._catch_up(state, rows, stats)
+        state.ensure(rows, state.length[rows] + num_drafts)
+        width = int(state.num_blocks[rows].max())
+        plan = self._decode_plan(layout.size, width, step_k, call.greedy, layout.scattered)
+        size = plan.padded["batch"] or layout.size
+        inputs = decode_inputs(state, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts)
+        if proposals is not None:
+            inputs["drafts"] = draft_grid(proposals, layout.rows, size, step_k)
+        if layout.scattered:
+            inputs["request_mask"] = np.zeros(size, np.bool_)
+            inputs["request_mask"][layout.rows] = True
+        dispatch = time.perf_counter()
+        (summary,) = self._run(self._decode, stats, use_draft=self._draft is not None and step_k > 0, plan=plan,
+                               base_key=call.base_key, temperature=call.temperature, **inputs)
+        if controller:     # while the device runs this step: learn from the last one, choose the next k
+            self._observe(call)
+            call.decided = (batch, controller.next_k(batch, ids))
         host = layout.fetch(summary)                      # the step's one device-to-host transfer
-        step_seconds = time.perf_counter() - step_start
-        self._advance(active, host, k, max_new_tokens, eos_token_id)
-        num_drafts = np.full(len(active), k, np.int64)
-        if self.controller:   # a compile is no step cost: leave that step untimed
-            self.controller.update(num_drafts, host.num_accepted.astype(np.int64),
-                                   None if self._decode.last_call_compiled else step_seconds, computed_batch)
-        tally.add(num_drafts, host.num_accepted, host.num_emitted)
-        stats.steps += 1
-        stats.k_histogram[k] = stats.k_histogram.get(k, 0) + 1
+        compiled = self._decode.last_call_compiled
+        fetched = time.perf_counter()
+        step_seconds = fetched - step_start
+        appended = state.advance(rows, host.output_token_ids, host.num_emitted, host.num_accepted, step_k,
+                                 call.eos_token_id)
+        if call.ngram:
+            for row, count in zip(rows.tolist(), appended.tolist()):
+                call.ngram[row].extend(state.tokens[row, state.length[row] - count:state.length[row]].tolist())
+        if controller:   # a compile is no step cost: leave that step untimed
+            call.observed = (num_drafts, host.num_accepted, None if compiled else step_seconds, batch, ids, step_k)
+        call.tally.add(num_drafts, host.num_accepted, host.num_emitted)
+        stats.add_step(batch, step_k, None if compiled else step_seconds + time.perf_counter() - fetched,
+                       dispatch - step_start + time.perf_counter() - fetched)
 
-    def _advance(self, active: list[Request], host: HostStepResult, k: int, max_new_tokens: int,
-                 eos_token_id: int | None) -> None:
-        """Appends each request's emitted tokens, moves its draft lag and finishes it if due."""
-        for r, emitted, accepted in zip(active, host.token_lists(), host.num_accepted.tolist()):
-            r.lag = lag_after_step(r.lag, accepted, k)
-            emitted = emitted[:max_new_tokens - len(r.generated)]
-            if eos_token_id is not None and eos_token_id in emitted:
-                emitted = emitted[:emitted.index(eos_token_id) + 1]
-                r.done = True
-            r.tokens.extend(emitted)
-            if r.done or len(r.generated) >= max_new_tokens:
-                r.done = True
-                r.table.release()
+    @staticmethod
+    def _observe(call: _Call) -> None:
+        """Tells the controller about the last step (if not yet told)."""
+        if call.observed is not None:
+            drafts, accepted, seconds, batch, ids, step_k = call.observed
+            call.controller.update(drafts, accepted, seconds, batch, ids, step_k=step_k)
+            call.observed = None
+
+    def _catch_up(self, state: RequestBatch, rows: np.ndarray, stats: GenerateStats) -> None:
+        """Before a step that runs the draft: commits the tokens that k = 0 steps left out of the draft
+        cache (``positions.catch_up_rows``), so every lag is at most ``MAX_CATCH_UP``."""
+        missing = catch_up_rows(state.lag[rows])
+        lagging = missing > 0
+        if lagging.any():
+            behind = rows[lagging]
+            self._prefill_rows(state, behind, state.length[behind] - state.lag[behind], missing[lagging], stats,
+                               draft_only=True)
+            state.lag[behind] = 1
+            stats.catch_up_calls += 1
+        state.may_lag = False
+
+    # ------------------------------------------------------------------ measurement
+    def device_seconds_per_step(self, batch_size: int, k: int, *, greedy: bool = True, context: int | None = None,
+                                calls: int = 20, repeats: int = 5) -> float:
+        """Seconds per decode step of one shape (``batch_size`` requests, static ``k``) with no host work
+        around it: the step's executable alone, called on device-resident inputs and waited for, median
+        over ``repeats`` runs of the mean of ``calls`` calls. ``context``: each request's cache length
+        (default: half the longest). A step's wall time in ``generate`` minus this is the host's share
+        of the step."""
+        cfg = self.config
+        context = cfg.max_seq_len // 2 if context is None else context
+        width = -(-(context + k + 1) // cfg.block_size)
+        if k not in self._step_ks or width > cfg.max_blocks_per_seq:
+            raise ValueError(f"device_seconds_per_step: k must be one of {self._step_ks} and context + k + 1 "
+                             f"<= max_seq_len {cfg.max_seq_len}, got k={k}, context={context}")
+        masked = isinstance(self.placement, OnMesh)
+        plan = self._decode_plan(batch_size, width, k, greedy, masked)
+        batch, padded_width = plan.padded["batch"] or batch_size, plan.padded["blocks"] or width
+        blocks = np.full((batch, padded_width), -1, np.int32)
+        blocks[:, :width] = np.arange(batch * width, dtype=np.int32).reshape(batch, width) % cfg.num_blocks
+        rows = np.ones((batch, StepRow.WIDTH), np.int32)
+        rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS] = context, k
+        rows[:, StepRow.REQUEST_ID] = np.arange(batch)
+        args = dict(block_tables=blocks, rows=rows, base_key=np.zeros(2, np.uint32), temperature=np.float32(1.0))
+        if masked:
+            args["request_mask"] = np.ones(batch, np.bool_)
+        if self.drafter is not None:
+            args["drafts"] = np.ones((batch, k), np.int32)
+        args = {name: jax.device_put(value) for name, value in args.items()}
+        stats = GenerateStats()
+        self._run(self._decode, stats, use_draft=self._draft is not None and k > 0, plan=plan, **args)  # compiles
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                (summary,) = self._run(self._decode, stats, use_draft=self._draft is not None and k > 0, plan=plan,
+                                       **args)
+                summary.packed.block_until_ready()
+            samples.append((time.perf_counter() - start) / calls)
+        return float(np.median(samples))
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, batch_sizes: int | Sequence[int], max_len: int, *, greedy: bool = True,
                progress: bool = False) -> int:
         """Compiles ahead of time the prefill and step executables for batches of ``batch_sizes``
-        requests (their buckets) of up to ``max_len`` positions (prompt + generated + k), every
-        allowed k; returns the number of compilations. Smaller buckets (a batch shrinking as requests
-        finish) compile on first use."""
+        requests (their buckets) of up to ``max_len`` positions (prompt + generated), every k a step
+        may use (and the draft's catch-up prefill when k = 0 can be chosen); returns the number of
+        compilations. Smaller buckets (a batch shrinking as requests finish) compile on first use."""
         cfg = self.config
         sizes = [batch_sizes] if isinstance(batch_sizes, (int, np.integer)) else list(batch_sizes)
         batch_keep = {self._decode.bucket("batch", b) for b in sizes}
@@ -256,20 +404,26 @@ class SpeculativeDecoder:
         if None in batch_keep or block_bucket is None:
             raise ValueError(f"warmup: batch sizes {sizes} / max_len {max_len} exceed the buckets "
                              f"(batch_buckets {cfg.batch_buckets}, max_seq_len {cfg.max_seq_len})")
-        keep = lambda s: s["batch"] in batch_keep and s["blocks"] <= block_bucket  # noqa: E731
+        fits = lambda s: s["batch"] in batch_keep and s["blocks"] <= block_bucket  # noqa: E731
         target_cache, draft_cache = self._caches.take()
-        example = dict(target_state=self._target_state, draft_state=self._draft_state,
-                       target_cache=target_cache, draft_cache=draft_cache,
-                       block_tables=np.zeros((1, 1), np.int32), backend=cfg.backend, **self.placement.warmup_args())
+        tables = np.zeros((1, 1), np.int32)
+        models = dict(target_params=self._target_params, target_cache=target_cache, backend=cfg.backend,
+                      **self.placement.warmup_args())
+        draft = dict(draft_params=self._draft_params, draft_cache=draft_cache)
         with CompileCounter() as compiles:
-            self._prefill.warmup(**example, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
-                                 start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=keep,
-                                 progress=progress)
-            self._decode.warmup(**example, lag_tokens=np.zeros((1, MAX_CATCH_UP), np.int32),
-                                lag=np.ones(1, np.int32), context_lens=np.zeros(1, np.int32),
-                                request_ids=np.zeros(1, np.int32), base_key=np.zeros(2, np.uint32),
-                                temperature=np.float32(1.0), k=cfg.allowed_k[0], greedy=greedy, keep=keep,
-                                progress=progress)
+            prefill = dict(block_tables=tables, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
+                           start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=fits, progress=progress)
+            self._prefill.warmup(**models, **draft, **prefill)
+            if cfg.adaptive and self._draft is not None and 0 in cfg.allowed_k:
+                self._prefill.warmup(**{**models, "target_params": None, "target_cache": None}, **draft, **prefill)
+            for k in self._step_ks:
+                step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
+                            base_key=np.zeros(2, np.uint32), temperature=np.float32(1.0), k=k, greedy=greedy,
+                            keep=lambda s, k=k: s["k"] == k and fits(s), progress=progress)
+                if self.drafter is not None:
+                    step["drafts"] = np.zeros((1, k), np.int32)
+                no_draft = dict(draft_params=None, draft_cache=None)
+                self._decode.warmup(**models, **(draft if self._draft is not None and k else no_draft), **step)
         self._caches.put(target_cache, draft_cache)
         return compiles.count
 

@@ -1,36 +1,81 @@
 """Device side of the decoding loop: the prefill and decode-step functions, pure functions of the
-models' ``nnx.split`` states that graph mode compiles per shape bucket.
+models' parameter leaves that graph mode compiles per shape bucket.
 
-A decode step with k drafts (k may be 0) is one straight sequence of stages; ``positions`` says where
-each request's tokens are:
+A decode step with static k drafts per request (k may be 0) and per-request ``num_drafts <= k`` is
+one straight sequence of stages; ``positions`` says where each request's tokens are:
 
-1. ``propose``: the draft runs its lag tokens (one catch-up forward), then k - 1 one-token forwards,
-   reading its cache plus a staging buffer of the step's earlier tokens; it writes no cache.
+1. ``propose``: the drafts come from one of two sources. Given drafts (an n-gram drafter on the host)
+   are used as they are; a draft model runs its lag tokens (one catch-up forward), then k - 1
+   one-token forwards, reading its cache plus a staging buffer of the step's earlier tokens (it
+   writes no cache). With k = 0 nothing runs.
 2. ``score``: the target runs [pending, d_1 .. d_k] over its cache, causally among them.
-3. ``accept_and_commit``: greedy match or lossless rejection sampling, and the commit of the target's
-   K/V for the pending token and the accepted drafts (``verify_step``, query layout).
+3. ``accept_and_commit``: request b verifies its first ``num_drafts[b]`` drafts (the ragged slots are
+   compacted, ``cu = cumsum(num_drafts)``; its bonus token comes from the target's logits after its
+   last verified draft): greedy match or lossless rejection sampling, and the commit of the target's
+   K/V for the pending token and the accepted drafts (``verify_step``, grid layout; per shard on a
+   mesh).
 4. ``commit_draft``: the draft's staged K/V up to the last accepted draft.
 No cache receives a rejected token's K/V. The host then fetches the step's ``StepSummary`` and adapts k.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.ragged_batch import slot_owner
 from pallas_kernels.sampling_math import argmax_ignoring_nan
 from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
 from scv_jax.models.protocol import PagedForwardOutput, StagedKV
 from scv_jax.ops.commit.api import slots_from_block_table
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.commit.sharded import sharded_commit_draft_kv
+from scv_jax.sharding.mesh import DATA, active_mesh
 from scv_jax.verify.sharded import sharded_verify_step
 
 # fold_in tags of a request's per-step key
 _ACCEPT, _BONUS, _DRAFT = 0, 1, 2
+
+
+class StepRow:
+    """Columns of a decode step's per-request input row (``decode_step``'s ``rows``, int32[B, WIDTH]):
+    one array per step, so the host builds and transfers one buffer instead of five."""
+
+    LAG = 0             # tokens the draft cache lacks, in [1, MAX_CATCH_UP] (0 on padding rows)
+    CONTEXT = 1         # positions in the target cache (the pending token's position)
+    REQUEST_ID = 2      # seeds the request's random stream
+    NUM_DRAFTS = 3      # drafts the request verifies, in [0, k]
+    TOKENS = 4          # the request's last MAX_CATCH_UP tokens, the pending one last
+    WIDTH = 4 + MAX_CATCH_UP
+
+
+class SplitModel(NamedTuple):
+    """A model split once on the host into its static structure and its parameter leaves' tree, so a
+    step call passes a flat list of arrays (cheap to dispatch) and the step merges it back."""
+
+    graphdef: Any
+    treedef: Any
+
+    @classmethod
+    def split(cls, model) -> tuple["SplitModel", list[jax.Array]]:
+        """(the structure, the parameter leaves) of an ``nnx.Module``."""
+        return cls.of(*nnx.split(model))
+
+    @classmethod
+    def of(cls, graphdef, state) -> tuple["SplitModel", list[jax.Array]]:
+        """(the structure, the parameter leaves) of an ``nnx.split`` model (its state placed anywhere)."""
+        leaves, treedef = jax.tree.flatten(state)
+        return cls(graphdef, treedef), leaves
+
+    def state(self, leaves: list[jax.Array]):
+        """The ``nnx.State`` of these parameter leaves."""
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def merge(self, leaves: list[jax.Array]):
+        return nnx.merge(self.graphdef, self.state(leaves))
 
 
 def request_keys(base_key: jax.Array, request_ids: jax.Array, positions: jax.Array) -> jax.Array:
@@ -76,35 +121,39 @@ def commit_positions(cache: PagedKVCache, keys: jax.Array, values: jax.Array, bl
                                    backend=backend)
 
 
-def make_prefill_step(target_graphdef, draft_graphdef, block_size: int):
-    """``prefill_step(...)``: runs a chunk of prompt tokens through both models and commits it."""
+def make_prefill_step(target: SplitModel, draft: SplitModel | None, block_size: int):
+    """``prefill_step(...)``: runs a chunk of prompt tokens through the given models and commits it."""
 
-    def prefill_step(target_state, draft_state, target_cache, draft_cache, block_tables, tokens, start,
+    def prefill_step(target_params, draft_params, target_cache, draft_cache, block_tables, tokens, start,
                      count, request_mask=None, *, backend: str = "auto"):
-        """tokens int32[B, C] at positions start[b] + t; rows t < count[b] of masked-in requests commit."""
+        """tokens int32[B, C] at positions start[b] + t; rows t < count[b] of masked-in requests commit.
+
+        A model whose params are None is skipped and its cache returned as is (``draft_params`` alone:
+        the draft's catch-up after k = 0 steps, see ``positions``).
+        """
         if request_mask is not None:
             count = jnp.where(request_mask, count, 0)
-        models = [(target_graphdef, target_state, target_cache)]
-        if draft_state is not None:
-            models.append((draft_graphdef, draft_state, draft_cache))
         caches = []
-        for graphdef, state, cache in models:
-            out = nnx.merge(graphdef, state).forward_paged(tokens, cache, block_tables, start, backend=backend)
+        for split, params, cache in ((target, target_params, target_cache), (draft, draft_params, draft_cache)):
+            if params is None:
+                caches.append(cache)
+                continue
+            out = split.merge(params).forward_paged(tokens, cache, block_tables, start, backend=backend)
             caches.append(commit_positions(cache, out.keys, out.values, block_tables, start, count,
                                            block_size, backend, after=out.logits))
-        return caches[0], (caches[1] if draft_state is not None else draft_cache)
+        return caches[0], caches[1]
 
     return prefill_step
 
 
 class Proposal(NamedTuple):
-    """What the draft proposes in one step.
+    """The drafts of one step.
 
     Attributes:
       tokens: int32[B, k] drafts (k = 0: none).
       probs: float32[B, k, V] their probabilities (None when greedy or without a draft model).
-      staged: the draft's staged K/V, ``[layers, B, max(k + 1, MAX_CATCH_UP), kv_heads, head_dim]``:
-        entry s is position ``draft_lens + s`` (None without a draft model).
+      staged: the draft model's staged K/V, ``[layers, B, max(k + 1, MAX_CATCH_UP), kv_heads,
+        head_dim]``: entry s is position ``draft_lens + s`` (None without a draft model).
     """
 
     tokens: jax.Array
@@ -112,19 +161,20 @@ class Proposal(NamedTuple):
     staged: StagedKV | None
 
 
-def propose(draft, draft_cache: PagedKVCache | None, block_tables: jax.Array, lag_tokens: jax.Array,
-            lag: jax.Array, draft_lens: jax.Array, keys: jax.Array, temperature: jax.Array, *, k: int,
-            greedy: bool, backend: str) -> Proposal:
-    """Stage 1: the catch-up forward over the lag tokens, then k - 1 one-token draft forwards (a scan)."""
+def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, block_tables: jax.Array,
+            lag_tokens: jax.Array, lag: jax.Array, draft_lens: jax.Array, keys: jax.Array,
+            temperature: jax.Array, *, k: int, greedy: bool, backend: str) -> Proposal:
+    """Stage 1: given ``drafts`` int32[B, k] as they are; else the draft model's catch-up forward over
+    the lag tokens, then k - 1 one-token forwards (a scan); with k = 0 (or neither source) no drafts."""
     batch = lag_tokens.shape[0]
-    if draft is None:
+    if drafts is not None:
+        return Proposal(drafts.astype(jnp.int32), None, None)
+    if draft is None or k == 0:
         return Proposal(jnp.zeros((batch, 0), jnp.int32), None, None)
     out = draft.forward_paged(lag_tokens, draft_cache, block_tables, draft_lens, backend=backend)
     stage_shape = (out.keys.shape[0], batch, max(k + 1, MAX_CATCH_UP), *out.keys.shape[3:])
     stage_k = jnp.zeros(stage_shape, out.keys.dtype).at[:, :, :MAX_CATCH_UP].set(out.keys)
     stage_v = jnp.zeros(stage_shape, out.values.dtype).at[:, :, :MAX_CATCH_UP].set(out.values)
-    if k == 0:
-        return Proposal(jnp.zeros((batch, 0), jnp.int32), None, StagedKV(stage_k, stage_v, lag))
     logits = jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1)[:, 0]
     first, first_probs = choose_tokens(logits, _tagged(keys, _DRAFT), temperature, greedy)
     slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
@@ -155,32 +205,64 @@ def score(target, target_cache: PagedKVCache, block_tables: jax.Array, pending: 
                                 block_tables, context_lens, backend=backend)
 
 
+def ragged_slots(num_drafts: jax.Array, k: int, shards: int = 1) -> tuple[jax.Array, jax.Array]:
+    """The compaction of a ragged batch: int32[B + 1] offsets ``cu = cumsum(num_drafts)`` and
+    int32[shards, B * k / shards]: for each compacted slot of a part, the index of its draft in the
+    part's row-major [B / shards, k] grid.
+
+    The batch's ``shards`` equal parts (a mesh's data shards, which verify their requests alone) are
+    compacted each within its own B * k / shards slots: part s's drafts fill the start of slots
+    [s * B * k / shards, ...) (``cu``'s differences locate them there too), padding slots after them
+    point at some valid index.
+    """
+    batch = num_drafts.shape[0]
+    cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_drafts, dtype=jnp.int32)])
+    rows = batch // shards
+    local = jnp.concatenate([jnp.zeros((shards, 1), jnp.int32),
+                             jnp.cumsum(num_drafts.reshape(shards, rows), axis=1, dtype=jnp.int32)], axis=1)
+    owner, position = jax.vmap(slot_owner, (0, None))(local, rows * k)               # [shards, rows * k]
+    return cu, jnp.clip(owner * k + position, 0, max(rows * k - 1, 0))
+
+
+def compact_drafts(x: jax.Array, source: jax.Array) -> jax.Array:
+    """[B, k, ...] per-draft values -> [B * k, ...] in ``ragged_slots`` order (``source``: int32[shards,
+    B * k / shards]); each part gathers within itself, so a batch split over "data" stays local."""
+    shards, slots = source.shape
+    parts = x.reshape(shards, slots, *x.shape[2:])
+    gathered = jnp.take_along_axis(parts, source.reshape(shards, slots, *(1,) * (x.ndim - 2)), axis=1)
+    return gathered.reshape(shards * slots, *x.shape[2:])
+
+
 def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, proposal: Proposal,
-                      keys: jax.Array, temperature: jax.Array, block_tables: jax.Array,
+                      num_drafts: jax.Array, keys: jax.Array, temperature: jax.Array, block_tables: jax.Array,
                       context_lens: jax.Array, request_mask: jax.Array, *, block_size: int, greedy: bool,
                       backend: str):
-    """Stage 3: acceptance of the drafts against the target, then the commit of the target's K/V for
-    the pending token and the accepted drafts. Returns (target_cache, ``VerifyStepOutput``)."""
+    """Stage 3: acceptance of each request's first ``num_drafts`` drafts against the target, then the
+    commit of the target's K/V for the pending token and the accepted drafts. Returns (target_cache,
+    ``VerifyStepOutput``)."""
     batch, k = proposal.tokens.shape
+    num_drafts = jnp.clip(num_drafts, 0, k).astype(jnp.int32)
+    mesh = active_mesh()
+    cu, source = ragged_slots(num_drafts, k, 1 if mesh is None else mesh.shape[DATA])
+    compact = lambda x: compact_drafts(x, source)  # noqa: E731  [B, k, ...] -> [T, ...]
     positions = context_lens[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     slots = slots_from_block_table(block_tables, positions, block_size).reshape(-1)
-    bonus, _ = choose_tokens(scored.logits[:, k], _tagged(keys, _BONUS), temperature, greedy)
+    after_last = jnp.take_along_axis(scored.logits, num_drafts[:, None, None], axis=1)[:, 0]
+    bonus, _ = choose_tokens(after_last, _tagged(keys, _BONUS), temperature, greedy)
     # the commit writes the cache as it is after every read (the bonus token comes from the last
     # logits): with k = 0 the acceptance does not depend on them, and XLA:CPU would copy the donated
     # cache instead of updating it in place (tests/decoding: test_decode_steps_update_the_caches_in_place)
     target_cache, _ = jax.lax.optimization_barrier((target_cache, bonus))
-    vocab = scored.logits.shape[-1]
-    if greedy:
-        acceptance = dict(target_logits=scored.logits[:, :k].reshape(batch * k, vocab))
+    if greedy:        # the argmax is fused into the acceptance (with no draft slot there is none to take)
+        acceptance = (dict(target_logits=compact(scored.logits[:, :k])) if k
+                      else dict(target_token_ids=jnp.zeros((0,), jnp.int32)))
     else:
-        target_probs = jax.nn.softmax(scored.logits[:, :k] / temperature, axis=-1)
-        acceptance = dict(target_probs=target_probs.reshape(batch * k, vocab),
-                          draft_probs=None if proposal.probs is None else proposal.probs.reshape(batch * k, vocab),
+        acceptance = dict(target_probs=jax.nn.softmax(compact(scored.logits[:, :k]) / temperature, axis=-1),
+                          draft_probs=None if proposal.probs is None else compact(proposal.probs),
                           key=_tagged(keys, _ACCEPT))
     return sharded_verify_step(target_cache, _flatten_rows(scored.keys), _flatten_rows(scored.values), slots,
-                               proposal.tokens.reshape(-1), jnp.arange(batch + 1, dtype=jnp.int32) * k, bonus,
-                               request_mask=request_mask, max_spec_len=k, kv_layout="query", backend=backend,
-                               **acceptance)
+                               compact(proposal.tokens), cu, bonus, request_mask=request_mask, max_spec_len=k,
+                               kv_layout="grid", backend=backend, **acceptance)
 
 
 def commit_draft(draft_cache: PagedKVCache, proposal: Proposal, block_tables: jax.Array,
@@ -192,41 +274,50 @@ def commit_draft(draft_cache: PagedKVCache, proposal: Proposal, block_tables: ja
                             rows, block_size, backend, after=after)
 
 
-def make_decode_step(target_graphdef, draft_graphdef, block_size: int):
-    """``decode_step(...)``: one speculative step (plain autoregressive decoding without a draft)."""
+def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: int):
+    """``decode_step(...)``: one speculative step (plain autoregressive decoding at k = 0)."""
 
-    def decode_step(target_state, draft_state, target_cache, draft_cache, block_tables, lag_tokens, lag,
-                    context_lens, request_ids, base_key, temperature, request_mask=None, *, k: int,
-                    greedy: bool, backend: str = "auto"):
+    def decode_step(target_params, draft_params, target_cache, draft_cache, block_tables, rows, base_key,
+                    temperature, drafts=None, request_mask=None, *, k: int, greedy: bool, backend: str = "auto"):
         """One decoding step of B requests (see ``scv_jax.decoding.positions``).
 
         Args:
+          target_params, draft_params: the models' parameter leaves (``SplitModel.split``);
+            draft_params None: no draft model runs (k = 0, or given ``drafts``).
           block_tables: int32[B, max_blocks] (-1 = none); shared by both caches.
-          lag_tokens: int32[B, MAX_CATCH_UP] the tokens the draft cache lacks (``lag`` of them,
-            left-aligned); the pending token is ``lag_tokens[b, lag[b] - 1]``.
-          lag: int32[B] in [1, MAX_CATCH_UP]; context_lens: int32[B] positions in the target cache.
-          request_ids: int32[B] ids seeding each request's random stream; base_key: uint32[2] key data.
-          temperature: float32 scalar (unused when greedy); request_mask: bool[B], False = padding.
-          k: drafts per request (static); greedy: argmax decoding (static).
+          rows: int32[B, StepRow.WIDTH] per request: its draft lag, target context length, request
+            id, number of drafts to verify (the first ones, in [0, k]) and last MAX_CATCH_UP tokens
+            (``StepRow``).
+          base_key: uint32[2] key data; temperature: float32 scalar (unused when greedy).
+          drafts: int32[B, k] drafts proposed on the host (n-gram), or None (the draft model's).
+          request_mask: bool[B], False = padding.
+          k: drafts computed per request (static); greedy: argmax decoding (static).
         Returns:
           (target_cache, draft_cache, ``StepSummary``).
         """
-        if draft_state is None and k:
-            raise ValueError("decode_step: k > 0 needs a draft model")
+        if k and drafts is None and draft_params is None:
+            raise ValueError("decode_step: k > 0 needs draft_params (a draft model) or drafts")
+        if drafts is not None and (draft_params is not None or drafts.shape[1] != k):
+            raise ValueError(f"decode_step: drafts must be int32[B, k={k}] and come without draft_params, "
+                             f"got shape {drafts.shape}")
+        lag, context_lens, num_drafts = rows[:, StepRow.LAG], rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS]
+        tail = rows[:, StepRow.TOKENS:]
+        catch_up = jnp.arange(MAX_CATCH_UP, dtype=jnp.int32)[None, :] + MAX_CATCH_UP - lag[:, None]
+        lag_tokens = jnp.take_along_axis(tail, jnp.clip(catch_up, 0, MAX_CATCH_UP - 1), axis=1)  # left-aligned
         if request_mask is None:
-            request_mask = jnp.ones((lag.shape[0],), jnp.bool_)
-        keys = request_keys(base_key, request_ids, context_lens)
-        draft = None if draft_state is None else nnx.merge(draft_graphdef, draft_state)
+            request_mask = jnp.ones((rows.shape[0],), jnp.bool_)
+        keys = request_keys(base_key, rows[:, StepRow.REQUEST_ID], context_lens)
+        draft_model = None if draft_params is None or k == 0 else draft.merge(draft_params)
         draft_lens = context_lens + 1 - lag
-        proposal = propose(draft, draft_cache, block_tables, lag_tokens, lag, draft_lens, keys, temperature,
-                           k=k, greedy=greedy, backend=backend)
-        pending = jnp.take_along_axis(lag_tokens, (lag - 1)[:, None], axis=1)[:, 0]
-        scored = score(nnx.merge(target_graphdef, target_state), target_cache, block_tables, pending,
-                       proposal.tokens, context_lens, backend=backend)
-        target_cache, result = accept_and_commit(target_cache, scored, proposal, keys, temperature, block_tables,
-                                                 context_lens, request_mask, block_size=block_size,
+        proposal = propose(draft_model, drafts, draft_cache, block_tables, lag_tokens, lag, draft_lens, keys,
+                           temperature, k=k, greedy=greedy, backend=backend)
+        pending = tail[:, -1]
+        scored = score(target.merge(target_params), target_cache, block_tables, pending, proposal.tokens,
+                       context_lens, backend=backend)
+        target_cache, result = accept_and_commit(target_cache, scored, proposal, num_drafts, keys, temperature,
+                                                 block_tables, context_lens, request_mask, block_size=block_size,
                                                  greedy=greedy, backend=backend)
-        if draft is not None:
+        if proposal.staged is not None:
             draft_cache = commit_draft(draft_cache, proposal, block_tables, draft_lens, lag, result.num_accepted,
                                        request_mask, block_size=block_size, backend=backend,
                                        after=result.summary.packed)

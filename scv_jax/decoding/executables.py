@@ -4,7 +4,7 @@ block-table width and (for decode steps) k, with both caches donated, for the pl
 from __future__ import annotations
 
 from scv_jax.decoding.config import DecoderConfig
-from scv_jax.decoding.device_step import make_decode_step, make_prefill_step
+from scv_jax.decoding.device_step import SplitModel, make_decode_step, make_prefill_step
 from scv_jax.decoding.placement import SingleDevice
 from scv_jax.graph.buckets import Buckets, Pad
 from scv_jax.graph.executable_cache import ExecutableCache
@@ -12,21 +12,21 @@ from scv_jax.graph.executable_cache import ExecutableCache
 _TABLE_PADS = (Pad("batch", axis=0, fill=-1), Pad("blocks", axis=1, fill=-1))
 
 
-def step_executables(config: DecoderConfig, target_graphdef, draft_graphdef,
+def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitModel | None, k_values: tuple[int, ...],
                      placement: SingleDevice) -> tuple[ExecutableCache, ExecutableCache]:
-    """(prefill, decode) ``ExecutableCache``s for a target (and optional draft) graph definition; the
-    placement (one device or a mesh) wraps the step functions and sets the batch buckets."""
+    """(prefill, decode) ``ExecutableCache``s for a target (and optional draft) model; decode steps are
+    compiled per k in ``k_values``; the placement (one device or a mesh) wraps the step functions and
+    sets the batch buckets."""
     dims = {"batch": Buckets(placement.batch_buckets(config.batch_buckets)), "blocks": config.block_buckets()}
     common = dict(dims=dims, donate_argnames=("target_cache", "draft_cache"), masks={"request_mask": "batch"},
                   fallback={"backend": "xla"})
     prefill = ExecutableCache(
-        placement.step(make_prefill_step(target_graphdef, draft_graphdef, config.block_size)),
+        placement.step(make_prefill_step(target, draft, config.block_size)),
         pads={"block_tables": _TABLE_PADS, "tokens": Pad("batch"), "start": Pad("batch"), "count": Pad("batch")},
         static_argnames=("backend",), name="prefill_step", **common)
     decode = ExecutableCache(
-        placement.step(make_decode_step(target_graphdef, draft_graphdef, config.block_size)),
-        pads={"block_tables": _TABLE_PADS, "lag_tokens": Pad("batch"), "lag": Pad("batch", fill=1),
-              "context_lens": Pad("batch"), "request_ids": Pad("batch")},
-        bucketed_statics={"k": config.allowed_k}, static_argnames=("greedy", "backend"), name="decode_step",
+        placement.step(make_decode_step(target, draft, config.block_size)),
+        pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "drafts": Pad("batch")},
+        bucketed_statics={"k": k_values}, static_argnames=("greedy", "backend"), name="decode_step",
         **common)
     return prefill, decode

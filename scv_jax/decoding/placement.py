@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from scv_jax.decoding.block_pool import BlockPool, BlockTable
+from scv_jax.decoding.block_pool import BlockPool
 from scv_jax.decoding.caches import single_device_cache
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.graph.executable_cache import ExecutableCache
@@ -86,8 +86,9 @@ class ShardedBlockPool:
     def num_free(self) -> int:
         return sum(pool.num_free for pool in self.shards)
 
-    def shard_of(self, table: BlockTable) -> int:
-        return self._index[id(table.pool)]
+    def shard_of(self, pool: BlockPool) -> int:
+        """The data shard whose pool ``pool`` is."""
+        return self._index[id(pool)]
 
     def assign(self, demands: Sequence[int]) -> list[BlockPool]:
         """The pool of each new request needing up to ``demands[i]`` blocks: the shard with the fewest
@@ -180,9 +181,9 @@ class SingleDevice:
         """``fn`` (a step function returning ``(target_cache, draft_cache, *outputs)``) as it runs here."""
         return fn
 
-    def rows(self, tables: Sequence[BlockTable], executable: ExecutableCache) -> BatchRows:
-        """The batch layout of requests with these block tables, in request order."""
-        n = len(tables)
+    def rows(self, shards: Sequence[int], executable: ExecutableCache) -> BatchRows:
+        """The batch layout of requests on these data shards, in request order."""
+        n = len(shards)
         return BatchRows(np.arange(n), n, executable.bucket("batch", n) or n, False)
 
 
@@ -250,9 +251,8 @@ class OnMesh(SingleDevice):
 
         return on_mesh
 
-    def rows(self, tables: Sequence[BlockTable], executable: ExecutableCache) -> BatchRows:
-        return shard_major_rows([self.pool.shard_of(t) for t in tables], self.data,
-                                lambda size: executable.bucket("batch", size))
+    def rows(self, shards: Sequence[int], executable: ExecutableCache) -> BatchRows:
+        return shard_major_rows(shards, self.data, lambda size: executable.bucket("batch", size))
 
 
 def shard_major_rows(shards: Sequence[int], num_shards: int, bucket: Callable[[int], int | None]) -> BatchRows:

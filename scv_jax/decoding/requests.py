@@ -1,36 +1,15 @@
-"""Host-side request state: prompt checks, per-request tokens and block tables, and the numpy inputs
-of one decode step."""
+"""Host-side request state: prompt checks, and ``RequestBatch``, the tokens, cache positions and block
+tables of one ``generate`` call's requests as arrays, so a step touches them with a few numpy
+operations instead of a Python loop over requests."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
 
-from scv_jax.decoding.block_pool import BlockTable, stack_block_tables
-from scv_jax.decoding.positions import MAX_CATCH_UP
-
-
-@dataclasses.dataclass
-class Request:
-    """One request's tokens (prompt and generated) and where its caches stand (``positions``)."""
-
-    index: int
-    tokens: list[int]
-    prompt_len: int
-    table: BlockTable
-    lag: int = 1              # trailing tokens the draft cache does not hold yet
-    done: bool = False
-
-    @property
-    def context_len(self) -> int:
-        """Positions in the target cache: every token but the pending last one."""
-        return len(self.tokens) - 1
-
-    @property
-    def generated(self) -> list[int]:
-        return self.tokens[self.prompt_len:]
+from scv_jax.decoding.block_pool import BlockPool
+from scv_jax.decoding.positions import lag_after_step
 
 
 def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
@@ -64,15 +43,89 @@ def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
     return checked
 
 
-def step_inputs(requests: list[Request]) -> dict[str, np.ndarray]:
-    """The per-request numpy inputs of a decode step (see ``device_step.decode_step``)."""
-    batch = len(requests)
-    lag = np.fromiter((r.lag for r in requests), np.int32, batch)
-    lag_tokens = np.zeros((batch, MAX_CATCH_UP), np.int32)
-    for row, r in zip(lag_tokens, requests):
-        row[:r.lag] = r.tokens[len(r.tokens) - r.lag:]
-    return dict(block_tables=stack_block_tables([r.table for r in requests],
-                                                max(len(r.table.blocks) for r in requests)),
-                lag_tokens=lag_tokens, lag=lag,
-                context_lens=np.fromiter((r.context_len for r in requests), np.int32, batch),
-                request_ids=np.fromiter((r.index for r in requests), np.int32, batch))
+class RequestBatch:
+    """The requests of one ``generate`` call, one row each (see ``positions`` for lengths and lags).
+
+    Attributes:
+      tokens: int32[R, capacity] each request's prompt then generated tokens (``length`` of them;
+        entries past ``length`` are scratch).
+      length, prompt_len: int64[R]; budget: int64[R] tokens each request may still emit;
+      lag: int64[R] tokens the draft cache lacks; done: bool[R].
+      active: int64[B] rows of the unfinished requests.
+      may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
+      blocks: int32[R, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, from the
+        request's pool; shards: int64[R] the data shard of each request's pool (0 on one device).
+    """
+
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int, pools: list[BlockPool], shards: list[int],
+                 block_size: int, max_blocks: int, max_drafts: int):
+        rows = len(prompts)
+        self.prompt_len = np.array([len(p) for p in prompts], np.int64)
+        self.length = self.prompt_len.copy()
+        self.budget = np.full(rows, max_new_tokens, np.int64)
+        # a step writes its max_drafts + 1 emitted tokens at once (``advance``)
+        self.tokens = np.zeros((rows, int(self.prompt_len.max()) + max_new_tokens + max_drafts + 1), np.int32)
+        for row, prompt in zip(self.tokens, prompts):
+            row[:len(prompt)] = prompt
+        self.lag = np.ones(rows, np.int64)
+        self.done = np.zeros(rows, bool)
+        self.active = np.arange(rows)
+        self.may_lag = False
+        self.blocks = np.full((rows, max_blocks), -1, np.int32)
+        self.num_blocks = np.zeros(rows, np.int64)
+        self._addressable = np.zeros(rows, np.int64)     # num_blocks * block_size
+        self.shards = np.array(shards, np.int64)
+        self._pools, self._block_size = pools, block_size
+
+    def outputs(self) -> list[list[int]]:
+        """The generated tokens of each request (EOS included)."""
+        return [row[p:n].tolist() for row, p, n in zip(self.tokens, self.prompt_len, self.length)]
+
+    def ensure(self, rows: np.ndarray, num_positions: np.ndarray) -> None:
+        """Makes positions [0, num_positions[b]) of each request addressable (allocates blocks)."""
+        short = self._addressable[rows] < num_positions
+        if not short.any():
+            return
+        for row, positions in zip(rows[short].tolist(), num_positions[short].tolist()):
+            have = int(self.num_blocks[row])
+            count = -(-positions // self._block_size) - have
+            self.blocks[row, have:have + count] = self._pools[row].allocate(count)
+            self.num_blocks[row] = have + count
+            self._addressable[row] = (have + count) * self._block_size
+
+    def release(self, rows: np.ndarray) -> None:
+        """Returns the blocks of ``rows`` to the pool."""
+        for row in rows.tolist():
+            count = int(self.num_blocks[row])
+            if count:
+                self._pools[row].free(self.blocks[row, :count].tolist())
+                self.blocks[row, :count] = -1
+                self.num_blocks[row] = self._addressable[row] = 0
+
+    def advance(self, rows: np.ndarray, emitted: np.ndarray, num_emitted: np.ndarray, num_accepted: np.ndarray,
+                k: int, eos_token_id: int | None) -> np.ndarray:
+        """Appends each request's emitted tokens (int32[B, K + 1], ``num_emitted`` of them), trimmed to
+        its budget and after ``eos_token_id``; moves its draft lag by a step with static ``k``; finishes
+        and releases requests that are done. Returns int64[B] the tokens appended per row."""
+        budget = self.budget[rows]
+        count = np.minimum(num_emitted, budget)
+        if eos_token_id is not None:
+            hit = (emitted == eos_token_id) & (np.arange(emitted.shape[1]) < count[:, None])
+            stopped = hit.any(axis=1)
+            count = np.where(stopped, np.argmax(hit, axis=1) + 1, count)
+            budget = np.where(stopped, 0, budget - count)
+        else:
+            budget = budget - count
+        length = self.length[rows]
+        self.tokens[rows[:, None], length[:, None] + np.arange(emitted.shape[1])] = emitted   # past count: scratch
+        self.length[rows] = length + count
+        self.budget[rows] = budget
+        self.lag[rows] = lag_after_step(self.lag[rows], num_accepted, k)
+        self.may_lag |= k == 0
+        finished = budget <= 0
+        if finished.any():
+            self.done[rows] = finished
+            self.release(rows[finished])
+            self.active = rows[~finished]
+        return count
+

@@ -16,10 +16,16 @@ class GenerateStats:
       mean_accepted_length: tokens emitted per request per step (accepted drafts + 1).
       acceptance_rate: accepted / proposed drafts (nan without drafts).
       acceptance_per_position: float[k_max]; position j: accepted / proposed drafts at position j + 1.
-      k_histogram: {k: steps}.
+      k_histogram: {k: steps} by the k each step computed (its static k).
       tokens_per_second: generated tokens / (wall_seconds - compile_seconds): decoding speed with
         compilation excluded.
       wall_seconds: the whole call; prefill_seconds: its prefill part (compilation included).
+      step_seconds: {(padded batch, k): [steps, seconds, host seconds]} the decode steps by shape,
+        steps that compiled excluded: their wall time (host work, device work and the one fetch of
+        each step; with the device time of each shape, the host's share per step follows) and the
+        part of it the host spent on its own work (before the step's dispatch and after its fetch).
+      catch_up_calls: draft-only prefill calls that brought a lagging draft up to date after k = 0
+        steps (``positions``).
       compile_seconds: wall time of the calls that compiled an executable (first use of a shape
         bucket; 0 after ``warmup``); compile_count: XLA compilations during the call.
     """
@@ -36,29 +42,43 @@ class GenerateStats:
     prefill_seconds: float = 0.0
     compile_seconds: float = 0.0
     compile_count: int = 0
+    step_seconds: dict[tuple[int, int], list] = dataclasses.field(default_factory=dict)
+    catch_up_calls: int = 0
+
+    def add_step(self, batch: int, k: int, seconds: float | None, host_seconds: float = 0.0) -> None:
+        """Counts one decode step of static ``k`` on ``batch`` (padded) rows that took ``seconds`` (None:
+        it compiled), ``host_seconds`` of them the host's own work."""
+        self.steps += 1
+        self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
+        if seconds is not None:
+            entry = self.step_seconds.setdefault((batch, k), [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += seconds
+            entry[2] += host_seconds
 
 
 class AcceptanceTally:
-    """Host-side tallies of proposed and accepted drafts per draft position, for ``GenerateStats``."""
+    """Host-side tallies of proposed and accepted drafts per draft position, for ``GenerateStats``
+    (each step's counts are kept as they come and summed once, in ``fill``)."""
 
     def __init__(self, k_max: int):
-        self.proposed = np.zeros(k_max, np.int64)
-        self.accepted = np.zeros(k_max, np.int64)
-        self.request_steps = 0
-        self.emitted = 0
+        self._k_max = k_max
+        self._steps: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     def add(self, num_drafts: np.ndarray, num_accepted: np.ndarray, num_emitted: np.ndarray) -> None:
         """One step: int[B] drafts proposed, drafts accepted and tokens emitted per request."""
-        positions = np.arange(self.proposed.shape[0])
-        self.proposed += np.sum(num_drafts[:, None] > positions, axis=0)
-        self.accepted += np.sum(num_accepted[:, None] > positions, axis=0)
-        self.request_steps += num_drafts.shape[0]
-        self.emitted += int(num_emitted.sum())
+        self._steps.append((num_drafts, num_accepted, num_emitted))
 
     def fill(self, stats: GenerateStats) -> None:
+        if self._steps:
+            drafts, accepted, emitted = (np.concatenate(column) for column in zip(*self._steps))
+        else:
+            drafts = accepted = emitted = np.zeros(0, np.int64)
+        positions = np.arange(self._k_max)
+        proposed = np.sum(drafts[:, None] > positions, axis=0)
+        accepted_at = np.sum(accepted[:, None] > positions, axis=0)
         with np.errstate(invalid="ignore", divide="ignore"):
-            per_position = self.accepted / self.proposed
+            per_position = accepted_at / proposed
         stats.acceptance_per_position = [round(float(x), 4) for x in per_position]
-        stats.acceptance_rate = (float(self.accepted.sum() / self.proposed.sum()) if self.proposed.sum()
-                                 else float("nan"))
-        stats.mean_accepted_length = self.emitted / self.request_steps if self.request_steps else float("nan")
+        stats.acceptance_rate = float(accepted_at.sum() / proposed.sum()) if proposed.sum() else float("nan")
+        stats.mean_accepted_length = float(emitted.sum() / drafts.shape[0]) if drafts.shape[0] else float("nan")

@@ -1,7 +1,14 @@
 """End-to-end benchmark: speculative vs autoregressive tokens/s on the demo models (one process).
 
-Used by ``scv-jax bench`` and ``benchmarks/bench_e2e.py``. Every configuration is compiled
-(``warmup``) and run once untimed with the same prompts, then timed once.
+Used by ``scv-jax bench`` and ``benchmarks/bench_e2e.py``. Every configuration is compiled (``warmup``)
+and run once untimed with the same prompts (the adaptive controller learns there), then timed
+``repeats`` times, interleaved (round r runs every mode once, with seed r, before round r + 1), so the
+machine's drifting load hits every mode alike and sampled rows average over texts; a row reports the
+median and the spread of its runs.
+
+Workloads: ``"stdlib"``, prompts cut from held-out standard-library source; ``"mixed"``, a batch of 8
+with half repetitive prompts (rulers such as ``"####...\\n"``, which both drafters continue almost
+perfectly) and half free-form stdlib prompts: requests of very different acceptance in one batch.
 """
 
 from __future__ import annotations
@@ -15,20 +22,30 @@ import numpy as np
 
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.decoder import GenerateOutput, SpeculativeDecoder
+from scv_jax.decoding.stats import GenerateStats
 from scv_jax.demo.corpus import split_corpus, stdlib_bytes
 from scv_jax.demo.report import append_markdown, results_header
+
+MIXED_BATCH = 8
+_RULERS = (b"#", b"=", b"-", b"*")
 
 
 @dataclasses.dataclass
 class E2ERow:
+    workload: str                  # "stdlib" or "mixed"
+    drafter: str                   # "model" (the demo draft) or "ngram" (prompt lookup)
     batch: int
     temperature: float
     mode: str                      # "autoregressive", "k=4" or "adaptive"
-    tokens_per_second: float
-    speedup: float                 # vs the autoregressive row of the same batch and temperature
+    tokens_per_second: float       # median over the repeats
+    spread: tuple[float, float]    # (min, max) tokens/s over the repeats
+    speedup: float                 # median tokens/s / the autoregressive row's median
     mean_accepted_length: float
     acceptance: float
-    identical: bool | None         # greedy: same tokens as autoregressive; sampling: None
+    identical: bool | None         # greedy: same tokens as autoregressive in every run; sampling: None
+    host_us_per_step: float        # median over the repeats of the host's own work per step (before the
+                                   # step's dispatch and after its fetch)
+    wall_minus_device_us: float    # median over the repeats of step wall time - the step's device time
 
 
 def benchmark_prompts(batch: int, length: int = 48, seed: int = 0) -> list[list[int]]:
@@ -40,63 +57,129 @@ def benchmark_prompts(batch: int, length: int = 48, seed: int = 0) -> list[list[
     return [list(text[s:s + length]) for s in rng.choice(starts, size=batch, replace=False)]
 
 
-def _timed(decoder: SpeculativeDecoder, prompts, max_new_tokens: int, temperature: float) -> GenerateOutput:
-    """One untimed call (compiles what it uses, adapts k) after compiling every k, then the timed call."""
-    longest = max(map(len, prompts)) + max_new_tokens + max(decoder.config.allowed_k)
+def mixed_prompts(batch: int = MIXED_BATCH, seed: int = 3) -> list[list[int]]:
+    """Half repetitive rulers (``"####...\\n"``), half free-form stdlib prompts, interleaved."""
+    free = benchmark_prompts(batch - batch // 2, seed=seed)
+    rulers = [list(_RULERS[i % len(_RULERS)] * 40 + b"\n") for i in range(batch // 2)]
+    return [p for pair in zip(free, rulers) for p in pair] + free[len(rulers):]
+
+
+def _warm(decoder: SpeculativeDecoder, prompts, max_new_tokens: int, temperature: float) -> None:
+    """Compiles every k for the batch, then one untimed call (compiles what it uses, adapts k)."""
+    longest = max(map(len, prompts)) + max_new_tokens
     decoder.warmup(len(prompts), longest, greedy=temperature == 0)
-    decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=1)
-    return decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=0)
+    decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=1000)   # a seed the timed runs do not use
+
+
+def wall_minus_device_us(decoder: SpeculativeDecoder, stats: GenerateStats, greedy: bool, context: int) -> float:
+    """Mean over a call's timed steps of step wall time - that shape's device time, in µs, over the shapes
+    that ran 90% of the steps (each shape's device time measured now, right after the call, so it
+    sees the same machine load)."""
+    shapes = sorted(stats.step_seconds.items(), key=lambda item: -item[1][0])
+    total, steps, wall, device = sum(v[0] for _, v in shapes), 0, 0.0, 0.0
+    for (batch, k), (count, seconds, _) in shapes:
+        if steps >= 0.9 * total:
+            break
+        steps, wall = steps + count, wall + seconds
+        device += count * decoder.device_seconds_per_step(batch, k, greedy=greedy, context=context, calls=8,
+                                                          repeats=1)
+    return (wall - device) / steps * 1e6 if steps else float("nan")
 
 
 def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatures: Sequence[float] = (0.0, 1.0),
-            modes: Sequence[int | str] = (2, 4, 8, "adaptive"), max_new_tokens: int = 96,
-            progress: bool = True) -> list[E2ERow]:
-    """Tokens/s of autoregressive decoding and of speculative decoding per mode, per batch and temperature."""
-    base = DecoderConfig(batch_buckets=tuple(sorted(set(batch_sizes))))
+            modes: Sequence[int | str] = (2, 4, 8, "adaptive"), max_new_tokens: int = 96, repeats: int = 3,
+            drafter: str = "model", workloads: Sequence[str] = ("stdlib",), progress: bool = True) -> list[E2ERow]:
+    """Tokens/s of autoregressive decoding and of speculative decoding per mode, per workload, batch and
+    temperature (the mixed workload: batch 8, greedy), with ``draft`` ("model") or prompt lookup
+    ("ngram") drafting; ``repeats`` interleaved timed runs each."""
+    if drafter not in ("model", "ngram"):
+        raise ValueError(f"run_e2e: drafter must be 'model' or 'ngram', got {drafter!r}")
+    if not workloads or not set(workloads) <= {"stdlib", "mixed"}:
+        raise ValueError(f"run_e2e: workloads must name 'stdlib' and/or 'mixed', got {workloads!r}")
+    shapes = {"mixed": ((MIXED_BATCH,), (0.0,)), "stdlib": (tuple(batch_sizes), tuple(temperatures))}
+    cases = [(w, b, t) for w in workloads for b in shapes[w][0] for t in shapes[w][1]]
+    buckets = tuple(sorted({b for _, b, _ in cases}))
+    base = DecoderConfig(batch_buckets=buckets)
     configs = {"autoregressive": base}
     for mode in modes:
         configs[mode if mode == "adaptive" else f"k={mode}"] = (
             dataclasses.replace(base, adaptive=True) if mode == "adaptive" else dataclasses.replace(base, k=int(mode)))
-    decoders = {name: SpeculativeDecoder(target, None if name == "autoregressive" else draft, config=config)
+    drafting = draft if drafter == "model" else "ngram"
+    decoders = {name: SpeculativeDecoder(target, None if name == "autoregressive" else drafting, config=config)
                 for name, config in configs.items()}
-    rows, total = [], len(batch_sizes) * len(temperatures) * len(decoders)
-    start = time.perf_counter()
-    for batch in batch_sizes:
-        prompts = benchmark_prompts(batch)
-        for temperature in temperatures:
-            reference = None
+    rows, start = [], time.perf_counter()
+    for workload, batch, temperature in cases:
+        prompts = mixed_prompts(batch) if workload == "mixed" else benchmark_prompts(batch)
+        for decoder in decoders.values():
+            _warm(decoder, prompts, max_new_tokens, temperature)
+        runs: dict[str, list[GenerateOutput]] = {name: [] for name in decoders}
+        hosts: dict[str, list[tuple[float, float]]] = {name: [] for name in decoders}
+        for seed in range(repeats):          # round r: every mode with seed r (sampled texts differ by seed)
             for name, decoder in decoders.items():
-                out = _timed(decoder, prompts, max_new_tokens, temperature)
-                if reference is None:
-                    reference = out
-                s = out.stats
-                rows.append(E2ERow(batch, temperature, name, s.tokens_per_second,
-                                   s.tokens_per_second / reference.stats.tokens_per_second,
-                                   s.mean_accepted_length, s.acceptance_rate,
-                                   out.tokens == reference.tokens if temperature == 0 else None))
-                if progress:
-                    print(f"[e2e {len(rows)}/{total}] batch {batch} T={temperature:g} {name:14s} "
-                          f"{s.tokens_per_second:8.1f} tok/s  x{rows[-1].speedup:.2f}  "
-                          f"({time.perf_counter() - start:.0f}s)", file=sys.stderr, flush=True)
+                out = decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=seed)
+                runs[name].append(out)
+                own = sum(v[2] for v in out.stats.step_seconds.values()) / max(out.stats.steps, 1) * 1e6
+                hosts[name].append((own, wall_minus_device_us(decoder, out.stats, temperature == 0,
+                                                              max(map(len, prompts)) + max_new_tokens // 2)))
+        reference = float(np.median([o.stats.tokens_per_second for o in runs["autoregressive"]]))
+        for name, outs in runs.items():
+            speeds = [o.stats.tokens_per_second for o in outs]
+            s = outs[-1].stats
+            same = (all(o.tokens == ref.tokens for o, ref in zip(outs, runs["autoregressive"]))
+                    if temperature == 0 else None)
+            rows.append(E2ERow(workload, drafter, batch, temperature, name, float(np.median(speeds)),
+                               (min(speeds), max(speeds)), float(np.median(speeds)) / reference,
+                               s.mean_accepted_length, s.acceptance_rate, same,
+                               *(float(x) for x in np.median(hosts[name], axis=0))))
+            if progress:
+                print(f"[e2e {drafter} {workload}] batch {batch} T={temperature:g} {name:14s} "
+                      f"{rows[-1].tokens_per_second:8.1f} tok/s  x{rows[-1].speedup:.2f}  host "
+                      f"{rows[-1].host_us_per_step:.0f} us/step, wall - device {rows[-1].wall_minus_device_us:.0f} "
+                      f"us/step, k histogram {s.k_histogram}  ({time.perf_counter() - start:.0f}s)",
+                      file=sys.stderr, flush=True)
     return rows
 
 
 def format_table(rows: list[E2ERow]) -> str:
-    """A markdown table of ``run_e2e`` rows."""
-    lines = ["| batch | temperature | mode | tokens/s | vs autoregressive | mean accepted length | acceptance "
-             "| identical |",
-             "|---:|---:|---|---:|---:|---:|---:|---|"]
+    """A markdown table of ``run_e2e`` rows (tokens/s: median [min-max] of the repeats)."""
+    lines = ["| workload | drafter | batch | temperature | mode | tokens/s | vs autoregressive | mean accepted length "
+             "| acceptance | identical | host µs/step | wall - device µs/step |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in rows:
         same = "-" if r.identical is None else ("yes" if r.identical else "NO")
-        lines.append(f"| {r.batch} | {r.temperature:g} | {r.mode} | {r.tokens_per_second:.1f} | "
-                     f"{r.speedup:.2f}x | {r.mean_accepted_length:.2f} | "
-                     f"{'-' if np.isnan(r.acceptance) else f'{r.acceptance:.2f}'} | {same} |")
+        lines.append(f"| {r.workload} | {r.drafter} | {r.batch} | {r.temperature:g} | {r.mode} | "
+                     f"{r.tokens_per_second:.1f} [{r.spread[0]:.0f}-{r.spread[1]:.0f}] | {r.speedup:.2f}x | "
+                     f"{r.mean_accepted_length:.2f} | {'-' if np.isnan(r.acceptance) else f'{r.acceptance:.2f}'} | "
+                     f"{same} | {r.host_us_per_step:.0f} | {r.wall_minus_device_us:.0f} |")
     return "\n".join(lines)
 
 
-def write_results(path: str, table: str, command: str, max_new_tokens: int) -> None:
+def adaptive_summary(rows: list[E2ERow]) -> str:
+    """Per workload, batch and temperature: adaptive's tokens/s over the best fixed k's (median and
+    the runs' spread), as markdown lines."""
+    lines = ["| workload | drafter | batch | temperature | best fixed k | adaptive / best fixed (median) | "
+             "adaptive min / best fixed max |", "|---|---|---:|---:|---|---:|---:|"]
+    groups: dict[tuple, list[E2ERow]] = {}
+    for r in rows:
+        groups.setdefault((r.workload, r.drafter, r.batch, r.temperature), []).append(r)
+    for (workload, drafter, batch, temperature), group in groups.items():
+        fixed = [r for r in group if r.mode.startswith("k=")]
+        adaptive = [r for r in group if r.mode == "adaptive"]
+        if not fixed or not adaptive:
+            continue
+        best = max(fixed, key=lambda r: r.tokens_per_second)
+        lines.append(f"| {workload} | {drafter} | {batch} | {temperature:g} | {best.mode} | "
+                     f"{adaptive[0].tokens_per_second / best.tokens_per_second:.2f} | "
+                     f"{adaptive[0].spread[0] / best.spread[1]:.2f} |")
+    return "\n".join(lines)
+
+
+def write_results(path: str, table: str, command: str, max_new_tokens: int, repeats: int) -> None:
     """Appends a ``format_table`` table to the markdown file ``path`` under a results header."""
     append_markdown(path, results_header(
         "End-to-end speculative decoding on the demo models", command,
-        f"Byte-level demo target (6 layers, d=384) and draft (1 layer, d=128); {max_new_tokens} new tokens "
-        "per request, prompts from held-out stdlib source; compilation excluded. ") + table)
+        f"Byte-level demo target (6 layers, d=384) and draft (1 layer, d=128) or n-gram prompt lookup; "
+        f"{max_new_tokens} new tokens per request; compilation excluded; median [min-max] of {repeats} "
+        "interleaved runs; host µs/step: the host's own work per step (before the step's dispatch and after "
+        "its fetch); wall - device: step wall time - the step executable's own time (called alone on "
+        "device-resident inputs and waited for). ") + table)

@@ -212,6 +212,7 @@ class ExecutableCache:
         # sorted order, and pairs donated inputs with same-shaped outputs in flattening order, so
         # keywords could pair e.g. a donated draft cache with the target cache's output (a copy).
         self._dynamic = tuple(a for a in self._params if a not in self.static_argnames)
+        self._mask_positions = tuple((self._dynamic.index(a), dim) for a, dim in self.masks.items())
         jit_options = dict(static_argnames=self.static_argnames,
                            donate_argnums=tuple(i for i, a in enumerate(self._dynamic) if a in self.donate_argnames))
         self._jitted = jax.jit(_positional(fn, self._dynamic), **jit_options)
@@ -248,8 +249,8 @@ class ExecutableCache:
         return values
 
     def _plan(self, bound: Mapping[str, Any]) -> BucketPlan:
-        real, padded = {}, {}
-        for dim, buckets in self.dims.items():
+        real = {}
+        for dim in self.dims:
             size, source = None, None
             for arg, pad in self._carriers[dim]:
                 value = bound.get(arg)
@@ -266,8 +267,11 @@ class ExecutableCache:
                 raise ValueError(f"{self.name}: no argument carries dim {dim!r} "
                                  f"(carriers: {[a for a, _ in self._carriers[dim]]})")
             real[dim] = size
-            if dim in self._grid_dims:
-                padded[dim] = buckets.bucket(size)
+        return self._plan_sizes(real, bound, self._present(bound))
+
+    def _plan_sizes(self, real: dict[str, int], bound: Mapping[str, Any], present: frozenset[str]) -> BucketPlan:
+        """The plan of a call with unpadded dim sizes ``real``, static values in ``bound``."""
+        padded = {dim: self._grid_dims[dim].bucket(real[dim]) for dim in self._grid_dims}
         statics = {}
         for arg in self.static_argnames:
             if arg not in bound and arg not in self._defaults:
@@ -281,7 +285,7 @@ class ExecutableCache:
         padded = self._derive(grid)
         if any(real[dim] > padded[dim] for dim in real):
             return BucketPlan(None, real, padded, statics)
-        key = (tuple(padded.values()), tuple(statics.values()), self._present(bound))
+        key = (tuple(padded.values()), tuple(statics.values()), present)
         return BucketPlan(key, real, padded, statics)
 
     def _present(self, bound: Mapping[str, Any]) -> frozenset[str]:
@@ -298,6 +302,23 @@ class ExecutableCache:
     def plan(self, *args, **kwargs) -> BucketPlan:
         """The bucket a call would use, from static shapes and Python values only (no transfers)."""
         return self._plan(self._bind(args, kwargs))
+
+    @property
+    def dynamic_argnames(self) -> tuple[str, ...]:
+        """The dynamic (non-static) arguments in signature order: the order ``call_planned`` takes."""
+        return self._dynamic
+
+    def plan_sizes(self, real: Mapping[str, int], given: Sequence[str], **statics) -> BucketPlan:
+        """The plan of a call whose unpadded dim sizes are ``real`` (every dim), whose dynamic arguments
+        ``given`` are not None, with these static arguments: what ``plan`` returns for such a call,
+        without arguments. For callers that build their arguments at bucket size (``call_planned``)."""
+        missing = [dim for dim in self.dims if dim not in real]
+        if missing:
+            raise ValueError(f"{self.name}: plan_sizes needs a size for every dim, missing {missing}")
+        unknown = [a for a in given if a not in self._dynamic]
+        if unknown:
+            raise ValueError(f"{self.name}: {unknown} are not dynamic arguments (those are {self._dynamic})")
+        return self._plan_sizes(dict(real), statics, frozenset(given))
 
     def bucket(self, dim: str, size: int) -> int | None:
         """The bucket size that ``size`` of grid dim ``dim`` is padded to (None: beyond the largest)."""
@@ -500,23 +521,46 @@ class ExecutableCache:
         """
         bound = self._bind(args, kwargs)
         plan = self._plan(bound)
+        if plan.key is None:
+            return self._run(plan, self._dynamic_values(bound))
+        return self._run(plan, self._dynamic_values(self._padded_args(bound, plan)))
+
+    def call_planned(self, plan: BucketPlan, dynamic: Sequence[Any]) -> Any:
+        """The fast path of ``__call__`` for callers that build their arguments at bucket size.
+
+        ``plan`` comes from ``plan`` or ``plan_sizes``; ``dynamic`` holds every dynamic argument in
+        ``dynamic_argnames`` order, already padded to ``plan.padded`` (unpadded when ``plan.key`` is
+        None: oversize), None where not given; a None validity mask (``masks``) is built from
+        ``plan.real``. No planning or padding happens; compiling, counting and fallbacks are those of
+        ``__call__``.
+        """
+        dynamic = list(dynamic)
+        if len(dynamic) != len(self._dynamic):
+            raise TypeError(f"{self.name}: call_planned takes {len(self._dynamic)} dynamic arguments "
+                            f"{self._dynamic}, got {len(dynamic)}")
+        if plan.key is not None:
+            for i, dim in self._mask_positions:
+                if dynamic[i] is None:
+                    dynamic[i] = self._validity_mask(plan.real[dim], plan.padded[dim])
+        return self._run(plan, dynamic)
+
+    def _run(self, plan: BucketPlan, dynamic: list[Any]) -> Any:
+        """Calls ``plan``'s executable on padded dynamic arguments (plain jit when oversize)."""
         self._last_call_compiled = False
         if plan.key is None:
             self.stats.oversize += 1
-            return self._jitted(*self._dynamic_values(bound), **plan.statics)
+            return self._jitted(*dynamic, **plan.statics)
         for dim, size in plan.real.items():
             self.stats.real_totals[dim] = self.stats.real_totals.get(dim, 0) + size
             self.stats.padded_totals[dim] = self.stats.padded_totals.get(dim, 0) + plan.padded[dim]
-        padded = self._padded_args(bound, plan)
         entry = self._entries.get(plan.key)
         if entry is None:
             self.stats.misses += 1
-            entry, _ = self._compile_one(plan.key, padded)
+            entry, _ = self._compile_one(plan.key, self._named(plan, dynamic))
             self._entries[plan.key] = entry
             self._last_call_compiled = True
         else:
             self.stats.hits += 1
-        dynamic = self._dynamic_values(padded)
         if entry.is_fallback:
             self.stats.fallbacks += 1
             return entry.executable(*dynamic)
@@ -525,7 +569,11 @@ class ExecutableCache:
         except jax.errors.JaxRuntimeError as error:
             if self._fallback_jitted is None:
                 raise
-            return self._after_run_failure(plan.key, padded, dynamic, error)
+            return self._after_run_failure(plan.key, self._named(plan, dynamic), dynamic, error)
+
+    def _named(self, plan: BucketPlan, dynamic: list[Any]) -> dict[str, Any]:
+        """The arguments of a call by name: dynamic values and the plan's statics."""
+        return {**dict(zip(self._dynamic, dynamic)), **plan.statics}
 
     def _after_run_failure(self, key: BucketKey, padded: dict[str, Any], dynamic: list[Any], error: Exception):
         """Retries a failed run on the fallback while the donated inputs are alive (see ``fallback``)."""

@@ -34,8 +34,11 @@ def verify_step_cache(*, batch_buckets: Buckets | Sequence[int] = Buckets.pow2_t
     query layout, the K/V rows to B * (k + 1). ``token_buckets`` / ``row_buckets`` make them
     independent dims instead (less padding, more executables; ``warmup`` then skips the
     unreachable ones). Call it with ``verify_step``'s arguments; ``request_mask`` is built from
-    the real batch size.
+    the real batch size. ``kv_layout="grid"`` is not offered: its rows depend on ``max_spec_len``,
+    which graph mode rounds up (use it inside a step function whose k is a bucket, as the decoder does).
     """
+    if kv_layout not in ("drafts", "query"):
+        raise ValueError(f"verify_step_cache: kv_layout must be 'drafts' or 'query', got {kv_layout!r}")
     batch = batch_buckets if isinstance(batch_buckets, Buckets) else Buckets(tuple(batch_buckets))
     tokens = (as_buckets(token_buckets) if token_buckets is not None
               else (lambda b: b["batch"] * b["max_spec_len"]))

@@ -30,9 +30,10 @@ def sharded_verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_toke
                         kv_layout: KVLayout = "drafts", backend: str = "auto"):
     """``verify_step`` (same arguments and outputs), per shard on the active mesh.
 
-    Requests, their draft slots and K/V rows split evenly over "data": the requests of shard s own the
-    draft slots ``[s * T / D, (s + 1) * T / D)`` (true for the decode step's uniform k drafts per
-    request) and their slots are local to the shard's blocks. One key is first split per request
+    Requests, their draft slots and K/V rows split evenly over "data": the requests of shard s own
+    draft slots at the start of ``[s * T / D, (s + 1) * T / D)`` (the decode step compacts its ragged
+    drafts shard by shard: ``device_step.ragged_slots``; ``cu``'s differences count them) and their
+    slots are local to the shard's blocks. One key is first split per request
     (``fold_in(key, b)``, as ``verify_step`` does), so each request's randomness is the one-device one.
     """
     step = functools.partial(verify_step, max_spec_len=max_spec_len, kv_layout=kv_layout, backend=backend)

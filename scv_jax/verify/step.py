@@ -18,7 +18,7 @@ from scv_jax.ops.acceptance.api import accept_greedy, accept_greedy_from_logits,
 from scv_jax.ops.commit.api import commit_draft_kv
 from scv_jax.verify.summary import StepSummary
 
-KVLayout = Literal["drafts", "query"]
+KVLayout = Literal["drafts", "query", "grid"]
 
 
 class VerifyStepOutput(NamedTuple):
@@ -39,20 +39,31 @@ class VerifyStepOutput(NamedTuple):
 
 
 def _commit_rows(layout: KVLayout, num_rows: int, accept_mask: jax.Array, num_accepted: jax.Array,
-                 cu: jax.Array, request_mask: jax.Array) -> jax.Array:
+                 cu: jax.Array, request_mask: jax.Array, max_spec_len: int) -> jax.Array:
     """bool[N]: which K/V rows to commit.
 
     "drafts": row t is draft slot t. "query": request b owns rows cu[b] + b ... cu[b + 1] + b, the
-    pending token then its drafts; row j of a request is committed when j <= num_accepted.
+    pending token then its drafts; "grid": request b owns rows b * (K + 1) ... b * (K + 1) + K
+    (K = max_spec_len), the pending token then its drafts, unused rows past them. In both, row j of
+    a request is committed when j <= num_accepted.
     """
     num_slots = accept_mask.shape[0]
+    num_requests = num_accepted.shape[0]
     if layout == "drafts":
         if num_rows != num_slots:
             raise ValueError(f"verify_step: kv_layout='drafts' needs new_keys [layers, T, kv_heads, "
                              f"head_dim] with T={num_slots} (one row per draft slot), got {num_rows} rows")
         owner, _ = slot_owner(cu, num_slots)
         return accept_mask & request_mask[owner]
-    num_requests = num_accepted.shape[0]
+    if layout == "grid":
+        width = max_spec_len + 1
+        if num_rows != num_requests * width:
+            raise ValueError(f"verify_step: kv_layout='grid' needs new_keys [layers, B * (max_spec_len + 1), "
+                             f"kv_heads, head_dim] with B * (max_spec_len + 1) = {num_requests * width} rows, "
+                             f"got {num_rows}")
+        owner = jnp.arange(num_rows, dtype=jnp.int32) // width
+        position = jnp.arange(num_rows, dtype=jnp.int32) % width
+        return request_mask[owner] & (position <= num_accepted[owner])
     query_cu = cu + jnp.arange(num_requests + 1, dtype=jnp.int32)
     owner, position = slot_owner(query_cu, num_rows)
     _, counts = request_spans(cu, num_slots, num_slots)
@@ -73,7 +84,9 @@ def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, c
       kv_cache: the ``PagedKVCache`` (donate it under jit: the commit is in place).
       new_keys, new_values: [layers, N, kv_heads, head_dim] K/V computed during verification;
         N = T rows for ``kv_layout="drafts"`` (one per draft slot), N >= T + B for ``"query"``
-        (per request: the pending token, then its drafts, at rows cu[b] + b ...).
+        (per request: the pending token, then its drafts, at rows cu[b] + b ...), N = B * (K + 1)
+        for ``"grid"`` (per request: the pending token, then its drafts, at rows b * (K + 1) ...;
+        K = max_spec_len: requests with fewer drafts leave rows unused).
       slot_mapping: int32[N] cache slot of each row; negative = skip (padding).
       draft_token_ids: int32[T]; cu_num_draft_tokens: int32[B + 1]; bonus_token_ids: int32[B].
       target_token_ids: int32[T] the target's argmax per slot (greedy).
@@ -82,7 +95,7 @@ def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, c
       key: one PRNG key (sampling); requests use ``fold_in(key, b)``, so padding never changes them.
       request_mask: bool[B]; False requests (padding) emit nothing and commit nothing. None = all.
       max_spec_len: the most drafts of any request (static).
-      kv_layout: "drafts" or "query" (static).
+      kv_layout: "drafts", "query" or "grid" (static).
       backend: "auto", "pallas", "xla" or "interpret" (static), for acceptance and commit.
     Returns:
       (the updated cache, ``VerifyStepOutput``).
@@ -91,8 +104,8 @@ def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, c
     if sum(x is not None for x in (target_token_ids, target_logits, target_probs)) != 1:
         raise ValueError(f"{op}: give exactly one of target_token_ids or target_logits (greedy) or "
                          "target_probs (rejection sampling)")
-    if kv_layout not in ("drafts", "query"):
-        raise ValueError(f"{op}: kv_layout must be 'drafts' or 'query', got {kv_layout!r}")
+    if kv_layout not in ("drafts", "query", "grid"):
+        raise ValueError(f"{op}: kv_layout must be 'drafts', 'query' or 'grid', got {kv_layout!r}")
     require_rank(op, "new_keys", new_keys, 4, "[layers, N, kv_heads, head_dim]")
     require_int_vector(op, "cu_num_draft_tokens", cu_num_draft_tokens, None, "int32[B + 1]")
     num_requests = jnp.shape(cu_num_draft_tokens)[0] - 1
@@ -113,7 +126,7 @@ def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, c
     num_accepted = jnp.where(request_mask, result.num_accepted, 0)
     cu = jnp.asarray(cu_num_draft_tokens, jnp.int32)
     commit = _commit_rows(kv_layout, jnp.shape(new_keys)[1], result.accept_mask, num_accepted, cu,
-                          request_mask)
+                          request_mask, max_spec_len)
     kv_cache = commit_draft_kv(kv_cache, new_keys, new_values, slot_mapping, commit, backend=backend)
     accept_mask = commit if kv_layout == "drafts" else result.accept_mask & request_mask[
         slot_owner(cu, result.accept_mask.shape[0])[0]]

@@ -31,8 +31,8 @@ class StepSummary(NamedTuple):
     """A step's emitted tokens and accepted counts in one device array (a pytree).
 
     Attributes:
-      packed: int32[B, K + 2]: the emitted tokens (-1 after the last) then, in the last column, the
-        number of accepted drafts.
+      packed: int32[B, K + 3]: the emitted tokens (-1 after the last), then the number of accepted
+        drafts, then the number of emitted tokens.
     """
 
     packed: jax.Array
@@ -40,19 +40,19 @@ class StepSummary(NamedTuple):
     @classmethod
     def pack(cls, output_token_ids: jax.Array, num_accepted: jax.Array) -> "StepSummary":
         """On the device: int32[B, K + 1] tokens and int32[B] accepted counts -> one array."""
-        return cls(jnp.concatenate([output_token_ids.astype(jnp.int32),
-                                    num_accepted.astype(jnp.int32)[:, None]], axis=1))
+        tokens = output_token_ids.astype(jnp.int32)
+        emitted = jnp.sum(tokens >= 0, axis=1, dtype=jnp.int32)
+        return cls(jnp.concatenate([tokens, num_accepted.astype(jnp.int32)[:, None], emitted[:, None]], axis=1))
 
     @staticmethod
     def unpack(packed: np.ndarray, num_requests: int | None = None) -> HostStepResult:
         """On the host: the fetched array -> ``HostStepResult`` of the first ``num_requests`` rows."""
         packed = np.asarray(packed)[:num_requests]
-        tokens = packed[:, :-1]
-        return HostStepResult(tokens, packed[:, -1], np.sum(tokens >= 0, axis=1).astype(np.int32))
+        return HostStepResult(packed[:, :-2], packed[:, -2], packed[:, -1])
 
     def fetch(self, num_requests: int | None = None) -> HostStepResult:
         """One device-to-host transfer, unpacked; trims padding rows past ``num_requests``."""
-        return self.unpack(jax.device_get(self.packed), num_requests)
+        return self.unpack(np.asarray(self.packed), num_requests)
 
     def start_fetch(self, num_requests: int | None = None) -> "PendingFetch":
         """Starts the transfer now (overlapping host work); ``.result()`` waits for it."""

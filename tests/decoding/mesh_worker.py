@@ -122,7 +122,8 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
         compiles_after_warmup=compiles.count,
         graph={k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)
                for k, s in decoder.graph_stats.items()},
-        target_state=_layout(decoder._target_state), draft_state=_layout(decoder._draft_state),
+        target_state=_layout(decoder._target.state(decoder._target_params)),
+        draft_state=_layout(decoder._draft.state(decoder._draft_params)),
         target_cache=_layout(target_cache), draft_cache=_layout(draft_cache),
         cache_kv_heads=[target_cache.num_kv_heads, draft_cache.num_kv_heads], free_blocks=decoder.pool.num_free,
         collectives=collectives,

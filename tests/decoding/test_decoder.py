@@ -8,36 +8,12 @@ import pytest
 from flax import nnx
 
 import scv_jax
-from scv_jax import DecoderConfig, SpeculativeDecoder, generate_autoregressive
+from scv_jax import DecoderConfig, NgramDrafter, SpeculativeDecoder, generate_autoregressive
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.models import TransformerConfig
-from tests.models.fixtures import TINY, TINY_DRAFT, perturbed_copy, tiny_model
-
-# One bucket per dimension keeps the number of executables (and the test time) small.
-SMALL = DecoderConfig(block_size=8, num_blocks=64, max_seq_len=64, prefill_chunk=16, batch_buckets=(4,),
-                      context_buckets=(8,))
-MAX_NEW = 14
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(TINY, seed=0)
-
-
-@pytest.fixture(scope="module")
-def partial_draft(target):
-    """Agrees with the target on roughly half of the tokens: every acceptance pattern shows up."""
-    return perturbed_copy(target, noise=0.6)
-
-
-@pytest.fixture(scope="module")
-def autoregressive(target):
-    return SpeculativeDecoder(target, None, config=SMALL)
-
-
-def _prompts(seed: int, batch: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, TINY.vocab_size, rng.integers(1, 20)).tolist() for _ in range(batch)]
+from tests.decoding.common import MAX_NEW, SMALL
+from tests.decoding.common import prompts as _prompts
+from tests.models.fixtures import TINY, TINY_DRAFT, tiny_model
 
 
 @pytest.mark.parametrize("k", [0, 2, 5])
@@ -64,7 +40,9 @@ def test_draft_equal_to_target_accepts_everything(target, autoregressive):
     assert out.tokens == autoregressive.generate(prompts, 17).tokens
     assert out.stats.acceptance_rate == 1.0
     assert out.stats.acceptance_per_position == [1.0, 1.0, 1.0]
-    assert out.stats.mean_accepted_length == pytest.approx(4.0, abs=0.3)
+    # 4 tokens a step, then one token left: the last step drafts nothing (its budget) and emits 1
+    assert out.stats.steps == 5 and out.stats.mean_accepted_length == pytest.approx(17 / 5)
+    assert out.stats.k_histogram == {3: 4, 0: 1}
 
 
 def test_generate_autoregressive_matches_plain_forward(target):
@@ -92,20 +70,23 @@ def test_eos_and_different_finish_steps(target, partial_draft, autoregressive):
     assert decoder.pool.num_free == SMALL.num_blocks
 
 
-def test_sampling_matches_target_distribution(target):
-    """First sampled token over many seeds ~ softmax(target logits / T) (chi-square, tiny vocab)."""
-    draft = tiny_model(TINY_DRAFT, seed=9, scale=1.0)          # a poor draft: most tokens resampled
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_sampling_matches_target_distribution(target, drafter):
+    """First sampled token over many seeds ~ softmax(target logits / T) (chi-square, tiny vocab), with
+    the drafts of a poor draft model (most tokens resampled) or of prompt lookup (q = one-hot)."""
+    draft = tiny_model(TINY_DRAFT, seed=9, scale=1.0) if drafter == "model" else NgramDrafter(1, 2)
     temperature, batch, rounds = 1.5, 4, 150
     decoder = SpeculativeDecoder(target, draft, config=DecoderConfig(**{**vars(SMALL), "k": 2}))
-    prompt = [3, 1, 4]
+    prompt = [3, 1, 4, 3, 1]                                   # the n-gram (3, 1) proposes [4, 3]
     probs = np.asarray(scv_jax.models.Transformer.__call__(target, np.array([prompt])))[0, -1]
     probs = np.exp((probs - probs.max()) / temperature)
     probs /= probs.sum()
     counts = np.zeros(TINY.vocab_size)
     for seed in range(rounds):
-        out = decoder.generate([prompt] * batch, 1, temperature=temperature, seed=seed)
+        out = decoder.generate([prompt] * batch, 3, temperature=temperature, seed=seed)
         for tokens in out.tokens:
             counts[tokens[0]] += 1
+        assert out.stats.k_histogram.get(2, 0) >= 1            # the first step verified 2 drafts
     n = batch * rounds
     expected = probs * n
     keep = expected >= 5

@@ -18,6 +18,7 @@ import pytest
 
 import scv_jax
 from scv_jax import Buckets, CompileCounter, ExecutableCache, Pad
+from scv_jax.graph.buckets import pad_leaf
 from scv_jax.graph.executable_cache import DonatedRunError
 
 KV_SIZE = 64
@@ -197,7 +198,8 @@ def test_device_call_under_a_transfer_guard_builds_its_mask_on_the_device():
     host = random_batch(np.random.default_rng(13), 3, 2)
     cache.warmup(jnp.zeros(KV_SIZE), *host, k=2, progress=False)
     on_device = [jnp.asarray(x) for x in random_batch(np.random.default_rng(14), 3, 2)]
-    on_device = [jax.device_put(np.pad(x, (0, n)), x.devices().pop()) for x, n in zip(on_device, (8 - on_device[0].shape[0], 1, 1))]
+    on_device = [jax.device_put(np.pad(x, (0, n)), x.devices().pop())
+                 for x, n in zip(on_device, (8 - on_device[0].shape[0], 1, 1))]
     kv = jnp.zeros(KV_SIZE, jnp.float32)
     cache(kv, *on_device, k=2)                       # first call: builds and caches the device mask
     kv = jnp.zeros(KV_SIZE, jnp.float32)
@@ -256,6 +258,34 @@ def test_clear_errors():
     ids, cu, weights = random_batch(np.random.default_rng(9), 3, 2)
     with pytest.raises(ValueError, match="'weights' says batch=2 but 'cu' says batch=3"):
         cache.plan(jnp.zeros(KV_SIZE), ids, cu, weights[:2], k=2)
+
+
+def test_call_planned_is_a_call_without_planning_or_padding():
+    """A caller that builds its arguments at bucket size plans the shape once (plan_sizes) and gets
+    exactly what the padded call returns, with the same counters and its mask built from the plan."""
+    rng = np.random.default_rng(3)
+    padded, planned = (make_cache(masked_step, masks={"mask": "batch"}) for _ in range(2))
+    for i, num_requests in enumerate((3, 3, 2)):                # buckets 4, 4, 2
+        ids, cu, weights = random_batch(rng, num_requests, 2)
+        want_kv, want = padded(jnp.zeros(KV_SIZE), ids, cu, weights, k=2)
+        plan = planned.plan_sizes({"batch": num_requests, "tokens": ids.shape[0]}, ("kv", "ids", "cu", "weights"),
+                                  k=2, backend="auto")
+        assert plan.key == padded.plan(jnp.zeros(KV_SIZE), ids, cu, weights, k=2).key
+        at_bucket = [pad_leaf(x, TOY_PADS[name], plan.padded[TOY_PADS[name].dim])[0]
+                     for name, x in (("ids", ids), ("cu", cu), ("weights", weights))]
+        got_kv, got = planned.call_planned(plan, [jnp.zeros(KV_SIZE), *at_bucket, None])
+        np.testing.assert_array_equal(np.asarray(got_kv), np.asarray(want_kv))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert planned.last_call_compiled == (i != 1)
+    assert planned.dynamic_argnames == ("kv", "ids", "cu", "weights", "mask")
+    assert (planned.stats.hits, planned.stats.misses) == (padded.stats.hits, padded.stats.misses) == (1, 2)
+    assert planned.stats.padding_ratio("batch") == padded.stats.padding_ratio("batch")
+    with pytest.raises(ValueError, match="plan_sizes needs a size for every dim, missing \\['tokens'\\]"):
+        planned.plan_sizes({"batch": 2}, ("kv",), k=2)
+    with pytest.raises(ValueError, match="\\['nope'\\] are not dynamic arguments"):
+        planned.plan_sizes({"batch": 2, "tokens": 4}, ("nope",), k=2)
+    with pytest.raises(TypeError, match="call_planned takes 5 dynamic arguments"):
+        planned.call_planned(plan, [jnp.zeros(KV_SIZE)])
 
 
 PERSISTENT_SCRIPT = textwrap.dedent("""

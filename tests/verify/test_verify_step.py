@@ -33,7 +33,7 @@ def random_step(seed, num_requests, max_drafts, *, layout="drafts", sampling=Fal
     cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     num_slots = int(cu[-1])
     drafts = rng.integers(0, VOCAB, num_slots).astype(np.int32)
-    rows = num_slots if layout == "drafts" else num_slots + num_requests
+    rows = {"drafts": num_slots, "query": num_slots + num_requests, "grid": num_requests * (max_drafts + 1)}[layout]
     kv = rng.standard_normal((2, LAYERS, rows, HEADS, HEAD_DIM)).astype(np.float32)
     args = dict(new_keys=kv[0], new_values=kv[1],
                 slot_mapping=rng.permutation(NUM_SLOTS)[:rows].astype(np.int32),
@@ -58,12 +58,15 @@ def expected_commit_rows(args, num_accepted, request_mask):
             continue
         if args["kv_layout"] == "drafts":
             rows += list(range(cu[b], cu[b] + n))
-        else:
+        elif args["kv_layout"] == "query":
             rows += list(range(cu[b] + b, cu[b] + b + n + 1))
+        else:
+            width = args["max_spec_len"] + 1
+            rows += list(range(b * width, b * width + n + 1))
     return rows
 
 
-@pytest.mark.parametrize("layout", ["drafts", "query"])
+@pytest.mark.parametrize("layout", ["drafts", "query", "grid"])
 @pytest.mark.parametrize("sampling", [False, True])
 def test_verify_step_matches_acceptance_and_commits_only_accepted(layout, sampling):
     args = random_step(11, 4, 3, layout=layout, sampling=sampling)
@@ -176,3 +179,8 @@ def test_clear_errors():
         verify_step(random_cache(0), **bad)
     with pytest.raises(ValueError, match="kv_layout must be"):
         verify_step(random_cache(0), **dict(args, kv_layout="paged"))
+    grid = random_step(0, 2, 2, layout="grid")
+    with pytest.raises(ValueError, match=r"kv_layout='grid' needs new_keys .* \(max_spec_len \+ 1\) = 8 rows, got 6"):
+        verify_step(random_cache(0), **dict(grid, max_spec_len=3))
+    with pytest.raises(ValueError, match="verify_step_cache: kv_layout must be 'drafts' or 'query'"):
+        verify_step_cache(kv_layout="grid")

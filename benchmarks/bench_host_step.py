@@ -1,0 +1,115 @@
+"""Host work per decoding step, with the device taken out: the decoder's loop on the demo models with its
+decode executable replaced by a stub that returns a finished step at once (every draft accepted).
+
+What remains is everything the host does per step: the controller, the n-gram proposals, block
+allocation, the step's input buffers, planning, the call into the executable (argument flattening and
+dispatch of the real executable are not included: the stub replaces them), the fetch of the step's
+summary (a ready device array) and the bookkeeping after it. On a CPU backend the real step's device
+work competes with the host for the same cores, so this isolates the host's own cost (on a GPU the two
+overlap). The stub's own work (building the summary) is timed and subtracted.
+
+Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_host_step.py [--batch-sizes 1 64] [--append]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from harness import publish  # noqa: E402
+from scv_jax import DecoderConfig, SpeculativeDecoder  # noqa: E402
+from scv_jax.decoding.device_step import StepRow  # noqa: E402
+from scv_jax.demo.e2e import benchmark_prompts  # noqa: E402
+from scv_jax.models import load_demo  # noqa: E402
+from scv_jax.verify.summary import StepSummary  # noqa: E402
+
+MODES = ("autoregressive", "k=4", "adaptive", "ngram k=4")
+
+
+class InstantStep:
+    """Stands in for the decode executable's ``call_planned``: every request accepts all its drafts and
+    emits them plus one token; the caches pass through. Times its own work (wall and thread CPU)."""
+
+    def __init__(self, executable):
+        self._names = executable.dynamic_argnames
+        self.seconds = self.cpu_seconds = 0.0
+
+    def __call__(self, plan, dynamic):
+        start, cpu = time.perf_counter(), time.thread_time()
+        args = dict(zip(self._names, dynamic))
+        rows = args["rows"]
+        drafts = rows[:, StepRow.NUM_DRAFTS]
+        width = plan.statics["k"] + 1
+        tokens = np.where(np.arange(width) <= drafts[:, None], 65, -1).astype(np.int32)
+        packed = np.concatenate([tokens, drafts[:, None], (drafts + 1)[:, None]], axis=1)
+        summary = StepSummary(jax.device_put(packed).block_until_ready())
+        self.seconds += time.perf_counter() - start
+        self.cpu_seconds += time.thread_time() - cpu
+        return args["target_cache"], args["draft_cache"], summary
+
+
+class StepClock:
+    """Wraps a decoder's step function: the thread CPU seconds spent in its steps."""
+
+    def __init__(self, step):
+        self._step, self.cpu_seconds = step, 0.0
+
+    def __call__(self, *args):
+        cpu = time.thread_time()
+        self._step(*args)
+        self.cpu_seconds += time.thread_time() - cpu
+
+
+def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
+                      repeats: int) -> tuple[float, float]:
+    """Median host microseconds per step of ``mode`` at ``batch`` over ``repeats`` generate calls: wall
+    time and the thread's CPU time (what an idle host's wall time would be)."""
+    config = DecoderConfig(batch_buckets=(batch,), adaptive=mode == "adaptive", num_blocks=64 * batch,
+                           k=0 if mode in ("autoregressive", "adaptive") else 4)
+    drafter = None if mode == "autoregressive" else ("ngram" if mode.startswith("ngram") else draft)
+    decoder = SpeculativeDecoder(target, drafter, config=config)
+    prompts = benchmark_prompts(batch)
+    stub = InstantStep(decoder._decode)
+    decoder._decode.call_planned = stub                 # the device step, taken out
+    clock = decoder._step = StepClock(decoder._step)
+    decoder.generate(prompts, max_new_tokens)           # compiles the prefill; warms the controller, the plans
+    samples = []
+    for _ in range(repeats):
+        stub.seconds = stub.cpu_seconds = clock.cpu_seconds = 0.0
+        stats = decoder.generate(prompts, max_new_tokens).stats
+        steps = sum(v[0] for v in stats.step_seconds.values())
+        seconds = sum(v[1] for v in stats.step_seconds.values())
+        samples.append(((seconds - stub.seconds) / steps * 1e6, (clock.cpu_seconds - stub.cpu_seconds) / steps * 1e6))
+    wall, cpu = np.median(samples, axis=0)
+    return float(wall), float(cpu)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    target, draft = load_demo()
+    rows = ["| batch | " + " | ".join(MODES) + " |", "|---:|" + "---:|" * len(MODES)]
+    for batch in args.batch_sizes:
+        cells = ["{:.0f} ({:.0f})".format(*host_microseconds(target, draft, mode, batch, args.max_new_tokens,
+                                                              args.repeats)) for mode in MODES]
+        rows.append(f"| {batch} | " + " | ".join(cells) + " |")
+        print(rows[-1], flush=True)
+    load = os.getloadavg()[0]
+    publish(__file__, "Host work per decoding step (device step stubbed out)",
+            f"Demo models; median of {args.repeats} generate calls of {args.max_new_tokens} tokens, every draft "
+            f"accepted; µs per step: wall (the host thread's CPU time); load average {load:.1f} during the run. ",
+            "\n".join(rows), append=args.append)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Prompt-lookup (n-gram) drafting: drafts copied from the request's own text, no draft model.
+
+Like vLLM's ``"ngram"`` speculative method: the last n tokens of a request (n from ``max_n`` down to
+``min_n``) are looked up in its prompt and generated text; the longest suffix that occurred before,
+at its earliest occurrence, proposes the (up to) k tokens that followed it there. Proposals may be
+shorter than k (the match is near the end) or empty (no match): the decode step verifies each
+request's own number of drafts, with greedy acceptance or ``rejection_sample(draft_probs=None)``
+(the draft's distribution is a point mass), so the output keeps the target's distribution exactly.
+
+Host-side and incremental: each request keeps a dict from n-gram to the position after its earliest
+occurrence, extended with the tokens each step emits, so a proposal costs O(max_n) dict lookups
+whatever the text's length.
+
+    decoder = SpeculativeDecoder(target, NgramDrafter(min_n=1, max_n=3), config=DecoderConfig(k=4))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt-lookup drafting settings (vLLM: ``prompt_lookup_min`` / ``prompt_lookup_max``).
+
+    Attributes:
+      min_n, max_n: the shortest and longest suffix matched (1 <= min_n <= max_n).
+    """
+
+    min_n: int = 1
+    max_n: int = 3
+
+    def __post_init__(self):
+        for name in ("min_n", "max_n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"NgramDrafter.{name} must be an int >= 1, got {value!r}")
+        if self.min_n > self.max_n:
+            raise ValueError(f"NgramDrafter.min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+
+    def index(self, tokens: Sequence[int]) -> "NgramIndex":
+        """A lookup index over one request's tokens (its prompt), extended as it generates."""
+        return NgramIndex(self, tokens)
+
+
+class NgramIndex:
+    """One request's text and its n-grams' earliest occurrences."""
+
+    def __init__(self, drafter: NgramDrafter, tokens: Sequence[int]):
+        self._sizes = range(drafter.min_n, drafter.max_n + 1)
+        self._longest_first = tuple(reversed(self._sizes))
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}   # n-gram -> position just after its earliest occurrence
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Appends tokens; indexes every n-gram that ends before the (new) last token."""
+        text = self.tokens
+        start = len(text)
+        text.extend(tokens)
+        after = self._after
+        for end in range(max(start, 1), len(text)):     # n-grams text[end - n:end], followed by text[end]
+            for n in self._sizes:
+                if n > end:
+                    break
+                after.setdefault(tuple(text[end - n:end]), end)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest earlier occurrence of the text's suffix."""
+        text = self.tokens
+        if k <= 0:
+            return []
+        for n in self._longest_first:
+            if n <= len(text):
+                end = self._after.get(tuple(text[-n:]))
+                if end is not None:
+                    return text[end:end + k]
+        return []
+
+
+def propose_batch(indexes: Sequence[NgramIndex], max_drafts: np.ndarray) -> list[list[int]]:
+    """Each request's proposal, at most ``max_drafts[b]`` tokens."""
+    return [index.propose(k) for index, k in zip(indexes, max_drafts.tolist())]

@@ -1,0 +1,69 @@
+"""The numpy inputs of the device steps, built from a ``RequestBatch`` with a few array operations.
+
+Decode-step inputs are built at their bucket's sizes, each request at its row of the placement's batch
+layout (padding rows: no blocks, lag 1, no drafts), so the step executable is called with no further
+planning or padding (``ExecutableCache.call_planned``), in two arrays: the block tables and one row of
+numbers per request (``StepRow``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from scv_jax.decoding.device_step import StepRow
+from scv_jax.decoding.positions import MAX_CATCH_UP
+from scv_jax.decoding.requests import RequestBatch
+
+_TAIL = np.arange(-MAX_CATCH_UP, 0)
+
+
+def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, batch: int, width: int,
+                  num_drafts: np.ndarray) -> dict[str, np.ndarray]:
+    """The per-request inputs of a decode step for ``rows`` (see ``device_step.decode_step``), request i
+    at batch row ``positions[i]`` of ``batch`` rows, ``width`` blocks: ``block_tables`` and ``rows``
+    (``StepRow``); the other rows are padding.
+
+    The lag given to the step is capped at ``MAX_CATCH_UP``: a step that runs the draft follows a
+    catch-up (``positions.catch_up_rows``), and one that does not reads only the pending token.
+    """
+    length = state.length[rows]
+    step_rows = np.zeros((batch, StepRow.WIDTH), np.int32)
+    step_rows[:, StepRow.LAG] = 1
+    step_rows[positions, StepRow.LAG] = np.minimum(state.lag[rows], MAX_CATCH_UP)
+    step_rows[positions, StepRow.CONTEXT] = length - 1
+    step_rows[positions, StepRow.REQUEST_ID] = rows
+    step_rows[positions, StepRow.NUM_DRAFTS] = num_drafts
+    # the last tokens (a 1-token request's column before its first is junk the step ignores: lag 1)
+    step_rows[positions, StepRow.TOKENS:] = state.tokens[rows[:, None], length[:, None] + _TAIL]
+    tables = np.full((batch, width), -1, np.int32)
+    tables[positions] = state.blocks[rows, :width]
+    return dict(block_tables=tables, rows=step_rows)
+
+
+def draft_grid(proposals: list[list[int]], positions: np.ndarray, batch: int, k: int) -> np.ndarray:
+    """int32[batch, k] drafts: request i's proposal (at most k tokens) left-aligned in row
+    ``positions[i]``, 0 elsewhere."""
+    out = np.zeros((batch, k), np.int32)
+    for row, proposal in zip(positions.tolist(), proposals):
+        out[row, :len(proposal)] = proposal[:k]
+    return out
+
+
+def prefill_chunks(state: RequestBatch, rows: np.ndarray, begin: np.ndarray, count: np.ndarray,
+                   chunk: int) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
+    """Prefill-step inputs committing tokens [begin[b], begin[b] + count[b]) of each request in ``rows``,
+    ``chunk`` tokens a call: yields (tokens committed so far, the call's rows, its inputs, one row
+    per request in order)."""
+    columns = np.arange(chunk)
+    for offset in range(0, int(count.max(initial=0)), chunk):
+        live = count > offset
+        sub = rows[live]
+        start = begin[live] + offset
+        take = np.minimum(count[live] - offset, chunk)
+        positions = np.minimum(start[:, None] + columns, state.tokens.shape[1] - 1)
+        tokens = np.where(columns < take[:, None], state.tokens[sub[:, None], positions], 0).astype(np.int32)
+        width = int(state.num_blocks[sub].max())
+        yield offset + chunk, sub, dict(block_tables=state.blocks[sub, :width], tokens=tokens,
+                                        start=start.astype(np.int32), count=take.astype(np.int32))

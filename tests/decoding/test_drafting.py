@@ -1,0 +1,141 @@
+"""Drafting in the decoding loop: n-gram prompt lookup, per-request draft counts, k = 0 steps that run
+no draft (and the draft's catch-up afterwards), budget-aware drafts, and what the adaptive controller
+is told about each step. Greedy output must equal autoregressive decoding throughout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scv_jax import AdaptiveController, DecoderConfig, NgramDrafter, SpeculativeDecoder
+from scv_jax.graph.compile_counter import CompileCounter
+from tests.decoding.common import MAX_NEW, SMALL, prompts
+
+ADAPTIVE = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 2, 3)})
+
+
+class Scripted:
+    """A controller playing a fixed sequence of k (cycled), for the decoder's sake."""
+
+    def __init__(self, ks):
+        self._ks, self._step = list(ks), 0
+
+    def next_k(self, batch_size, request_ids=None) -> int:
+        k = self._ks[self._step % len(self._ks)]
+        self._step += 1
+        return k
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+
+class Spy(AdaptiveController):
+    """The real controller, recording what the decoder tells it."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.asked, self.told = [], []
+
+    def next_k(self, batch_size, request_ids=None):
+        k = super().next_k(batch_size, request_ids)
+        self.asked.append((batch_size, np.array(request_ids), k))
+        return k
+
+    def update(self, num_draft_tokens, num_accepted, step_seconds=None, batch_size=None, request_ids=None, *,
+               step_k=None):
+        self.told.append(dict(drafts=np.array(num_draft_tokens), accepted=np.array(num_accepted),
+                              seconds=step_seconds, batch=batch_size, ids=np.array(request_ids), step_k=step_k))
+        super().update(num_draft_tokens, num_accepted, step_seconds, batch_size, request_ids, step_k=step_k)
+
+
+@pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 3}), ADAPTIVE], ids=["k=3", "adaptive"])
+def test_ngram_greedy_equals_autoregressive(target, autoregressive, config):
+    decoder = SpeculativeDecoder(target, NgramDrafter(min_n=1, max_n=3), config=config)
+    accepted = 0.0
+    for seed, batch in ((0, 1), (1, 3), (2, 4)):
+        batch_prompts = prompts(seed, batch, alphabet=4)        # repetitive text: the n-grams match
+        out = decoder.generate(batch_prompts, MAX_NEW)
+        assert out.tokens == autoregressive.generate(batch_prompts, MAX_NEW).tokens
+        accepted = max(accepted, out.stats.acceptance_rate)
+    assert accepted > 0                                          # drafts were proposed and accepted
+    assert decoder.pool.num_free == SMALL.num_blocks
+    assert SpeculativeDecoder(target, "ngram", config=config).drafter == NgramDrafter()
+
+
+def test_runs_of_k0_steps_skip_the_draft_and_catch_up_later(target, partial_draft, autoregressive):
+    decoder = SpeculativeDecoder(target, partial_draft, config=ADAPTIVE)
+    decoder.controllers["greedy"] = Scripted([0, 0, 0, 0, 3, 0, 2, 0, 0, 0, 0, 0, 0, 3, 2])
+    batch_prompts = prompts(4, 4)
+    out = decoder.generate(batch_prompts, 20)
+    assert out.tokens == autoregressive.generate(batch_prompts, 20).tokens
+    assert out.stats.catch_up_calls >= 2 and out.stats.k_histogram[0] >= 6
+    assert 0.0 < out.stats.acceptance_rate < 1.0
+
+
+def test_a_k0_step_is_an_autoregressive_step(target, partial_draft):
+    """The k = 0 executable of a speculative decoder does exactly the autoregressive decoder's work."""
+    speculative = SpeculativeDecoder(target, partial_draft, config=ADAPTIVE)
+    autoregressive = SpeculativeDecoder(target, None, config=SMALL)
+    flops = []
+    for decoder in (speculative, autoregressive):
+        decoder.warmup(4, SMALL.max_seq_len)
+        plan = decoder._decode_plan(4, 8, 0, True, False)
+        flops.append(decoder._decode.executable(plan.key).cost_analysis()["flops"])
+    assert flops[0] == flops[1] > 0
+
+
+@pytest.mark.parametrize("max_new, drafts, k_histogram", [(1, [], {0: 1}), (3, [1.0, 1.0], {3: 1}),
+                                                          (5, [1.0, 1.0, 1.0], {3: 1, 0: 1}),
+                                                          (6, [1.0, 1.0, 1.0], {3: 2})])
+def test_drafts_never_outrun_the_budget(target, max_new, drafts, k_histogram):
+    """The draft equals the target (every draft accepted): a request drafts at most what it can still
+    emit, and a step no request can draft in runs without the draft model."""
+    decoder = SpeculativeDecoder(target, target, config=DecoderConfig(**{**vars(SMALL), "k": 3}))
+    out = decoder.generate([[1, 2, 3]], max_new)
+    assert len(out.tokens[0]) == max_new
+    assert [a for a in out.stats.acceptance_per_position if a == a] == drafts     # positions drafted
+    assert out.stats.k_histogram == k_histogram
+
+
+def test_the_controller_is_told_the_step_the_executable_ran(target, partial_draft):
+    """Regression: the controller must see the padded batch the step computes, the static k it ran
+    (the dense cost), each request's verified drafts within its budget and the chosen k, the step's
+    time (none for a step that compiled), and request ids unique across calls; it learns from every
+    step (the last one's update is flushed at the end of the call)."""
+    decoder = SpeculativeDecoder(target, partial_draft, config=ADAPTIVE)
+    spy = decoder.controllers["greedy"] = Spy(decoder.controllers["greedy"].config)
+    first = decoder.generate(prompts(5, 3), 9)                     # 3 requests in the batch-4 bucket
+    calls = len(spy.told)
+    second = decoder.generate(prompts(6, 2), 9)
+    assert calls == first.stats.steps and len(spy.told) == calls + second.stats.steps
+    assert [b for b, _, _ in spy.asked] == [4] * len(spy.asked)   # the bucket, not the 2 or 3 real rows
+    ran = [k for k, n in sorted(first.stats.k_histogram.items()) for _ in range(n)]
+    assert sorted(t["step_k"] for t in spy.told[:calls]) == ran
+    chosen = {k for _, _, k in spy.asked}
+    for told in spy.told:
+        assert told["batch"] == 4 and told["step_k"] in (0, 2, 3)
+        assert told["drafts"].max(initial=0) <= told["step_k"] and told["drafts"].max(initial=0) <= max(chosen)
+        assert np.all(told["accepted"] <= told["drafts"])
+    timed = [t["seconds"] for t in spy.told]
+    assert timed[0] is None and all(s is None or 0 < s < 30 for s in timed)   # the first step compiled
+    assert sum(s is not None for s in timed) >= len(timed) // 2
+    ids = [set(t["ids"].tolist()) for t in spy.told]
+    assert not set().union(*ids[:calls]) & set().union(*ids[calls:])          # fresh ids per call
+    assert all(set(i.tolist()) <= set().union(*ids) for _, i, _ in spy.asked)
+    budget = {i: 9 for i in set().union(*ids)}
+    for told in spy.told:                                          # never more drafts than tokens left - 1
+        for i, d, a in zip(told["ids"].tolist(), told["drafts"].tolist(), told["accepted"].tolist()):
+            assert d <= budget[i] - 1
+            budget[i] -= a + 1
+
+
+def test_no_recompilation_after_warmup_with_ngram_and_catch_up(target, partial_draft):
+    ngram = SpeculativeDecoder(target, "ngram", config=ADAPTIVE)
+    catching_up = SpeculativeDecoder(target, partial_draft, config=ADAPTIVE)
+    catching_up.controllers["greedy"] = Scripted([0, 0, 0, 3, 0, 0, 0, 2])
+    for decoder in (ngram, catching_up):
+        decoder.warmup(4, SMALL.max_seq_len)
+        with CompileCounter() as compiles:
+            out = decoder.generate(prompts(7, 4, alphabet=4), 16)
+        assert compiles.count == 0 and out.stats.compile_count == 0
+    assert out.stats.catch_up_calls >= 1
