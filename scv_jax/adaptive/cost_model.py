@@ -280,6 +280,9 @@ class StepCostTable:
         # batch -> per k: decayed count, mean and decayed squared deviations of log seconds
         self._measured: dict[int, tuple[list[float], list[float], list[float]]] = {}
         self._model_rows: dict[int, tuple[list[float], list[float]]] = {}  # batch -> (theta, log seconds per k)
+        # batch -> (its model row, its measurements' version, ``relative``): valid until either changes
+        self._relative: dict[int, tuple[list[float], int, list[float]]] = {}
+        self._versions: dict[int, int] = {}   # batch -> measurements added at that batch size
 
     def _model_row(self, batch_size: int) -> list[float]:
         theta = self.model.theta(batch_size)
@@ -308,12 +311,19 @@ class StepCostTable:
     def relative(self, batch_size: int) -> list[float]:
         """The relative cost (seconds at load 1) of a step at ``batch_size`` with each of the k values."""
         model = self._model_row(batch_size)
+        version = self._versions.get(batch_size, 0)
+        cached = self._relative.get(batch_size)
+        if cached is not None and cached[0] is model and cached[1] == version:
+            return cached[2]
         measured = self._measured.get(batch_size)
         if measured is None or not self.model.timed:
-            return [math.exp(m) for m in model]
-        w = self._model_weight(*measured, model)
-        counts, means, _ = measured
-        return [math.exp((n * mean + w * m) / (n + w)) for n, mean, m in zip(counts, means, model)]
+            out = [math.exp(m) for m in model]
+        else:
+            w = self._model_weight(*measured, model)
+            counts, means, _ = measured
+            out = [math.exp((n * mean + w * m) / (n + w)) for n, mean, m in zip(counts, means, model)]
+        self._relative[batch_size] = (model, version, out)
+        return out
 
     def row(self, batch_size: int) -> list[float]:
         """Predicted seconds of a step at ``batch_size`` with each of the k values, at the current load."""
@@ -351,6 +361,7 @@ class StepCostTable:
             delta = x - means[i]
             means[i] += delta / counts[i]
             squares[i] = self._decay * squares[i] + delta * (x - means[i])
+            self._versions[batch_size] = self._versions.get(batch_size, 0) + 1
         self.model.add(features, normalised)
         return True
 
@@ -359,3 +370,4 @@ class StepCostTable:
         self.load = 1.0
         self._measured.clear()
         self._model_rows.clear()
+        self._relative.clear()

@@ -324,7 +324,10 @@ class SpeculativeDecoder:
             for row, count in zip(rows.tolist(), appended.tolist()):
                 call.ngram[row].extend(state.tokens[row, state.length[row] - count:state.length[row]].tolist())
         if controller:   # a compile is no step cost: leave that step untimed
-            call.observed = (num_drafts, host.num_accepted, None if compiled else step_seconds, batch, ids, step_k)
+            # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
+            # a short one) as a rejection at that position: E(k) is then what a step of k really emits
+            offered = np.minimum(caps, step_k)
+            call.observed = (offered, host.num_accepted, None if compiled else step_seconds, batch, ids, step_k)
         call.tally.add(num_drafts, host.num_accepted, host.num_emitted)
         stats.add_step(batch, step_k, None if compiled else step_seconds + time.perf_counter() - fetched,
                        dispatch - step_start + time.perf_counter() - fetched)

@@ -129,6 +129,26 @@ def test_the_controller_is_told_the_step_the_executable_ran(target, partial_draf
             budget[i] -= a + 1
 
 
+def test_the_controller_counts_drafts_the_ngram_drafter_could_not_offer(target):
+    """Regression: with n-gram drafts, a request whose lookup found fewer drafts than the step computed
+    is told as drafting min(budget - 1, step k), its missing drafts as rejections, so the controller's
+    E(k) is what a step of k emits (told only the proposals, it would see the matches' acceptance and
+    keep speculating where no match comes)."""
+    decoder = SpeculativeDecoder(target, NgramDrafter(min_n=1, max_n=2), config=ADAPTIVE)
+    spy = decoder.controllers["greedy"] = Spy(decoder.controllers["greedy"].config)
+    batch_prompts = prompts(8, 2, alphabet=3) + prompts(9, 2)      # two repetitive, two that rarely match
+    out = decoder.generate(batch_prompts, MAX_NEW)
+    budget = {}
+    for told in spy.told:
+        for i, d, a in zip(told["ids"].tolist(), told["drafts"].tolist(), told["accepted"].tolist()):
+            left = budget.setdefault(i, MAX_NEW)
+            assert d == min(left - 1, told["step_k"]) and a <= d
+            budget[i] = left - a - 1
+    offered = sum(int(t["drafts"].sum()) for t in spy.told)
+    accepted = sum(int(t["accepted"].sum()) for t in spy.told)
+    assert 0 < accepted / offered < out.stats.acceptance_rate      # some drafts were not offered
+
+
 def test_no_recompilation_after_warmup_with_ngram_and_catch_up(target, partial_draft):
     ngram = SpeculativeDecoder(target, "ngram", config=ADAPTIVE)
     catching_up = SpeculativeDecoder(target, partial_draft, config=ADAPTIVE)

@@ -1,0 +1,32 @@
+"""The decoding loop's host-cost benchmarks run end to end on small settings and print their tables."""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, *args: str) -> list[list[str]]:
+    """The markdown rows (cells) that ``benchmarks/<script>`` prints (each row as it is measured, then the
+    whole table)."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", script), *args], capture_output=True,
+                          text=True, timeout=600, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]
+
+
+def test_bench_controller_reports_each_batch_and_mode():
+    rows = _run("bench_controller.py", "--steps", "200")[-4:]
+    assert [(r[0], r[1]) for r in rows] == [("1", "no"), ("1", "yes"), ("64", "no"), ("64", "yes")]
+    for _, _, median, p90, p99, mean in rows:
+        assert 0 < float(median) <= float(p90) <= float(p99) and float(mean) > 0
+
+
+def test_bench_host_step_reports_every_mode():
+    rows = _run("bench_host_step.py", "--batch-sizes", "2", "--max-new-tokens", "12", "--repeats", "1")
+    assert len(rows) == 2 and rows[0] == rows[1] and rows[0][0] == "2" and len(rows[0]) == 5
+    for cell in rows[0][1:]:                    # "wall (cpu)" microseconds per step
+        wall, cpu = cell.replace("(", "").replace(")", "").split()
+        assert float(wall) > 0 and float(cpu) > 0
