@@ -202,12 +202,14 @@ class StepCostModel:
             out[rows] = np.maximum(features[rows] @ theta, 1e-6 * max(theta[0], 1e-12))
         return out
 
-    def is_outlier(self, predicted: float, seconds: float) -> bool:
+    def is_outlier(self, predicted: float, seconds: float, *, measured: bool = True) -> bool:
         """Whether a step of ``seconds`` against a prediction of ``predicted`` is skipped as too slow
-        (counts the skip); a fast one resets the model (the data so far were slow outliers)."""
+        (counts the skip); a fast one resets the model (the data so far were slow outliers).
+        ``measured``: whether the prediction rests on measurements of this step's shape; one that is
+        only extrapolated (a batch size never timed) neither skips nor resets anything."""
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"step_seconds must be a positive finite number, got {seconds!r}")
-        if self._unit is None:
+        if self._unit is None or not measured:
             return False
         if seconds > self._outlier_ratio * predicted and self._skips_in_row < self._max_skips:
             self._skips_in_row += 1
@@ -344,7 +346,7 @@ class StepCostTable:
         else:
             relative = self.relative(batch_size)[i]
             known = measured[0][i] / (measured[0][i] + 1.0) if measured else 0.0
-        if self.model.is_outlier(self.load * relative, seconds):
+        if self.model.is_outlier(self.load * relative, seconds, measured=known > 0.0):
             return False
         if not self.model.timed:       # the first timing, or a restart after slow outliers
             self.reset()

@@ -292,3 +292,18 @@ def test_request_ids_must_be_ints_one_per_request():
     ctrl = AdaptiveController(per_request=True)
     with pytest.raises(ValueError, match="request_ids must be 2 non-negative ints"):
         ctrl.update(np.array([1, 1]), np.array([0, 1]), request_ids=["a", "b"])
+
+
+def test_a_step_at_a_batch_size_never_timed_keeps_the_other_measurements():
+    """Regression: a batch that shrinks to a size never timed gets a fast step against an extrapolated
+    prediction; it must be taken as a first measurement there, not as proof that every earlier timing
+    was a slow outlier (which wiped the whole cost table each time the decoder's batch shrank)."""
+    ctrl = AdaptiveController(allowed_k=(0, 2, 4), warmup_steps=0, explore_prob=0.0)
+    for step in range(60):
+        k = (0, 2, 4)[step % 3]
+        ctrl.update(np.full(16, k), np.zeros(16, np.int64), 0.006 * (1 + 0.45 * k), 16, step_k=k)
+    before = ctrl.predicted_step_cost(16)
+    np.testing.assert_allclose(before, [0.006, 0.0114, 0.0168], rtol=0.05)
+    ctrl.update(np.full(1, 2), np.zeros(1, np.int64), 0.0002, 1, step_k=2)      # 1 / 60 of a batch-16 step
+    np.testing.assert_allclose(ctrl.predicted_step_cost(16), before, rtol=0.05)
+    assert ctrl.summary()["skipped_timings"] == 0
