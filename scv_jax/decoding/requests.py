@@ -50,7 +50,7 @@ class RequestBatch:
       tokens: int32[R, capacity] each request's prompt then generated tokens (``length`` of them;
         entries past ``length`` are scratch).
       length, prompt_len: int64[R]; budget: int64[R] tokens each request may still emit;
-      lag: int64[R] tokens the draft cache lacks; done: bool[R].
+      lag: int64[R] tokens the draft cache lacks.
       active: int64[B] rows of the unfinished requests.
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
       blocks: int32[R, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, from the
@@ -68,7 +68,6 @@ class RequestBatch:
         for row, prompt in zip(self.tokens, prompts):
             row[:len(prompt)] = prompt
         self.lag = np.ones(rows, np.int64)
-        self.done = np.zeros(rows, bool)
         self.active = np.arange(rows)
         self.may_lag = False
         self.blocks = np.full((rows, max_blocks), -1, np.int32)
@@ -124,7 +123,6 @@ class RequestBatch:
         self.may_lag |= k == 0
         finished = budget <= 0
         if finished.any():
-            self.done[rows] = finished
             self.release(rows[finished])
             self.active = rows[~finished]
         return count
