@@ -30,3 +30,18 @@ def test_bench_host_step_reports_every_mode():
     for cell in rows[0][1:]:                    # "wall (cpu)" microseconds per step
         wall, cpu = cell.replace("(", "").replace(")", "").split()
         assert float(wall) > 0 and float(cpu) > 0
+
+
+def test_adaptive_summary_compares_with_the_best_fixed_k_round_by_round():
+    """The e2e summary picks the fixed k with the best median and divides adaptive's runs by its runs of
+    the same round (the machine's load drifts between rounds, alike for every mode of a round)."""
+    from scv_jax.demo.e2e import E2ERow, adaptive_summary
+
+    def row(mode, runs):
+        return E2ERow("stdlib", "model", 4, 0.0, mode, sorted(runs)[1], (min(runs), max(runs)), 1.0, 1.0, 1.0,
+                      True, 1.0, 1.0, tuple(runs))
+
+    lines = adaptive_summary([row("autoregressive", (50, 60, 70)), row("k=2", (100, 90, 120)),
+                              row("k=4", (80, 200, 40)), row("adaptive", (110, 80, 60))])
+    cells = [c.strip() for c in lines.splitlines()[-1].split("|")[1:-1]]
+    assert cells[4:] == ["k=2", f"{80 / 100:.2f}", f"{60 / 120:.2f}", "0.89 [0.50-1.10]"]      # 110/100, 80/90, 60/120

@@ -8,10 +8,18 @@ shared a_j, and E(k) is the mean over the requests of the coming step: when requ
 different acceptance share a batch, the choice follows the batch that is actually running (e.g. it
 drops k as soon as the repetitive requests finish). Modes:
 
-* ``"goodput"`` (default): the k in the allowed set maximising E(k) / T(k, B) at the step's batch size B,
-  switching only for a ``switch_margin`` gain after ``min_dwell_steps``, and exploring with probability
-  ``explore_prob`` another k whose predicted goodput is within 15% of the best (a neighbour when none is),
-  so estimates for the plausible k stay fresh.
+* ``"goodput"`` (default): the k in the allowed set maximising the goodput E(k) / T(k, B) at the step's
+  batch size B; or, for a batch that runs until its last request finishes (``next_k``'s
+  ``remaining_tokens``, as ``SpeculativeDecoder.generate`` gives), the progress per second toward
+  the end of the request that would finish last: 1 / T(k, B) over the expected steps until every
+  request is done, each request needing r_b / E_b(k) steps give or take its own spread (speculation
+  that helps the other requests finish early buys nothing while that one runs). k is decided every
+  ``min_dwell_steps`` steps (at once when the batch changes), switching only for a ``switch_margin``
+  gain. A k never timed at a batch size is tried once there (its cost is otherwise only
+  extrapolated, and a k predicted worse than it is would never be chosen); and with probability
+  ``explore_prob`` a step tries the k that wins a draw of each k's predicted goodput with its
+  uncertainty (Thompson sampling: shapes timed often are drawn tighter), so a k that may be best is
+  measured again and one known to be worse rarely is.
 * ``"target"``: the seed rule; raise k while the acceptance ratio (accepted / drafted) is above
   ``target_acceptance + target_band``, lower it while below ``target_acceptance - target_band``.
 * ``"fixed"``: always ``k_init``.
@@ -24,14 +32,17 @@ The cost model charges k = 0 steps accordingly (0 or 1 draft forwards). Drafters
 (``draft_model=False``, e.g. n-gram prompt lookup) cost no draft forwards at all.
 
 Call ``next_k(batch_size)`` before each step and ``update(...)`` with the step's per-request counts after.
-Both are cheap enough for every step (a few vectorised numpy operations, no Python loop over requests;
-``benchmarks/bench_controller.py``).
+Both are cheap enough for every step: ``update`` checks and keeps the counts, and the estimates fold
+the kept steps in when a decision reads them (a few vectorised numpy operations for all of them, no
+Python loop over requests; ``benchmarks/bench_controller.py``).
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import asdict, dataclass, replace
+from statistics import NormalDist
 from typing import Any, Literal
 
 import numpy as np
@@ -40,7 +51,20 @@ from scv_jax.adaptive.cost_model import CostPrior, StepCostModel, StepCostTable
 
 Mode = Literal["goodput", "target", "fixed"]
 _MAX_ACCEPTANCE = 0.999
-_PLAUSIBLE = 0.15          # exploration tries the k whose predicted goodput is within 15% of the best
+# exploration draws each k's log goodput with variance _EXPLORE_VARIANCE / (1 + its step timings at the
+# batch size) (Thompson sampling: a k is tried as often as it may be the best, less once well measured)
+_EXPLORE_VARIANCE = 0.04
+_KNOWN = 2.0               # expected accepted drafts of a request before its own scale speaks for it
+_PAST_SCALES = 256         # scales of past requests kept, the prior of a new batch's unknown requests
+_AFTER_CHANGE = 2          # steps after a decision forced by a new batch to the next decision
+_PROBE_FLOOR = 0.7         # a never-timed k is tried if its extrapolated objective is within 30% of the best
+_PROBES = 2                # tries of a k never timed at a batch size (a try may go untimed: a compile)
+_MAX_PENDING = 16          # steps kept unfolded at most (see ``AdaptiveController._fold``)
+
+
+def _expected_max_normal(count: int) -> float:
+    """The expected largest of ``count`` independent standard normals (Blom's approximation; 0 for one)."""
+    return NormalDist().inv_cdf((count - 0.375) / (count + 0.25)) if count > 1 else 0.0
 
 
 def expected_tokens(conditional_acceptance: np.ndarray) -> np.ndarray:
@@ -62,10 +86,12 @@ class ControllerConfig:
       target_acceptance: "target" mode's acceptance ratio, in (0, 1).
       target_band: "target" mode's hysteresis half-width.
       switch_margin: "goodput" switches only for a relative gain above this.
-      min_dwell_steps: steps to hold a k before switching again.
-      explore_prob: chance per step that "goodput" tries another plausible k.
+      min_dwell_steps: steps between decisions (k is held in between unless the batch changes: another
+        size or, with ``per_request``, another ``request_ids`` object).
+      explore_prob: chance per step that "goodput" draws a k to try (the held one when it wins the draw).
       warmup_steps: steps before the first decision (alternating k_init and the smallest positive k).
-      acceptance_decay: forgetting factor per step of the acceptance counts, in (0, 1].
+      acceptance_decay: forgetting factor per step of the acceptance counts, in (0, 1] (while k = 0 is
+        held the estimates drift back to the prior, so drafting is tried again in time).
       prior_acceptance, prior_strength: prior of a_1 (later positions default to the estimate of the
         previous one) and how many observations it is worth.
       cost_prior: the default cost model (``cost_model.CostPrior``), used until measured step times
@@ -88,7 +114,7 @@ class ControllerConfig:
     target_acceptance: float = 0.6
     target_band: float = 0.05
     switch_margin: float = 0.02
-    min_dwell_steps: int = 4
+    min_dwell_steps: int = 8
     explore_prob: float = 0.05
     warmup_steps: int = 8
     acceptance_decay: float = 0.97
@@ -160,13 +186,18 @@ class AdaptiveController:
         cfg = self.config
         self._allowed_list = list(cfg.allowed)
         self._allowed = np.array(self._allowed_list)
+        self._positive_rows = [k - 1 for k in self._allowed_list if k > 0]   # rows of E_b(k) - 1 per positive k
+        # [2 * positive k, k_max]: for each positive allowed k, the sums over positions j <= k of reach_j,
+        # then of (2j - 1) reach_j (``_finishing_rate``)
+        positions = np.arange(1, cfg.k_max + 1)
+        upto = (positions[None, :] <= np.array([k for k in self._allowed_list if k > 0])[:, None]).astype(np.float64)
+        self._moment_sums = np.concatenate([upto, upto * (2.0 * positions - 1.0)])
         self._k_init = cfg.k_init if cfg.k_init is not None else self._allowed_list[-1]
         positive = [k for k in self._allowed_list if k > 0]
         self._k_probe = positive[0] if positive else self._k_init
         self._success = [0.0] * cfg.k_max   # decayed accepted counts per draft position
         self._trials = [0.0] * cfg.k_max    # decayed counts of drafts reached per position
         self._acceptance: list[float] | None = None  # cache of ``acceptance()``
-        self._acceptance_sums = np.zeros(cfg.k_max + 1)
         self._model = StepCostModel(cfg.cost_prior, decay=cfg.cost_decay)
         self._table = StepCostTable(self._model, tuple(self._allowed_list),
                                     tuple(self._forwards(k) for k in self._allowed_list),
@@ -175,26 +206,45 @@ class AdaptiveController:
         # per request (slot = id % max_tracked_requests): its id, decayed accepted drafts and their
         # expectation under the shared estimate
         self._request_owner = np.full(cfg.max_tracked_requests, -1, np.int64)
-        self._request_counts = np.zeros((cfg.max_tracked_requests, 2))
+        self._request_counts = np.zeros((2, cfg.max_tracked_requests))
         # the requests of the last update, their counts (stored back when the batch changes) and mean reach
         self._batch_ids: np.ndarray | None = None
-        self._batch_counts = np.zeros((0, 2))
-        self._batch_reach: list[float] = []
+        self._batch_counts = np.zeros((2, 0))
+        self._batch_reach: list[float] | None = None     # their mean reach (None: not computed yet)
         self._same_ids: np.ndarray | None = None
-        self._acceptance_array: np.ndarray | None = None
         self._k = self._k_init  # the held choice; exploration and warm-up steps do not change it
         self._last_k = self._k_init
         self._last_explored = False
         self._last_batch = 1
         self._steps = 0
-        self._since_switch = 0
+        self._since_decision = 0
+        self._decided_for: tuple[int, Any] = (0, None)     # the batch size and request ids of the last decision
+        self._decision_objective: list[float] | None = None  # what the last "goodput" decision maximised
+        self._probes: dict[tuple[int, int], int] = {}       # (batch size, column) -> tries while never timed
+        self._past_scales = np.zeros(0)                     # scales of past requests with some history
+        self._accepted_per_step = 1.0                       # a request's accepted drafts per drafting step
         self._num_explored = 0
         self._k_counts = [0] * (cfg.k_max + 1)
         self._totals = [0.0, 0.0, 0.0, 0.0]  # drafted, accepted, emitted, timed seconds
+        # int64[2, B] (drafts, accepted) of the steps not yet folded into the estimates (all of the
+        # current batch with per-request ids, or all without), folded when an estimate is read; the
+        # weight of each of n pending steps in the fold (decay ** age)
+        self._pending: list[np.ndarray] = []
+        self._pending_ids = False
+        self._age_weights = [cfg.acceptance_decay ** np.arange(n - 1, -1, -1.0) for n in range(_MAX_PENDING + 1)]
+        self._repeated_weights: dict[tuple[int, int], np.ndarray] = {}   # (steps, B) -> each entry's weight
+        self._estimate()      # the prior's a_j (a fold needs the last estimate)
 
     # ----------------------------------------------------------------- estimates
     def _shared(self) -> list[float]:
-        """The shared a_j as a list (see ``acceptance``), and its running sums (for ``_expected``)."""
+        """The shared a_j as a list (see ``acceptance``), the pending steps folded in."""
+        if self._pending:
+            self._fold()
+        return self._estimate()
+
+    def _estimate(self) -> list[float]:
+        """The shared a_j from the folded counts, as a list and an array (``_acceptance_array``), and
+        their running sums from 0 (``_acceptance_sums``, float64[k_max + 1])."""
         if self._acceptance is None:
             cfg = self.config
             out, prior, strength = [], cfg.prior_acceptance, cfg.prior_strength
@@ -205,7 +255,8 @@ class AdaptiveController:
                 out.append(a)
                 running += a
                 sums.append(running)
-            self._acceptance, self._acceptance_sums = out, np.array(sums)
+            both = np.array(out + sums)
+            self._acceptance, self._acceptance_array, self._acceptance_sums = out, both[:len(out)], both[len(out):]
         return self._acceptance
 
     def acceptance(self) -> np.ndarray:
@@ -239,9 +290,13 @@ class AdaptiveController:
     def _reach(self, request_ids: Any = None) -> list[float]:
         """Mean over the requests of P(draft j accepted), j = 1..k_max: the shared estimate, or with
         ``per_request`` and ids the mean over those requests of their scaled estimates."""
+        if self._pending:
+            self._fold()
         if self.config.per_request and request_ids is not None:
             ids = np.asarray(request_ids)
             if self._is_current_batch(ids):
+                if self._batch_reach is None:       # computed when a decision needs it, once per update
+                    self._batch_reach = self._mixture(self._batch_counts)
                 return self._batch_reach
             if ids.size:
                 return self._mixture(self._stored_counts(ids))
@@ -261,24 +316,83 @@ class AdaptiveController:
         return same
 
     def _stored_counts(self, ids: np.ndarray) -> np.ndarray:
-        """float64[B, 2] the (accepted, expected) counts of requests (0 for unknown ones)."""
+        """float64[2, B] the (accepted, expected) counts of requests (0 for unknown ones)."""
+        if self._pending:
+            self._fold()
         if self._batch_ids is not None:     # the last update's requests: their counts go to the store
             slots = self._batch_ids % self.config.max_tracked_requests
-            self._request_counts[slots] = self._batch_counts
+            self._request_counts[:, slots] = self._batch_counts
             self._request_owner[slots] = self._batch_ids
+            known = self._batch_counts[1] >= _KNOWN
+            if known.any():                 # and the scales of those with some history to the past ones
+                self._past_scales = np.concatenate([self._past_scales,
+                                                    self._shrunk_scales(self._batch_counts[:, known])])[-_PAST_SCALES:]
         slots = ids % self.config.max_tracked_requests
-        return np.where((self._request_owner[slots] == ids)[:, None], self._request_counts[slots], 0.0)
+        return np.where(self._request_owner[slots] == ids, self._request_counts[:, slots], 0.0)
+
+    def _scales(self, counts: np.ndarray) -> np.ndarray:
+        """float64[B] each request's scale of the shared a_j, (accepted + s) / (expected + s) from its
+        float64[2, B] counts, s = ``prior_strength``."""
+        strength = self.config.prior_strength
+        return (counts[0] + strength) / (counts[1] + strength)
+
+    def _shrunk_scales(self, counts: np.ndarray) -> np.ndarray:
+        """float64[B] ``_scales`` shrunk toward their mean by how much of their spread is noise
+        (empirical Bayes; an estimate's variance ~ scale (1 + m) / (expected + s), its accepted drafts
+        counted in runs of m per step on average, as for a geometric count): the least of a batch's
+        scales is then a request truly poorer than the others, not the unluckiest."""
+        strength = self.config.prior_strength
+        scales = self._scales(counts)
+        noise = scales * (1.0 + self._accepted_per_step) / (counts[1] + strength)
+        mean = float(scales.sum()) / scales.shape[0]
+        centered = scales - mean
+        spread = max(float(centered @ centered - noise.sum()) / scales.shape[0], 0.0)   # noise removed
+        centered *= spread / (spread + noise)
+        centered += mean
+        return centered
+
+    def _request_reach(self, scales: np.ndarray) -> np.ndarray:
+        """float64[k_max, B] P(draft j accepted), j = 1..k_max, of requests whose a_j are the shared ones
+        times float64[B] ``scales`` (``_scales``). Positions on the leading axis, so the running
+        product runs over contiguous rows."""
+        reach = np.multiply.outer(self._shared_array(), scales)
+        np.minimum(reach, _MAX_ACCEPTANCE, out=reach)
+        return np.multiply.accumulate(reach, axis=0, out=reach)
 
     def _mixture(self, counts: np.ndarray) -> list[float]:
-        """The mean reach of requests with (accepted, expected) ``counts``: each scales the shared a_j by
-        (accepted + s) / (expected + s), s = ``prior_strength``."""
-        scaled = counts + self.config.prior_strength
-        reach = np.minimum(np.multiply.outer(scaled[:, 0] / scaled[:, 1], self._shared_array()), _MAX_ACCEPTANCE)
-        return (reach.cumprod(axis=1).sum(axis=0) * (1.0 / counts.shape[0])).tolist()
+        """The mean over requests with float64[2, B] ``counts`` of their reach (``_request_reach``)."""
+        inverse = 1.0 / counts.shape[1]
+        return [r * inverse for r in self._request_reach(self._scales(counts)).sum(axis=1).tolist()]
+
+    def _finishing_rate(self, request_ids: Any, remaining: np.ndarray) -> list[float]:
+        """Per allowed k: 1 / the expected steps until every request has emitted its ``remaining``
+        tokens. Request b needs about r_b / E_b(k) steps, give or take sqrt(r_b V_b(k) / E_b(k)^3)
+        (V_b: the variance of its tokens per step); the batch finishes with the last of them, taken
+        as max_b of mean + z_B std (z_B: the expected largest of B standard normals). Scales are
+        shrunk by their noise (``_shrunk_scales``); requests with little history take evenly spaced
+        quantiles of past requests' (the shared estimate is their average, but the request that
+        finishes last is likely one of the poor ones)."""
+        ids = np.asarray(request_ids)
+        counts = self._batch_counts if self._is_current_batch(ids) else self._stored_counts(ids)
+        scales = self._shrunk_scales(counts)
+        unknown = np.flatnonzero(counts[1] < _KNOWN)
+        if unknown.size and self._past_scales.size:
+            scales[unknown] = np.quantile(self._past_scales, (np.arange(unknown.size) + 0.5) / unknown.size)
+        # accepted drafts L: E[L] = sum_j reach_j, E[L^2] = sum_j (2j - 1) reach_j (reaching j means
+        # reaching every i < j), both for each positive allowed k in one product
+        moments = self._moment_sums @ self._request_reach(scales)
+        accepted, squares = moments[:len(self._positive_rows)], moments[len(self._positive_rows):]
+        remaining = np.maximum(remaining, 1.0)
+        squares -= accepted * accepted                                    # the variance of L
+        accepted += 1.0                                                   # E_b(k)
+        per_step = remaining / accepted                                   # steps to finish, on average
+        np.maximum(squares, 0.0, out=squares)
+        spread = np.sqrt(squares * per_step / (accepted * accepted))      # their standard deviation
+        steps = (per_step + _expected_max_normal(remaining.shape[0]) * spread).max(axis=1).tolist()
+        return [1.0 / float(remaining.max())] * (len(self._allowed_list) - len(steps)) + [1.0 / n for n in steps]
 
     def _shared_array(self) -> np.ndarray:
-        if self._acceptance_array is None:
-            self._acceptance_array = np.array(self._shared())
+        self._shared()
         return self._acceptance_array
 
     def predicted_goodput(self, batch_size: int, request_ids: Any = None) -> np.ndarray:
@@ -287,11 +401,14 @@ class AdaptiveController:
         return batch_size * emitted / self.predicted_step_cost(batch_size)
 
     # ----------------------------------------------------------------- decisions
-    def next_k(self, batch_size: int, request_ids: Any = None) -> int:
+    def next_k(self, batch_size: int, request_ids: Any = None, remaining_tokens: Any = None) -> int:
         """The number of drafts for the coming step of ``batch_size`` requests (the batch the step
         computes, padding included: the cost model's batch size; the choice does not depend on how
         many of them are real). ``request_ids``: the step's requests (with ``per_request``, the
-        expected tokens are theirs)."""
+        expected tokens are theirs). ``remaining_tokens``: int[B] tokens each of them has yet to emit,
+        for a batch that runs until its last request finishes (no request joins it): k then
+        maximises the progress of the request that would finish last (see ``_choose_goodput``);
+        None: the batch's tokens per second (a server that refills finished slots)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"AdaptiveController.next_k: batch_size must be a positive int, got {batch_size!r}")
         cfg = self.config
@@ -301,17 +418,54 @@ class AdaptiveController:
         elif self._steps < cfg.warmup_steps:
             k = self._k_init if self._steps % 2 == 0 else self._k_probe
         else:
-            if self._since_switch >= cfg.min_dwell_steps:
-                choice = (self._choose_goodput(int(batch_size), request_ids) if cfg.mode == "goodput"
-                          else self._choose_target())
-                if choice != self._k:
-                    self._k, self._since_switch = choice, 0
+            if self._since_decision >= cfg.min_dwell_steps or self._batch_changed(int(batch_size), request_ids):
+                choice = (self._choose_goodput(int(batch_size), request_ids, remaining_tokens)
+                          if cfg.mode == "goodput" else self._choose_target())
+                changed = self._since_decision < cfg.min_dwell_steps
+                # a new batch's first choice rests on little of its own history: decide again soon
+                self._k, self._since_decision = choice, max(cfg.min_dwell_steps - _AFTER_CHANGE, 0) if changed else 0
+                self._decided_for = (int(batch_size), request_ids)
             k = self._k
-            if cfg.mode == "goodput" and self._rng.random() < cfg.explore_prob:
-                k, self._last_explored = self._explored(k, int(batch_size), request_ids), True
+            probe = self._probe(int(batch_size)) if cfg.mode == "goodput" else None
+            if probe is not None:              # a k never timed at this batch size: time it once
+                k, self._last_explored, self._since_decision = probe, True, cfg.min_dwell_steps
                 self._num_explored += 1
+            elif cfg.mode == "goodput" and self._rng.random() < cfg.explore_prob:
+                tried = self._explored(int(batch_size), request_ids)
+                if tried != k:
+                    k, self._last_explored = tried, True
+                    self._num_explored += 1
         self._last_k = int(k)
         return self._last_k
+
+    def _probe(self, batch_size: int) -> int | None:
+        """An allowed k whose step was never timed at this batch size (its cost there is only
+        extrapolated, and a k predicted worse than it is would never be tried) and whose objective is
+        within ``_PROBE_FLOOR`` of the best, tried at most ``_PROBES`` times: the first of them in the
+        order of the last decision's objective."""
+        counts = self._table.counts(batch_size)
+        if min(counts) >= 1.0:
+            return None
+        objective = self._decision_objective or [1.0] * len(counts)
+        floor = _PROBE_FLOOR * max(objective)
+        for i in sorted(range(len(counts)), key=lambda i: -objective[i]):
+            if counts[i] < 1.0 and objective[i] >= floor and self._probes.get((batch_size, i), 0) < _PROBES:
+                self._probes[batch_size, i] = self._probes.get((batch_size, i), 0) + 1
+                return self._allowed_list[i]
+        return None
+
+    def _batch_changed(self, batch_size: int, request_ids: Any) -> bool:
+        """Whether the coming step runs another batch than the last decision's (another size, or with
+        ``per_request`` other requests): k is then decided again at once."""
+        size, ids = self._decided_for
+        if batch_size != size:
+            return True
+        if not self.config.per_request or request_ids is ids:
+            return False
+        if ids is None or request_ids is None:
+            return True
+        ids, new = np.asarray(ids), np.asarray(request_ids)
+        return ids.shape != new.shape or not bool((ids == new).all())
 
     def _rates(self, batch_size: int, request_ids: Any) -> list[float]:
         """Expected emitted tokens per unit of cost (the load cancels) of each allowed k."""
@@ -321,8 +475,16 @@ class AdaptiveController:
             emitted.append(total)
         return [emitted[k] / cost for k, cost in zip(self._allowed_list, self._table.relative(batch_size))]
 
-    def _choose_goodput(self, batch_size: int, request_ids: Any) -> int:
-        rates = self._rates(batch_size, request_ids)
+    def _choose_goodput(self, batch_size: int, request_ids: Any, remaining: Any) -> int:
+        """The k maximising the goodput; with per-request estimates and ``remaining`` tokens of several
+        requests, the batch's progress per second toward its last request's end: ``_finishing_rate`` /
+        T(k) (for one request the two are the same)."""
+        if remaining is not None and self.config.per_request and request_ids is not None and len(remaining) > 1:
+            costs = self._table.relative(batch_size)
+            rates = [rate / cost for rate, cost in zip(self._finishing_rate(request_ids, remaining), costs)]
+        else:
+            rates = self._rates(batch_size, request_ids)
+        self._decision_objective = rates
         best = max(range(len(rates)), key=rates.__getitem__)
         current = rates[self._allowed_list.index(self._k)]
         if rates[best] > current * (1.0 + self.config.switch_margin):
@@ -344,21 +506,14 @@ class AdaptiveController:
                 return up
         return self._k
 
-    def _explored(self, k: int, batch_size: int, request_ids: Any) -> int:
-        """Another k to try: one of those whose predicted goodput is within ``_PLAUSIBLE`` of the best (its
-        cost or acceptance may be mispredicted, e.g. a shape rarely measured), at random; a neighbour of
-        k when none is."""
-        allowed = self._allowed_list
-        rates = self._rates(batch_size, request_ids)
-        floor = (1.0 - _PLAUSIBLE) * max(rates)
-        plausible = [other for other, rate in zip(allowed, rates) if other != k and rate >= floor]
-        if plausible:
-            return plausible[int(self._rng.random() * len(plausible))]
-        index = allowed.index(k)
-        up = index + 1 < len(allowed)
-        if up and (index == 0 or self._rng.random() < 0.5):
-            return allowed[index + 1]
-        return allowed[max(index - 1, 0)]
+    def _explored(self, batch_size: int, request_ids: Any) -> int:
+        """The k to try this step: each k's log objective (the last decision's, made for this batch: a
+        new one decides at once) drawn with its uncertainty, the best draw (often the held k: then
+        nothing is explored). A k timed often, or predicted far below the best, is rarely tried."""
+        rates = self._decision_objective or self._rates(batch_size, request_ids)
+        draws = [math.log(rate) + self._rng.gauss(0.0, math.sqrt(_EXPLORE_VARIANCE / (1.0 + timed)))
+                 for rate, timed in zip(rates, self._table.counts(batch_size))]
+        return self._allowed_list[max(range(len(draws)), key=draws.__getitem__)]
 
     def request_k(self, request_ids: Any) -> np.ndarray:
         """int32[B] drafts per request within the last ``next_k``; needs ``per_request=True``.
@@ -377,9 +532,8 @@ class AdaptiveController:
         if k == 0 or not ids.size:
             return np.full(ids.size, k, np.int32)
         a = np.array(self._shared()[:k])
-        counts = (self._batch_counts if self._is_current_batch(ids) else self._stored_counts(ids)) \
-            + self.config.prior_strength
-        reach = np.cumprod(np.clip((counts[:, 0] / counts[:, 1])[:, None] * a, 0.0, _MAX_ACCEPTANCE), axis=1)
+        counts = self._batch_counts if self._is_current_batch(ids) else self._stored_counts(ids)
+        reach = np.cumprod(np.clip(self._scales(counts)[:, None] * a, 0.0, _MAX_ACCEPTANCE), axis=1)
         batch = ids.size
         rate = batch * expected_tokens(a)[k] / self._step_seconds(batch, k)
         theta = self._model.coefficients(batch)
@@ -405,35 +559,76 @@ class AdaptiveController:
         cfg = self.config
         batch = drafts.shape[0] if batch_size is None else max(int(batch_size), drafts.shape[0])
         self._last_batch = max(batch, 1)
+        with_ids = cfg.per_request and request_ids is not None
+        if with_ids:
+            ids = np.asarray(request_ids)
+            if ids is not self._same_ids and (ids.shape != drafts.shape or ids.dtype.kind not in "iu"):
+                raise ValueError(f"AdaptiveController.update: request_ids must be {drafts.shape[0]} non-negative "
+                                 f"ints (one per request), got {ids.shape} of dtype {ids.dtype}")
+            if not self._is_current_batch(ids):       # fold the last batch's steps, then switch batches
+                self._batch_counts = self._stored_counts(ids)
+                self._batch_ids = self._same_ids = ids.copy()
+        if self._pending and with_ids != self._pending_ids:
+            self._fold()
+        if step_seconds is not None:
+            self._observe_cost(batch, drafts, step_k, float(step_seconds))
+        self._pending.append(np.array((drafts, accepted), np.int64))      # a copy: kept until folded
+        self._pending_ids = with_ids
+        if len(self._pending) >= _MAX_PENDING:
+            self._fold()
+        self._k_counts[self._last_k if step_k is None else step_k] += 1
+        self._steps += 1
+        self._since_decision += 1
+
+    def _fold(self) -> None:
+        """Folds the pending steps into the estimates, as if each had been folded when it happened
+        (decay ** age weights), except that a request's expected count uses the shared estimate as of
+        the fold: every position's decayed reached and accepted counts, each request's accepted and
+        expected drafts (with per-request ids), and the totals."""
+        steps, self._pending = self._pending, []
+        cfg = self.config
+        both = np.concatenate(steps, axis=1) if len(steps) > 1 else steps[0]
+        drafts, accepted = both
+        age_weights = self._age_weights[len(steps)]
+        if self._pending_ids:        # the same requests in every pending step
+            weights = self._repeated_weights.get((len(steps), steps[0].shape[1]))
+            if weights is None:
+                weights = self._repeated_weights[len(steps), steps[0].shape[1]] = np.repeat(age_weights,
+                                                                                           steps[0].shape[1])
+        else:
+            weights = np.repeat(age_weights, [step.shape[1] for step in steps])
         # Request b reached positions 1..min(d_b, n_b + 1) and accepted 1..n_b.
         reached = np.minimum(drafts, accepted + 1)
-        try:
-            reached_at = np.bincount(reached, minlength=cfg.k_max + 1).tolist()
-            accepted_at = np.bincount(accepted, minlength=cfg.k_max + 1).tolist()
-        except ValueError:       # a negative count
-            self._count_error(drafts)
-        decay, trials, success = cfg.acceptance_decay, self._trials, self._success
-        reached_total = accepted_total = 0
+        forget = age_weights[0] * cfg.acceptance_decay
+        if self._pending_ids:
+            counts = self._batch_counts
+            # each request's accepted drafts and the sum of a_j over the positions it reached, per step
+            # (a_j as last estimated: the expectation before these steps were seen)
+            per_step = np.empty((2, both.shape[1]))
+            per_step[0] = accepted
+            np.take(self._acceptance_sums, reached, out=per_step[1])
+            counts *= forget
+            counts += np.matmul(age_weights, per_step.reshape(2, len(steps), -1))
+        reached_at = np.bincount(reached, weights, minlength=cfg.k_max + 1).tolist()
+        accepted_at = np.bincount(accepted, weights, minlength=cfg.k_max + 1).tolist()
+        trials, success = self._trials, self._success
+        reached_total = accepted_total = 0.0
         for j in range(cfg.k_max, 0, -1):     # every position forgets: unreached ones drift to the one before
             reached_total += reached_at[j]
             accepted_total += accepted_at[j]
-            trials[j - 1] = decay * trials[j - 1] + reached_total
-            success[j - 1] = decay * success[j - 1] + accepted_total
-        self._acceptance = self._acceptance_array = None
-        if cfg.per_request and request_ids is not None:
-            self._update_requests(np.asarray(request_ids), reached, accepted)
-        if step_seconds is not None:
-            self._observe_cost(batch, drafts, step_k, float(step_seconds))
-        drafted, accepted_sum = int(drafts.sum()), int(accepted.sum())
+            trials[j - 1] = forget * trials[j - 1] + reached_total
+            success[j - 1] = forget * success[j - 1] + accepted_total
+        self._acceptance = self._batch_reach = None
+        drafted, accepted_sum = both.sum(axis=1).tolist()
+        decay = cfg.acceptance_decay ** len(steps)
+        self._accepted_per_step = decay * self._accepted_per_step + (1.0 - decay) * accepted_sum / both.shape[1]
         totals = self._totals
         totals[0] += drafted
         totals[1] += accepted_sum
-        totals[2] += accepted_sum + drafts.shape[0]
-        self._k_counts[self._last_k if step_k is None else step_k] += 1
-        self._steps += 1
-        self._since_switch += 1
+        totals[2] += accepted_sum + both.shape[1]
 
     def _observe_cost(self, batch: int, drafts: np.ndarray, step_k: int | None, seconds: float) -> None:
+        """Feeds a timed step to the cost table (which skips outliers)."""
         if step_k is None:
             k = int(drafts.max(initial=0))
             draft_tokens = int(drafts.sum()) + (batch - drafts.shape[0]) * k
@@ -445,23 +640,6 @@ class AdaptiveController:
         if self._table.observe(batch, shape, features, seconds):
             self._totals[3] += seconds
 
-    def _update_requests(self, ids: np.ndarray, reached: np.ndarray, accepted: np.ndarray) -> None:
-        """Per request: decayed accepted drafts and their expectation under the shared estimate; then
-        the mean reach of these requests (the next step's, unless some finish)."""
-        if ids.shape != reached.shape or ids.dtype.kind not in "iu":
-            raise ValueError(f"AdaptiveController.update: request_ids must be {reached.shape[0]} non-negative "
-                             f"ints (one per request), got {ids.shape} of dtype {ids.dtype}")
-        cfg = self.config
-        if not self._is_current_batch(ids):
-            self._batch_counts = self._stored_counts(ids)
-            self._batch_ids = self._same_ids = ids.copy()
-        counts = self._batch_counts
-        counts *= cfg.acceptance_decay
-        counts[:, 0] += accepted
-        self._shared()
-        counts[:, 1] += self._acceptance_sums[reached]     # sum of a_j over the positions each reached
-        self._batch_reach = self._mixture(counts)
-
     def _checked_counts(self, num_draft_tokens: Any, num_accepted: Any) -> tuple[np.ndarray, np.ndarray]:
         where = "AdaptiveController.update"
         drafts, accepted = np.asarray(num_draft_tokens), np.asarray(num_accepted)
@@ -471,7 +649,7 @@ class AdaptiveController:
         if drafts.shape != accepted.shape:
             raise ValueError(f"{where}: num_draft_tokens {drafts.shape} and num_accepted {accepted.shape} "
                              "must have the same shape [B]")
-        if drafts.size and ((accepted > drafts).any() or drafts.max() > self.config.k_max):
+        if drafts.size and (np.bitwise_or(drafts - accepted, accepted).min() < 0 or drafts.max() > self.config.k_max):
             self._count_error(drafts)
         return drafts, accepted
 
@@ -499,6 +677,8 @@ class AdaptiveController:
 
     def summary(self) -> dict[str, Any]:
         """Totals since construction: steps, k histogram, acceptance ratio, tokens per step and second."""
+        if self._pending:
+            self._fold()
         drafted, accepted, emitted, seconds = self._totals
         steps = max(self._steps, 1)
         return {

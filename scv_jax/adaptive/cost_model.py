@@ -45,17 +45,52 @@ def step_features(batch_size: np.ndarray | int, num_draft_tokens: np.ndarray | i
     return out
 
 
-def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient >= 0 (no cost is negative): drops the most negative
-    coefficient and refits until none is (a greedy active set; exact when at most one is dropped)."""
-    active = np.ones(moment.shape[0], bool)
-    while True:
-        theta = np.zeros_like(moment)
-        index = np.flatnonzero(active)
-        theta[index] = np.linalg.solve(gram[np.ix_(index, index)], moment[index])
-        if not np.any(theta < 0):
-            return theta
-        active[np.argmin(theta)] = False
+def _solve(gram: list[list[float]], moment: list[float], index: list[int]) -> list[float]:
+    """x solving gram[index, index] x = moment[index]: Gaussian elimination with partial pivoting in
+    plain Python (a handful of unknowns: cheaper than a LAPACK call)."""
+    n = len(index)
+    a = [[gram[i][j] for j in index] + [moment[i]] for i in index]
+    for c in range(n):
+        pivot = max(range(c, n), key=lambda r: abs(a[r][c]))
+        a[c], a[pivot] = a[pivot], a[c]
+        top = a[c]
+        for row in a[c + 1:]:
+            factor = row[c] / top[c]
+            for j in range(c, n + 1):
+                row[j] -= factor * top[j]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (a[r][n] - sum(a[r][j] * x[j] for j in range(r + 1, n))) / a[r][r]
+    return x
+
+
+def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray,
+                       active: list[bool] | None = None) -> tuple[list[float], list[bool]]:
+    """Least squares with every coefficient >= 0 (no cost is negative) for a positive definite
+    ``gram``: an active-set method started from ``active`` (e.g. the last fit's; default all free)
+    that drops the most negative coefficient while any is, then frees a held one whose gradient
+    says it would lower the error (the optimality conditions). Returns (coefficients, active set)."""
+    size = moment.shape[0]
+    g, m = gram.tolist(), moment.tolist()
+    active = [True] * size if active is None else list(active)
+    tolerance = 1e-12 * max(abs(v) for v in m)
+    feasible = ([0.0] * size, [False] * size)
+    for _ in range(4 * size):
+        index = [i for i in range(size) if active[i]]
+        theta = [0.0] * size
+        for i, value in zip(index, _solve(g, m, index)):
+            theta[i] = value
+        lowest = min(index, key=theta.__getitem__, default=None)
+        if lowest is not None and theta[lowest] < 0:
+            active[lowest] = False
+            continue
+        feasible = (theta, list(active))
+        gradient = [m[i] - sum(g[i][j] * theta[j] for j in index) for i in range(size)]
+        entering = max((i for i in range(size) if not active[i]), key=gradient.__getitem__, default=None)
+        if entering is None or gradient[entering] <= tolerance:
+            break
+        active[entering] = True
+    return feasible
 
 
 @dataclass(frozen=True)
@@ -113,6 +148,7 @@ class StepCostModel:
         grid = np.array([(k, b) for k in _PRIOR_KS for b in _PRIOR_BATCHES], np.float64)
         x = step_features(grid[:, 1], grid[:, 0] * grid[:, 1], grid[:, 0])
         self._prior_gram = prior_weight / len(x) * x.T @ x
+        self._prior_moment = self._prior_gram @ self._prior_theta     # in target-forward units
         self._decay = decay
         self._bandwidth = batch_bandwidth
         self._outlier_ratio = outlier_ratio
@@ -132,8 +168,9 @@ class StepCostModel:
         self._folded_at = 0
         self._pending: list[tuple[int, tuple[float, ...], float]] = []   # (row, features, seconds)
         self._row_counts: list[int] = []                        # observations per batch size
-        # batch size -> (coefficients, observations in all and at that batch size when fitted)
-        self._fits: dict[int, tuple[list[float], int, int]] = {}
+        # batch size -> (coefficients, observations in all and at that batch size when fitted, the
+        # coefficients free of their bound, where the next fit starts)
+        self._fits: dict[int, tuple[list[float], int, int, list[bool]]] = {}
         self.num_observations = 0
 
     @property
@@ -157,8 +194,10 @@ class StepCostModel:
         self._grams *= weight
         self._moments *= weight
         age = self._decay ** (now - 1 - np.arange(now - len(rows), now))
-        np.add.at(self._grams, rows, age[:, None, None] * x[:, :, None] * x[:, None, :])
-        np.add.at(self._moments, rows, (age * seconds)[:, None] * x)
+        # [rows, pending] weights of each observation in its batch size's row: one product per statistic
+        owner = (rows == np.arange(len(self._row_counts))[:, None]) * age
+        self._grams += (owner @ (x[:, :, None] * x[:, None, :]).reshape(len(rows), -1)).reshape(self._grams.shape)
+        self._moments += owner @ (seconds[:, None] * x)
         self._pending.clear()
         self._folded_at = now
 
@@ -175,10 +214,10 @@ class StepCostModel:
         self._fold()
         distance = (self._log_batch - math.log2(max(batch_size, 1))) / self._bandwidth
         weight = np.exp(-0.5 * distance ** 2)
-        gram = self._prior_gram + np.tensordot(weight, self._grams, axes=1)
-        moment = self._unit * self._prior_gram @ self._prior_theta + weight @ self._moments
-        theta = _nonnegative_solve(gram, moment).tolist()
-        self._fits[batch_size] = (theta, self.num_observations, here)
+        gram = self._prior_gram + (weight @ self._grams.reshape(len(weight), -1)).reshape(self._prior_gram.shape)
+        moment = self._unit * self._prior_moment + weight @ self._moments
+        theta, active = _nonnegative_solve(gram, moment, None if cached is None else cached[3])
+        self._fits[batch_size] = (theta, self.num_observations, here, active)
         return theta
 
     def predict_one(self, batch_size: int, num_draft_tokens: float, num_draft_forwards: float,
@@ -268,6 +307,7 @@ class StepCostTable:
 
     _NOISE_PRIOR = 0.01      # log-variance of one measurement before any are repeated (10% noise)
     _MISFIT_PRIOR = 0.0025   # log-variance of the model's misfit before two shapes are measured (5%)
+    _WEIGHT_EVERY = 8        # measurements at a batch size between refreshes of the model's worth there
 
     def __init__(self, model: StepCostModel, k_values: tuple[int, ...], forwards: tuple[int, ...], *,
                  draft_model: bool = True, decay: float = 0.98, load_rate: float = 0.1):
@@ -281,6 +321,8 @@ class StepCostTable:
         self._model_rows: dict[int, tuple[list[float], list[float]]] = {}  # batch -> (theta, log seconds per k)
         # batch -> (its model row, its measurements' version, ``relative``): valid until either changes
         self._relative: dict[int, tuple[list[float], int, list[float]]] = {}
+        # batch -> (its model row, the version, the model's worth there): refreshed every few versions
+        self._weights: dict[int, tuple[list[float], int, float]] = {}
         self._versions: dict[int, int] = {}   # batch -> measurements added at that batch size
 
     def _model_row(self, batch_size: int) -> list[float]:
@@ -307,6 +349,15 @@ class StepCostTable:
             misfit = max(sum(n * v for n, v in misfits) / total, 1e-6)
         return min(max(noise, 1e-6) / misfit, 100.0)
 
+    def _weight(self, batch_size: int, model: list[float], measured) -> float:
+        """``_model_weight`` at ``batch_size``, recomputed when the model row changes or every
+        ``_WEIGHT_EVERY`` measurements (it moves slowly)."""
+        version = self._versions.get(batch_size, 0)
+        cached = self._weights.get(batch_size)
+        if cached is None or cached[0] is not model or version - cached[1] >= self._WEIGHT_EVERY:
+            cached = self._weights[batch_size] = (model, version, self._model_weight(*measured, model))
+        return cached[2]
+
     def relative(self, batch_size: int) -> list[float]:
         """The relative cost (seconds at load 1) of a step at ``batch_size`` with each of the k values."""
         model = self._model_row(batch_size)
@@ -318,11 +369,29 @@ class StepCostTable:
         if measured is None or not self.model.timed:
             out = [math.exp(m) for m in model]
         else:
-            w = self._model_weight(*measured, model)
+            w = self._weight(batch_size, model, measured)
             counts, means, _ = measured
             out = [math.exp((n * mean + w * m) / (n + w)) for n, mean, m in zip(counts, means, model)]
         self._relative[batch_size] = (model, version, out)
         return out
+
+    def _relative_one(self, batch_size: int, i: int) -> float:
+        """``relative(batch_size)[i]`` without the other shapes (the prediction each measurement needs)."""
+        model = self._model_row(batch_size)
+        cached = self._relative.get(batch_size)
+        if cached is not None and cached[0] is model and cached[1] == self._versions.get(batch_size, 0):
+            return cached[2][i]
+        measured = self._measured.get(batch_size)
+        if measured is None or not self.model.timed:
+            return math.exp(model[i])
+        w = self._weight(batch_size, model, measured)
+        n, mean = measured[0][i], measured[1][i]
+        return math.exp((n * mean + w * model[i]) / (n + w))
+
+    def counts(self, batch_size: int) -> list[float]:
+        """The decayed number of measurements of each shape at ``batch_size``."""
+        measured = self._measured.get(batch_size)
+        return list(measured[0]) if measured is not None else [0.0] * len(self._shapes)
 
     def row(self, batch_size: int) -> list[float]:
         """Predicted seconds of a step at ``batch_size`` with each of the k values, at the current load."""
@@ -341,7 +410,7 @@ class StepCostTable:
             relative = max(t0 + t1 * features[1] + t2 * features[2] + t3 * features[3], 1e-6 * max(t0, 1e-12))
             known = 0.5
         else:
-            relative = self.relative(batch_size)[i]
+            relative = self._relative_one(batch_size, i)
             known = measured[0][i] / (measured[0][i] + 1.0) if measured else 0.0
         if self.model.is_outlier(self.load * relative, seconds, measured=known > 0.0):
             return False
@@ -370,3 +439,4 @@ class StepCostTable:
         self._measured.clear()
         self._model_rows.clear()
         self._relative.clear()
+        self._weights.clear()

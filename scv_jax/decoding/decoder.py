@@ -291,7 +291,7 @@ class SpeculativeDecoder:
             k = call.decided[1]
         else:
             self._observe(call)
-            k = controller.next_k(batch, ids)
+            k = controller.next_k(batch, ids, state.budget[rows])
         caps = np.minimum(state.budget[rows] - 1, k)        # never draft past a request's budget
         proposals = propose_batch([call.ngram[r] for r in rows.tolist()], caps) if call.ngram else None
         num_drafts = caps if proposals is None else np.array([len(p) for p in proposals], np.int64)
@@ -300,7 +300,9 @@ class SpeculativeDecoder:
             self._catch_up(state, rows, stats)
         state.ensure(rows, state.length[rows] + num_drafts)
         width = int(state.num_blocks[rows].max())
+        planning = time.perf_counter()
         plan = self._decode_plan(layout.size, width, step_k, call.greedy, layout.scattered)
+        step_start += time.perf_counter() - planning     # a shape's one-off planning is no step cost
         size = plan.padded["batch"] or layout.size
         inputs = decode_inputs(state, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts)
         if proposals is not None:
@@ -313,7 +315,7 @@ class SpeculativeDecoder:
                                base_key=call.base_key, temperature=call.temperature, **inputs)
         if controller:     # while the device runs this step: learn from the last one, choose the next k
             self._observe(call)
-            call.decided = (batch, controller.next_k(batch, ids))
+            call.decided = (batch, controller.next_k(batch, ids, state.budget[rows]))
         host = layout.fetch(summary)                      # the step's one device-to-host transfer
         compiled = self._decode.last_call_compiled
         fetched = time.perf_counter()

@@ -46,6 +46,7 @@ class E2ERow:
     host_us_per_step: float        # median over the repeats of the host's own work per step (before the
                                    # step's dispatch and after its fetch)
     wall_minus_device_us: float    # median over the repeats of step wall time - the step's device time
+    runs: tuple[float, ...] = ()   # tokens/s of each repeat, in round order
 
 
 def benchmark_prompts(batch: int, length: int = 48, seed: int = 0) -> list[list[int]]:
@@ -130,7 +131,7 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
             rows.append(E2ERow(workload, drafter, batch, temperature, name, float(np.median(speeds)),
                                (min(speeds), max(speeds)), float(np.median(speeds)) / reference,
                                s.mean_accepted_length, s.acceptance_rate, same,
-                               *(float(x) for x in np.median(hosts[name], axis=0))))
+                               *(float(x) for x in np.median(hosts[name], axis=0)), tuple(speeds)))
             if progress:
                 print(f"[e2e {drafter} {workload}] batch {batch} T={temperature:g} {name:14s} "
                       f"{rows[-1].tokens_per_second:8.1f} tok/s  x{rows[-1].speedup:.2f}  host "
@@ -155,10 +156,12 @@ def format_table(rows: list[E2ERow]) -> str:
 
 
 def adaptive_summary(rows: list[E2ERow]) -> str:
-    """Per workload, batch and temperature: adaptive's tokens/s over the best fixed k's (median and
-    the runs' spread), as markdown lines."""
+    """Per workload, batch and temperature: adaptive's tokens/s over the best fixed k's (medians; the
+    runs' spread; and the ratio within each round, which the machine's drifting load hits alike), as
+    markdown lines."""
     lines = ["| workload | drafter | batch | temperature | best fixed k | adaptive / best fixed (median) | "
-             "adaptive min / best fixed max |", "|---|---|---:|---:|---|---:|---:|"]
+             "adaptive min / best fixed max | same-round ratios: median [min-max] |",
+             "|---|---|---:|---:|---|---:|---:|---:|"]
     groups: dict[tuple, list[E2ERow]] = {}
     for r in rows:
         groups.setdefault((r.workload, r.drafter, r.batch, r.temperature), []).append(r)
@@ -168,9 +171,11 @@ def adaptive_summary(rows: list[E2ERow]) -> str:
         if not fixed or not adaptive:
             continue
         best = max(fixed, key=lambda r: r.tokens_per_second)
+        paired = [a / b for a, b in zip(adaptive[0].runs, best.runs)] or [float("nan")]
         lines.append(f"| {workload} | {drafter} | {batch} | {temperature:g} | {best.mode} | "
                      f"{adaptive[0].tokens_per_second / best.tokens_per_second:.2f} | "
-                     f"{adaptive[0].spread[0] / best.spread[1]:.2f} |")
+                     f"{adaptive[0].spread[0] / best.spread[1]:.2f} | "
+                     f"{np.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] |")
     return "\n".join(lines)
 
 

@@ -307,3 +307,118 @@ def test_a_step_at_a_batch_size_never_timed_keeps_the_other_measurements():
     ctrl.update(np.full(1, 2), np.zeros(1, np.int64), 0.0002, 1, step_k=2)      # 1 / 60 of a batch-16 step
     np.testing.assert_allclose(ctrl.predicted_step_cost(16), before, rtol=0.05)
     assert ctrl.summary()["skipped_timings"] == 0
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=3, max_size=3),
+                min_size=1, max_size=40), st.integers(1, 7))
+def test_deferred_steps_fold_as_if_each_was_folded_at_once(steps, read_every):
+    """The controller folds steps into its estimates when one is read (``_fold``): reading after every
+    step or every few steps (or past the pending limit) gives the same decayed position counts, totals
+    and per-request accepted counts as a loop that decays at every step."""
+    decay = 0.9
+    ctrl = AdaptiveController(k_max=6, acceptance_decay=decay, prior_strength=1e-9, per_request=True)
+    ids = np.arange(3)
+    trials, successes, accepted_by_request, totals = np.zeros(6), np.zeros(6), np.zeros(3), np.zeros(2)
+    for i, pairs in enumerate(steps):
+        drafts = np.array([d for d, _ in pairs])
+        accepted = np.array([min(n, d) for d, n in pairs])
+        ctrl.update(drafts, accepted, request_ids=ids)
+        totals += drafts.sum(), accepted.sum()
+        trials *= decay
+        successes *= decay
+        accepted_by_request = decay * accepted_by_request + accepted
+        for d, n in zip(drafts, accepted):
+            for j in range(1, d + 1):
+                if n >= j - 1:
+                    trials[j - 1] += 1
+                    successes[j - 1] += n >= j
+        if i % read_every == 0:
+            ctrl.acceptance()
+    # unreached positions drift to the one before: compare where every position was reached
+    a, summary = ctrl.acceptance(), ctrl.summary()
+    for j in range(6):
+        if trials[j] > 1e-6 and (j == 0 or trials[j - 1] > 1e-6):
+            assert a[j] == pytest.approx(min(successes[j] / trials[j], 0.999), rel=1e-6, abs=1e-6)
+    np.testing.assert_allclose(ctrl._batch_counts[0], accepted_by_request, rtol=1e-9, atol=1e-9)
+    if totals[0]:
+        assert summary["acceptance_ratio"] == pytest.approx(totals[1] / totals[0])
+    assert summary["emitted_tokens"] == totals[1] + 3 * len(steps)
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.integers(1, 4), st.lists(st.booleans(), min_size=4, max_size=4))
+def test_nonnegative_solve_matches_scipy_nnls(seed, rank_extra, start):
+    """The cost model's active-set solver gives scipy's non-negative least squares solution from any
+    starting active set (the last fit's in use)."""
+    from scipy.optimize import nnls
+    from scv_jax.adaptive.cost_model import _nonnegative_solve
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(4 + rank_extra, 4)) * rng.uniform(0.1, 10.0, 4)
+    y = rng.normal(size=4 + rank_extra)
+    theta, active = _nonnegative_solve(x.T @ x, x.T @ y, start)
+    reference, _ = nnls(x, y)
+    assert min(theta) >= 0
+    np.testing.assert_allclose(np.linalg.norm(x @ theta - y), np.linalg.norm(x @ reference - y), rtol=1e-6, atol=1e-9)
+    assert all(t == 0.0 for t, free in zip(theta, active) if not free)
+
+
+def _train(ctrl: AdaptiveController, ids: np.ndarray, accepts: np.ndarray, remaining, steps: int = 60) -> None:
+    """Steps of a batch whose requests accept every draft (``accepts``) or none, costing 1 + 0.15 k."""
+    for _ in range(steps):
+        k = ctrl.next_k(ids.size, ids, remaining)
+        ctrl.update(np.full(ids.size, k), np.where(accepts, k, 0), 0.01 * (1 + 0.15 * k), ids.size, ids, step_k=k)
+
+
+def test_a_batch_that_runs_until_its_last_request_speculates_for_that_request():
+    """Half the requests accept every draft, half none (prompt lookup with and without matches): the
+    batch's tokens per second peak at k = 8, but a batch that runs until its last request is done ends
+    soonest without drafts: told the remaining tokens, the controller stops drafting, and a new batch of
+    unknown requests starts from past requests' spread (its poorest is likely poor), not their mean."""
+    settings = dict(per_request=True, allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0, min_dwell_steps=0)
+    ids, remaining = np.arange(8), np.full(8, 500)
+    goodput, static = AdaptiveController(**settings), AdaptiveController(**settings)
+    _train(goodput, ids, ids < 4, None)
+    _train(static, ids, ids < 4, remaining)
+    assert goodput.next_k(8, ids) == 8
+    assert static.next_k(8, ids, remaining) == 0
+    assert static.next_k(8, ids + 100, remaining) == 0          # unknown requests
+    assert goodput.next_k(8, ids + 100, remaining) == 0         # the same past, asked for the last one
+    alike = AdaptiveController(**settings)
+    _train(alike, ids, np.ones(8, bool), remaining)              # all alike: the last one gains too
+    assert alike.next_k(8, ids, remaining) == 8
+
+
+def test_a_plausible_k_never_timed_at_a_batch_size_is_tried_once():
+    """A k never timed at a batch size has only an extrapolated cost there: if its objective is within
+    ``_PROBE_FLOOR`` of the best it is tried (once it is timed, never again as a probe), so a k the
+    extrapolation undersells is still measured; a k predicted far worse is not."""
+    from scv_jax.adaptive.controller import _PROBE_FLOOR
+
+    ctrl = AdaptiveController(allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0)
+    tried = 0
+    for batch in (4, 16):
+        probes = []
+        for _ in range(16):
+            k = ctrl.next_k(batch)
+            if ctrl.state()["explored"]:
+                objective = ctrl._decision_objective
+                i = ctrl._allowed_list.index(k)
+                probes.append(k)
+                assert ctrl._table.counts(batch)[i] < 1.0 and objective[i] >= _PROBE_FLOOR * max(objective)
+            ctrl.update(np.full(batch, k), np.full(batch, min(k, 1)), 0.01 * (1 + 0.1 * k), batch, step_k=k)
+        assert probes and len(set(probes)) == len(probes)       # each tried once
+        tried += len(probes)
+    assert ctrl.summary()["explored_steps"] == tried            # no exploration but the probes
+
+
+def test_shrunk_scales_keep_real_differences_and_drop_noise():
+    """Per-request scales shrink toward the batch's mean by their noise: requests alike with Poisson
+    noise end up nearly equal (the least is not just the unluckiest), two real groups stay apart."""
+    ctrl = AdaptiveController(per_request=True)
+    rng = np.random.default_rng(0)
+    expected = np.full(64, 30.0)
+    alike = np.stack([rng.poisson(21.0, 64).astype(float), expected])          # one true scale, 0.7
+    assert ctrl._shrunk_scales(alike).std() < 0.3 * ctrl._scales(alike).std()
+    groups = np.stack([np.where(np.arange(64) < 32, 3.0, 27.0), expected])     # true scales 0.1 and 0.9
+    shrunk = ctrl._shrunk_scales(groups)
+    assert shrunk[:32].max() < 0.3 and shrunk[32:].min() > 0.7

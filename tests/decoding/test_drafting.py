@@ -20,7 +20,7 @@ class Scripted:
     def __init__(self, ks):
         self._ks, self._step = list(ks), 0
 
-    def next_k(self, batch_size, request_ids=None) -> int:
+    def next_k(self, batch_size, request_ids=None, remaining_tokens=None) -> int:
         k = self._ks[self._step % len(self._ks)]
         self._step += 1
         return k
@@ -36,9 +36,9 @@ class Spy(AdaptiveController):
         super().__init__(config)
         self.asked, self.told = [], []
 
-    def next_k(self, batch_size, request_ids=None):
-        k = super().next_k(batch_size, request_ids)
-        self.asked.append((batch_size, np.array(request_ids), k))
+    def next_k(self, batch_size, request_ids=None, remaining_tokens=None):
+        k = super().next_k(batch_size, request_ids, remaining_tokens)
+        self.asked.append((batch_size, np.array(request_ids), k, np.array(remaining_tokens)))
         return k
 
     def update(self, num_draft_tokens, num_accepted, step_seconds=None, batch_size=None, request_ids=None, *,
@@ -100,18 +100,19 @@ def test_drafts_never_outrun_the_budget(target, max_new, drafts, k_histogram):
 def test_the_controller_is_told_the_step_the_executable_ran(target, partial_draft):
     """Regression: the controller must see the padded batch the step computes, the static k it ran
     (the dense cost), each request's verified drafts within its budget and the chosen k, the step's
-    time (none for a step that compiled), and request ids unique across calls; it learns from every
-    step (the last one's update is flushed at the end of the call)."""
+    time (none for a step that compiled), request ids unique across calls and each request's
+    remaining tokens (the batch runs until its last request is done); it learns from every step (the
+    last one's update is flushed at the end of the call)."""
     decoder = SpeculativeDecoder(target, partial_draft, config=ADAPTIVE)
     spy = decoder.controllers["greedy"] = Spy(decoder.controllers["greedy"].config)
     first = decoder.generate(prompts(5, 3), 9)                     # 3 requests in the batch-4 bucket
     calls = len(spy.told)
     second = decoder.generate(prompts(6, 2), 9)
     assert calls == first.stats.steps and len(spy.told) == calls + second.stats.steps
-    assert [b for b, _, _ in spy.asked] == [4] * len(spy.asked)   # the bucket, not the 2 or 3 real rows
+    assert [b for b, _, _, _ in spy.asked] == [4] * len(spy.asked)   # the bucket, not the 2 or 3 real rows
     ran = [k for k, n in sorted(first.stats.k_histogram.items()) for _ in range(n)]
     assert sorted(t["step_k"] for t in spy.told[:calls]) == ran
-    chosen = {k for _, _, k in spy.asked}
+    chosen = {k for _, _, k, _ in spy.asked}
     for told in spy.told:
         assert told["batch"] == 4 and told["step_k"] in (0, 2, 3)
         assert told["drafts"].max(initial=0) <= told["step_k"] and told["drafts"].max(initial=0) <= max(chosen)
@@ -121,7 +122,14 @@ def test_the_controller_is_told_the_step_the_executable_ran(target, partial_draf
     assert sum(s is not None for s in timed) >= len(timed) // 2
     ids = [set(t["ids"].tolist()) for t in spy.told]
     assert not set().union(*ids[:calls]) & set().union(*ids[calls:])          # fresh ids per call
-    assert all(set(i.tolist()) <= set().union(*ids) for _, i, _ in spy.asked)
+    assert all(set(i.tolist()) <= set().union(*ids) for _, i, _, _ in spy.asked)
+    left = {}
+    for _, asked_ids, _, remaining in spy.asked:       # tokens left, never growing, never above the budget
+        assert remaining.shape == asked_ids.shape and np.all((remaining >= 1) & (remaining <= 9))
+        for i, r in zip(asked_ids.tolist(), remaining.tolist()):
+            assert r <= left.get(i, 9)
+            left[i] = r
+    assert min(left.values()) < 9
     budget = {i: 9 for i in set().union(*ids)}
     for told in spy.told:                                          # never more drafts than tokens left - 1
         for i, d, a in zip(told["ids"].tolist(), told["drafts"].tolist(), told["accepted"].tolist()):
