@@ -315,6 +315,11 @@ class AdaptiveController:
         self._same_ids = ids if same else None
         return same
 
+    def _counts_of(self, ids: np.ndarray) -> np.ndarray:
+        """float64[2, B] the (accepted, expected) counts of requests ``ids``: the running batch's own, or
+        from the store (``_stored_counts``)."""
+        return self._batch_counts if self._is_current_batch(ids) else self._stored_counts(ids)
+
     def _stored_counts(self, ids: np.ndarray) -> np.ndarray:
         """float64[2, B] the (accepted, expected) counts of requests (0 for unknown ones)."""
         if self._pending:
@@ -372,8 +377,7 @@ class AdaptiveController:
         shrunk by their noise (``_shrunk_scales``); requests with little history take evenly spaced
         quantiles of past requests' (the shared estimate is their average, but the request that
         finishes last is likely one of the poor ones)."""
-        ids = np.asarray(request_ids)
-        counts = self._batch_counts if self._is_current_batch(ids) else self._stored_counts(ids)
+        counts = self._counts_of(np.asarray(request_ids))
         scales = self._shrunk_scales(counts)
         unknown = np.flatnonzero(counts[1] < _KNOWN)
         if unknown.size and self._past_scales.size:
@@ -411,6 +415,14 @@ class AdaptiveController:
         None: the batch's tokens per second (a server that refills finished slots)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
             raise ValueError(f"AdaptiveController.next_k: batch_size must be a positive int, got {batch_size!r}")
+        if remaining_tokens is not None:
+            remaining_tokens = np.asarray(remaining_tokens)
+            requests = None if request_ids is None else np.shape(request_ids)
+            if remaining_tokens.ndim != 1 or remaining_tokens.dtype.kind not in "iu" or \
+                    (requests is not None and requests != remaining_tokens.shape):
+                raise ValueError(f"AdaptiveController.next_k: remaining_tokens must be an int[B] vector, one per "
+                                 f"request id, got shape {remaining_tokens.shape} dtype {remaining_tokens.dtype}"
+                                 + ("" if requests is None else f" for request_ids of shape {requests}"))
         cfg = self.config
         self._last_explored = False
         if cfg.mode == "fixed":
@@ -532,7 +544,7 @@ class AdaptiveController:
         if k == 0 or not ids.size:
             return np.full(ids.size, k, np.int32)
         a = np.array(self._shared()[:k])
-        counts = self._batch_counts if self._is_current_batch(ids) else self._stored_counts(ids)
+        counts = self._counts_of(ids)
         reach = np.cumprod(np.clip(self._scales(counts)[:, None] * a, 0.0, _MAX_ACCEPTANCE), axis=1)
         batch = ids.size
         rate = batch * expected_tokens(a)[k] / self._step_seconds(batch, k)

@@ -93,6 +93,12 @@ def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray,
     return feasible
 
 
+def _blend(count: float, mean: float, weight: float, model: float) -> float:
+    """A shape's relative cost: its ``count`` measurements' mean log seconds and the linear model's log
+    prediction worth ``weight`` measurements, averaged in logs."""
+    return math.exp((count * mean + weight * model) / (count + weight))
+
+
 @dataclass(frozen=True)
 class CostPrior:
     """The default cost model, relative to one batch-1 target forward.
@@ -371,7 +377,7 @@ class StepCostTable:
         else:
             w = self._weight(batch_size, model, measured)
             counts, means, _ = measured
-            out = [math.exp((n * mean + w * m) / (n + w)) for n, mean, m in zip(counts, means, model)]
+            out = [_blend(n, mean, w, m) for n, mean, m in zip(counts, means, model)]
         self._relative[batch_size] = (model, version, out)
         return out
 
@@ -384,9 +390,7 @@ class StepCostTable:
         measured = self._measured.get(batch_size)
         if measured is None or not self.model.timed:
             return math.exp(model[i])
-        w = self._weight(batch_size, model, measured)
-        n, mean = measured[0][i], measured[1][i]
-        return math.exp((n * mean + w * model[i]) / (n + w))
+        return _blend(measured[0][i], measured[1][i], self._weight(batch_size, model, measured), model[i])
 
     def counts(self, batch_size: int) -> list[float]:
         """The decayed number of measurements of each shape at ``batch_size``."""

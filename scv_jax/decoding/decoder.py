@@ -285,14 +285,15 @@ class SpeculativeDecoder:
         # the controller sees the batch the executable computes (padding rows cost like real ones); it
         # chose k during the last step's device time, unless the batch changed
         controller = call.controller
+        budget = state.budget[rows]                        # tokens each request has left (until this step ends)
         if controller is None:
             k = self.config.k
         elif call.decided is not None and call.decided[0] == batch:
             k = call.decided[1]
         else:
             self._observe(call)
-            k = controller.next_k(batch, ids, state.budget[rows])
-        caps = np.minimum(state.budget[rows] - 1, k)        # never draft past a request's budget
+            k = controller.next_k(batch, ids, budget)
+        caps = np.minimum(budget - 1, k)                   # never draft past a request's budget
         proposals = propose_batch([call.ngram[r] for r in rows.tolist()], caps) if call.ngram else None
         num_drafts = caps if proposals is None else np.array([len(p) for p in proposals], np.int64)
         step_k = self._step_k(int(num_drafts.max()))
@@ -315,7 +316,7 @@ class SpeculativeDecoder:
                                base_key=call.base_key, temperature=call.temperature, **inputs)
         if controller:     # while the device runs this step: learn from the last one, choose the next k
             self._observe(call)
-            call.decided = (batch, controller.next_k(batch, ids, state.budget[rows]))
+            call.decided = (batch, controller.next_k(batch, ids, budget))
         host = layout.fetch(summary)                      # the step's one device-to-host transfer
         compiled = self._decode.last_call_compiled
         fetched = time.perf_counter()

@@ -288,6 +288,13 @@ def test_per_request_estimates_follow_the_batch_that_runs():
     assert ctrl.request_k(both)[:4].min() >= ctrl.request_k(both)[4:].max()
 
 
+@pytest.mark.parametrize("remaining", [[3.5, 2.0], [[3, 2]], [3, 2, 1]])
+def test_remaining_tokens_must_be_ints_one_per_request(remaining):
+    ctrl = AdaptiveController(per_request=True)
+    with pytest.raises(ValueError, match="remaining_tokens must be an int"):
+        ctrl.next_k(2, np.array([0, 1]), remaining)
+
+
 def test_request_ids_must_be_ints_one_per_request():
     ctrl = AdaptiveController(per_request=True)
     with pytest.raises(ValueError, match="request_ids must be 2 non-negative ints"):
