@@ -222,6 +222,7 @@ class AdaptiveController:
         self._decision_objective: list[float] | None = None  # what the last "goodput" decision maximised
         self._probes: dict[tuple[int, int], int] = {}       # (batch size, column) -> tries while never timed
         self._past_scales = np.zeros(0)                     # scales of past requests with some history
+        self._past_sorted: np.ndarray | None = None          # them sorted (None: not yet)
         self._accepted_per_step = 1.0                       # a request's accepted drafts per drafting step
         self._num_explored = 0
         self._k_counts = [0] * (cfg.k_max + 1)
@@ -332,6 +333,7 @@ class AdaptiveController:
             if known.any():                 # and the scales of those with some history to the past ones
                 self._past_scales = np.concatenate([self._past_scales,
                                                     self._shrunk_scales(self._batch_counts[:, known])])[-_PAST_SCALES:]
+                self._past_sorted = None
         slots = ids % self.config.max_tracked_requests
         return np.where(self._request_owner[slots] == ids, self._request_counts[:, slots], 0.0)
 
@@ -381,7 +383,11 @@ class AdaptiveController:
         scales = self._shrunk_scales(counts)
         unknown = np.flatnonzero(counts[1] < _KNOWN)
         if unknown.size and self._past_scales.size:
-            scales[unknown] = np.quantile(self._past_scales, (np.arange(unknown.size) + 0.5) / unknown.size)
+            if self._past_sorted is None:
+                self._past_sorted = np.sort(self._past_scales)
+            last = self._past_sorted.shape[0] - 1     # np.quantile's linear rule on the sorted scales
+            scales[unknown] = np.interp((np.arange(unknown.size) + 0.5) * (last / unknown.size),
+                                        np.arange(last + 1), self._past_sorted)
         # accepted drafts L: E[L] = sum_j reach_j, E[L^2] = sum_j (2j - 1) reach_j (reaching j means
         # reaching every i < j), both for each positive allowed k in one product
         moments = self._moment_sums @ self._request_reach(scales)
@@ -565,7 +571,10 @@ class AdaptiveController:
           request_ids: int[B] non-negative request ids, for ``per_request`` estimates.
           step_k: the drafts per request the step computed, for a dense [batch_size, k + 1] step (the
             cost model is charged ``batch_size * step_k`` draft tokens). None: each request computed
-            its own drafts and padding rows ``max(num_draft_tokens)`` (a packed step).
+            its own drafts and padding rows ``max(num_draft_tokens)`` (a packed step). With ``step_k``
+            0 (nothing verified) the counts may be counterfactual: drafts proposed but not verified and
+            how many of them the tokens emitted next matched (a point-mass drafter's, e.g. n-gram: the
+            chance rejection sampling accepts them); they inform the acceptance estimates only.
         """
         drafts, accepted = self._checked_counts(num_draft_tokens, num_accepted)
         cfg = self.config
@@ -584,6 +593,11 @@ class AdaptiveController:
             self._fold()
         if step_seconds is not None:
             self._observe_cost(batch, drafts, step_k, float(step_seconds))
+        if step_k == 0 and drafts.any():          # counterfactual counts: no drafted or emitted tokens
+            unverified = drafts.sum(), accepted.sum()
+            self._totals[0] -= unverified[0]
+            self._totals[1] -= unverified[1]
+            self._totals[2] -= unverified[1]
         self._pending.append(np.array((drafts, accepted), np.int64))      # a copy: kept until folded
         self._pending_ids = with_ids
         if len(self._pending) >= _MAX_PENDING:

@@ -93,10 +93,23 @@ def _nonnegative_solve(gram: np.ndarray, moment: np.ndarray,
     return feasible
 
 
-def _blend(count: float, mean: float, weight: float, model: float) -> float:
-    """A shape's relative cost: its ``count`` measurements' mean log seconds and the linear model's log
-    prediction worth ``weight`` measurements, averaged in logs."""
-    return math.exp((count * mean + weight * model) / (count + weight))
+def _blended_log(count: float, mean: float, weight: float, model: float) -> float:
+    """A shape's log relative cost: its ``count`` measurements' mean log seconds and the linear model's
+    log prediction worth ``weight`` measurements, averaged."""
+    return (count * mean + weight * model) / (count + weight)
+
+
+def _nondecreasing(values: list[float], weights: list[float]) -> list[float]:
+    """The weighted least-squares fit of ``values`` that never decreases (pool adjacent violators)."""
+    blocks: list[list[float]] = []          # [weighted sum, weight, size] of each pooled run
+    for value, weight in zip(values, weights):
+        blocks.append([weight * value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, weight, size = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += weight
+            blocks[-1][2] += size
+    return [total / weight for total, weight, size in blocks for _ in range(size)]
 
 
 @dataclass(frozen=True)
@@ -302,6 +315,9 @@ class StepCostTable:
     measured / predicted (``load_rate`` of the log-ratio, scaled by how well the shape is known), so a
     shape measured under one load and another measured later under a heavier one still compare by
     their own costs. Decisions compare shapes at the current load: only relative costs matter to them.
+    A row's costs are then made non-decreasing in k (a weighted isotonic fit, each shape weighing its
+    measurements plus the model's worth): a step with more drafts computes more, so a larger k that
+    looks cheaper is noise (a timing on a quiet machine), pooled with its neighbours.
 
     Args:
       model: the linear model (fed the load-normalised measurements here).
@@ -377,20 +393,20 @@ class StepCostTable:
         else:
             w = self._weight(batch_size, model, measured)
             counts, means, _ = measured
-            out = [_blend(n, mean, w, m) for n, mean, m in zip(counts, means, model)]
+            logs = [_blended_log(n, mean, w, m) for n, mean, m in zip(counts, means, model)]
+            out = [math.exp(x) for x in _nondecreasing(logs, [n + w for n in counts])]
         self._relative[batch_size] = (model, version, out)
         return out
 
     def _relative_one(self, batch_size: int, i: int) -> float:
-        """``relative(batch_size)[i]`` without the other shapes (the prediction each measurement needs)."""
+        """Shape ``i``'s own relative cost at ``batch_size`` (``relative`` before the row is made
+        non-decreasing in k): what a measurement of it is compared with."""
         model = self._model_row(batch_size)
-        cached = self._relative.get(batch_size)
-        if cached is not None and cached[0] is model and cached[1] == self._versions.get(batch_size, 0):
-            return cached[2][i]
         measured = self._measured.get(batch_size)
         if measured is None or not self.model.timed:
             return math.exp(model[i])
-        return _blend(measured[0][i], measured[1][i], self._weight(batch_size, model, measured), model[i])
+        weight = self._weight(batch_size, model, measured)
+        return math.exp(_blended_log(measured[0][i], measured[1][i], weight, model[i]))
 
     def counts(self, batch_size: int) -> list[float]:
         """The decayed number of measurements of each shape at ``batch_size``."""

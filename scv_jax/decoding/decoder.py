@@ -33,7 +33,7 @@ from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.device_step import SplitModel, StepRow
 from scv_jax.decoding.executables import step_executables
-from scv_jax.decoding.ngram import NgramDrafter, NgramIndex, propose_batch
+from scv_jax.decoding.ngram import NgramDrafter, NgramIndex, UnverifiedProposals, propose_batch
 from scv_jax.decoding.placement import BatchRows, OnMesh, ShardingConfig, SingleDevice
 from scv_jax.decoding.positions import catch_up_rows
 from scv_jax.decoding.requests import RequestBatch, check_prompts
@@ -82,6 +82,7 @@ class _Call:
     step_ids: tuple[np.ndarray | None, np.ndarray | None, BatchRows | None] = (None, None, None)
     observed: tuple | None = None          # the last step's counts and time, for the controller
     decided: tuple[int, int] | None = None  # (batch, k) the controller chose for the next step
+    unverified: UnverifiedProposals | None = None   # n-gram proposals of a k = 0 step, checked later
 
 
 class SpeculativeDecoder:
@@ -318,7 +319,7 @@ class SpeculativeDecoder:
             self._observe(call)
             call.decided = (batch, controller.next_k(batch, ids, budget))
         host = layout.fetch(summary)                      # the step's one device-to-host transfer
-        compiled = self._decode.last_call_compiled
+        cold = self._decode.last_call_first_run        # compiled now or ahead of time, never run
         fetched = time.perf_counter()
         step_seconds = fetched - step_start
         appended = state.advance(rows, host.output_token_ids, host.num_emitted, host.num_accepted, step_k,
@@ -326,14 +327,39 @@ class SpeculativeDecoder:
         if call.ngram:
             for row, count in zip(rows.tolist(), appended.tolist()):
                 call.ngram[row].extend(state.tokens[row, state.length[row] - count:state.length[row]].tolist())
-        if controller:   # a compile is no step cost: leave that step untimed
+        if controller:   # a compile or an executable's first run is no step cost: leave that step untimed
             # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
             # a short one) as a rejection at that position: E(k) is then what a step of k really emits
-            offered = np.minimum(caps, step_k)
-            call.observed = (offered, host.num_accepted, None if compiled else step_seconds, batch, ids, step_k)
+            counts = (np.minimum(caps, step_k), host.num_accepted)
+            if call.ngram:
+                counts = self._check_unverified(call, rows, step_k) or counts
+            call.observed = (*counts, None if cold else step_seconds, batch, ids, step_k)
         call.tally.add(num_drafts, host.num_accepted, host.num_emitted)
-        stats.add_step(batch, step_k, None if compiled else step_seconds + time.perf_counter() - fetched,
+        stats.add_step(batch, step_k, None if cold else step_seconds + time.perf_counter() - fetched,
                        dispatch - step_start + time.perf_counter() - fetched)
+
+    def _check_unverified(self, call: _Call, rows: np.ndarray, step_k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """n-gram drafting at a k = 0 step (the controller's choice, or the budgets' end): the counterfactual
+        (offered, accepted) of ``rows`` once the proposals made some k = 0 steps ago can be checked
+        (``UnverifiedProposals``; the controller learns acceptance from them while it holds k = 0), and
+        new proposals to check. None while none is due; a step with drafts drops them (it counts its own)."""
+        state, pending = call.state, call.unverified
+        if step_k:
+            call.unverified = None
+            return None
+        counts = None
+        if pending is not None:
+            pending.due -= 1
+            if pending.due > 0:
+                return None
+            offered, accepted = np.zeros((2, state.length.shape[0]), np.int64)
+            offered[pending.rows], accepted[pending.rows] = pending.check(state.tokens, state.length)
+            counts = offered[rows], accepted[rows]
+        active = state.active
+        call.unverified = UnverifiedProposals.propose(
+            [call.ngram[r] for r in active.tolist()], active, state.length[active],
+            np.minimum(state.budget[active] - 1, self._step_ks[-1]))
+        return counts
 
     @staticmethod
     def _observe(call: _Call) -> None:

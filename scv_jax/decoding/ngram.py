@@ -84,3 +84,50 @@ class NgramIndex:
 def propose_batch(indexes: Sequence[NgramIndex], max_drafts: np.ndarray) -> list[list[int]]:
     """Each request's proposal, at most ``max_drafts[b]`` tokens."""
     return [index.propose(k) for index, k in zip(indexes, max_drafts.tolist())]
+
+
+@dataclass
+class UnverifiedProposals:
+    """Proposals made at a k = 0 step (which verifies none), checked against the tokens the following
+    k = 0 steps emit (one per request a step): how many drafts a step would have accepted.
+
+    A proposal is a point mass, so the target's own token matches draft j with the chance rejection
+    sampling would accept it (greedy: exactly when it would), and the matched prefix is distributed as
+    the accepted drafts. The decoder gives these counts to the adaptive controller while it holds
+    k = 0: otherwise a request that never drafts never shows that it should.
+
+    Attributes:
+      rows: int64[n] the requests' rows (``RequestBatch``); start: int64[n] their lengths when proposed.
+      drafts: int32[n, L] the proposals, -1 past each one's end (L: the longest, >= 1).
+      offered: int64[n] the drafts a step would have offered (its k within the budget; a short or
+        empty proposal counts its missing drafts as rejected, as in a verified step).
+      due: k = 0 steps until every proposal can be checked (L, at least 1).
+    """
+
+    rows: np.ndarray
+    start: np.ndarray
+    drafts: np.ndarray
+    offered: np.ndarray
+    due: int
+
+    @classmethod
+    def propose(cls, indexes: Sequence[NgramIndex], rows: np.ndarray, lengths: np.ndarray,
+                max_drafts: np.ndarray) -> "UnverifiedProposals":
+        """Each request's proposal of at most ``max_drafts[b]`` tokens (an empty one is news too: a
+        step would have had none of its drafts accepted)."""
+        proposals = propose_batch(indexes, max_drafts)
+        longest = max(map(len, proposals), default=0)
+        drafts = np.full((len(proposals), max(longest, 1)), -1, np.int32)
+        for row, proposal in zip(drafts, proposals):
+            row[:len(proposal)] = proposal
+        return cls(rows, lengths.copy(), drafts, max_drafts.copy(), max(longest, 1))
+
+    def check(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """int64[n] (offered, accepted): each proposal's drafts and how many of them lead the tokens
+        emitted after it (``tokens`` int32[R, capacity], ``lengths`` int64[R] of all requests). Check
+        after ``due`` k = 0 steps: a request still running has then emitted every token its proposal
+        needs (tokens not yet emitted count as mismatches)."""
+        positions = self.start[:, None] + np.arange(self.drafts.shape[1])
+        emitted = np.take_along_axis(tokens[self.rows], positions, axis=1)
+        matched = (emitted == self.drafts) & (positions < lengths[self.rows][:, None])
+        return self.offered, np.cumprod(matched, axis=1).sum(axis=1)

@@ -21,9 +21,10 @@ class GenerateStats:
         compilation excluded.
       wall_seconds: the whole call; prefill_seconds: its prefill part (compilation included).
       step_seconds: {(padded batch, k): [steps, seconds, host seconds]} the decode steps by shape,
-        steps that compiled excluded: their wall time (host work, device work and the one fetch of
-        each step; with the device time of each shape, the host's share per step follows) and the
-        part of it the host spent on its own work (before the step's dispatch and after its fetch).
+        steps that compiled or ran their executable for the first time excluded (one-off costs):
+        their wall time (host work, device work and the one fetch of each step; with the device
+        time of each shape, the host's share per step follows) and the part of it the host spent on
+        its own work (before the step's dispatch and after its fetch).
       catch_up_calls: draft-only prefill calls that brought a lagging draft up to date after k = 0
         steps (``positions``).
       compile_seconds: wall time of the calls that compiled an executable (first use of a shape
@@ -47,7 +48,7 @@ class GenerateStats:
 
     def add_step(self, batch: int, k: int, seconds: float | None, host_seconds: float = 0.0) -> None:
         """Counts one decode step of static ``k`` on ``batch`` (padded) rows that took ``seconds`` (None:
-        it compiled), ``host_seconds`` of them the host's own work."""
+        it compiled or was its executable's first run), ``host_seconds`` of them the host's own work."""
         self.steps += 1
         self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
         if seconds is not None:

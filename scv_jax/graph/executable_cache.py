@@ -94,6 +94,7 @@ class WarmupReport(NamedTuple):
 class _Entry:
     executable: Any          # jax.stages.Compiled, taking the dynamic arguments positionally
     is_fallback: bool
+    ran: bool = False        # called at least once
 
 
 def _positional(fn: Callable, dynamic: tuple[str, ...], fixed: frozenset[str] = frozenset()) -> Callable:
@@ -228,7 +229,7 @@ class ExecutableCache:
         self.failed: dict[BucketKey, str] = {}   # bucket -> why its executable is not used
         self._entries: dict[BucketKey, _Entry] = {}
         self._device_masks: dict[tuple[int, int], jax.Array] = {}
-        self._last_call_compiled = False
+        self._last_call_compiled = self._last_call_first_run = False
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------- host-side keys
@@ -330,6 +331,13 @@ class ExecutableCache:
     def last_call_compiled(self) -> bool:
         """Whether the most recent call compiled an executable (a bucket miss)."""
         return self._last_call_compiled
+
+    @property
+    def last_call_first_run(self) -> bool:
+        """Whether the most recent call was its executable's first (compiled by the call or ahead of
+        time by ``warmup``): a first run pays one-off costs (~15 ms for a demo step on XLA:CPU), so
+        its time is not the shape's."""
+        return self._last_call_first_run
 
     def describe(self, key: BucketKey) -> str:
         dims, statics, _ = key
@@ -546,7 +554,7 @@ class ExecutableCache:
 
     def _run(self, plan: BucketPlan, dynamic: list[Any]) -> Any:
         """Calls ``plan``'s executable on padded dynamic arguments (plain jit when oversize)."""
-        self._last_call_compiled = False
+        self._last_call_compiled = self._last_call_first_run = False
         if plan.key is None:
             self.stats.oversize += 1
             return self._jitted(*dynamic, **plan.statics)
@@ -561,6 +569,7 @@ class ExecutableCache:
             self._last_call_compiled = True
         else:
             self.stats.hits += 1
+        self._last_call_first_run, entry.ran = not entry.ran, True
         if entry.is_fallback:
             self.stats.fallbacks += 1
             return entry.executable(*dynamic)

@@ -429,3 +429,61 @@ def test_shrunk_scales_keep_real_differences_and_drop_noise():
     groups = np.stack([np.where(np.arange(64) < 32, 3.0, 27.0), expected])     # true scales 0.1 and 0.9
     shrunk = ctrl._shrunk_scales(groups)
     assert shrunk[:32].max() < 0.3 and shrunk[32:].min() > 0.7
+
+
+def test_counterfactual_counts_at_k0_steps_free_a_controller_holding_k0():
+    """Regression (the k = 0 trap): after requests that accept nothing, a new batch that would accept
+    every draft starts at k = 0 (its requests are unknown, past requests were poor) and, drafting
+    nothing, never shows otherwise. Told at k = 0 steps what unverified proposals would have had
+    accepted (``SpeculativeDecoder`` does so for n-gram drafting), the controller drafts again; told
+    nothing, it keeps k = 0. Counterfactual counts are no drafted or emitted tokens in the summary."""
+    settings = dict(per_request=True, allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0, min_dwell_steps=4,
+                    draft_model=False)
+    poor, good, remaining = np.arange(4), np.arange(4) + 100, np.full(4, 500)
+    told, silent = AdaptiveController(**settings), AdaptiveController(**settings)
+    before, accepted = {}, {told: 0, silent: 0}
+    for ctrl in (told, silent):
+        _train(ctrl, poor, np.zeros(4, bool), remaining)
+        assert ctrl.next_k(4, poor, remaining) == 0
+        before[ctrl] = ctrl.summary()
+    for step in range(40):
+        for ctrl in (told, silent):
+            k = ctrl.next_k(4, good, remaining)
+            if k:       # the requests accept every draft
+                ctrl.update(np.full(4, k), np.full(4, k), 0.01 * (1 + 0.15 * k), 4, good, step_k=k)
+                accepted[ctrl] += 4 * k
+            else:       # a proposal checked every 4 steps, each of its 8 drafts matched
+                counterfactual = np.full(4, 8 if ctrl is told and step % 4 == 3 else 0)
+                ctrl.update(counterfactual, counterfactual, 0.01, 4, good, step_k=0)
+    assert told.next_k(4, good, remaining) > 0
+    assert silent.next_k(4, good, remaining) == 0
+    for ctrl in (told, silent):    # emitted: a token per request and step, and the drafts accepted
+        summary = ctrl.summary()
+        assert summary["emitted_tokens"] - before[ctrl]["emitted_tokens"] == 4 * 40 + accepted[ctrl]
+
+
+@given(st.lists(st.floats(-5.0, 5.0), min_size=1, max_size=9), st.integers(0, 2 ** 32 - 1))
+def test_nondecreasing_fit_matches_scipy_isotonic_regression(values, seed):
+    """The cost table's monotone fit (costs never fall as k grows) is the weighted isotonic regression."""
+    from scipy.optimize import isotonic_regression
+    from scv_jax.adaptive.cost_model import _nondecreasing
+
+    weights = np.random.default_rng(seed).uniform(0.1, 10.0, len(values))
+    fit = _nondecreasing(values, weights.tolist())
+    np.testing.assert_allclose(fit, isotonic_regression(values, weights=weights).x, rtol=1e-9, atol=1e-9)
+
+
+def test_a_larger_k_timed_cheaper_is_pooled_with_its_neighbours():
+    """One timing of k = 4 on a quiet machine below k = 2's (XLA:CPU's noise): the table's costs never
+    fall as k grows, and a monotone row is left as measured."""
+    ctrl = AdaptiveController(allowed_k=(0, 2, 4, 8), draft_model=False)
+    table = ctrl._table
+    for _ in range(10):
+        for k, seconds in ((0, 0.010), (2, 0.013), (8, 0.020)):
+            table.observe(4, k, step_features(4, 4 * k, 0), seconds)
+    monotone = table.relative(4)
+    table.observe(4, 4, step_features(4, 16, 0), 0.008)
+    costs = table.relative(4)
+    assert all(a <= b for a, b in zip(costs, costs[1:]))
+    assert costs[1] == costs[2] and costs[3] == pytest.approx(monotone[3], rel=0.05)
+    assert monotone[1] < monotone[2] < monotone[3]

@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scv_jax import AdaptiveController, DecoderConfig, NgramDrafter, SpeculativeDecoder
+from scv_jax import AdaptiveController, ControllerConfig, DecoderConfig, NgramDrafter, SpeculativeDecoder
 from scv_jax.graph.compile_counter import CompileCounter
 from tests.decoding.common import MAX_NEW, SMALL, prompts
+from tests.decoding.test_ngram import matched_prefix, reference_proposal
 
 ADAPTIVE = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 2, 3)})
 
@@ -146,14 +147,15 @@ def test_the_controller_counts_drafts_the_ngram_drafter_could_not_offer(target):
     spy = decoder.controllers["greedy"] = Spy(decoder.controllers["greedy"].config)
     batch_prompts = prompts(8, 2, alphabet=3) + prompts(9, 2)      # two repetitive, two that rarely match
     out = decoder.generate(batch_prompts, MAX_NEW)
-    budget = {}
+    budget, verified = {}, [t for t in spy.told if t["step_k"]]   # k = 0 steps: counterfactual counts
     for told in spy.told:
         for i, d, a in zip(told["ids"].tolist(), told["drafts"].tolist(), told["accepted"].tolist()):
             left = budget.setdefault(i, MAX_NEW)
-            assert d == min(left - 1, told["step_k"]) and a <= d
-            budget[i] = left - a - 1
-    offered = sum(int(t["drafts"].sum()) for t in spy.told)
-    accepted = sum(int(t["accepted"].sum()) for t in spy.told)
+            if told["step_k"]:
+                assert d == min(left - 1, told["step_k"]) and a <= d
+            budget[i] = left - (a + 1 if told["step_k"] else 1)
+    offered = sum(int(t["drafts"].sum()) for t in verified)
+    accepted = sum(int(t["accepted"].sum()) for t in verified)
     assert 0 < accepted / offered < out.stats.acceptance_rate      # some drafts were not offered
 
 
@@ -167,3 +169,37 @@ def test_no_recompilation_after_warmup_with_ngram_and_catch_up(target, partial_d
             out = decoder.generate(prompts(7, 4, alphabet=4), 16)
         assert compiles.count == 0 and out.stats.compile_count == 0
     assert out.stats.catch_up_calls >= 1
+
+
+def test_at_k0_steps_the_controller_learns_what_ngram_drafts_would_have_had_accepted(target, autoregressive):
+    """Regression (the k = 0 trap): a controller holding k = 0 with n-gram drafting is told what the
+    drafter's proposals would have had accepted: after step t (each emits one token per request), if
+    none is pending, every request's proposal of up to min(budget - 1, k_max) drafts; L steps later
+    (L: the longest proposal) each one's cap and how many of its drafts the tokens emitted since repeat.
+    Steps in between tell nothing."""
+    fixed_k0 = ControllerConfig(mode="fixed", k_init=0)
+    decoder = SpeculativeDecoder(target, NgramDrafter(min_n=1, max_n=3),
+                                 config=DecoderConfig(**{**vars(ADAPTIVE), "controller": fixed_k0}))
+    spy = decoder.controllers["greedy"] = Spy(decoder.controllers["greedy"].config)
+    batch_prompts = prompts(8, 3, alphabet=3) + prompts(9, 1)
+    out = decoder.generate(batch_prompts, MAX_NEW)
+    assert out.tokens == autoregressive.generate(batch_prompts, MAX_NEW).tokens
+    texts = [p + g for p, g in zip(batch_prompts, out.tokens)]
+    assert len(spy.told) == MAX_NEW and {t["step_k"] for t in spy.told} == {0}
+    pending, due = None, 0
+    for step, told in enumerate(spy.told, start=1):
+        expected = np.zeros((2, len(texts)), np.int64)
+        if pending is not None:
+            due -= 1
+            if not due:
+                expected, pending = pending, None
+        if pending is None:       # proposals at this step's end, checked ``due`` steps later
+            cap = min(MAX_NEW - step - 1, 3)
+            positions = [len(p) + step for p in batch_prompts]
+            proposals = [reference_proposal(t[:n], 1, 3, cap) for t, n in zip(texts, positions)]
+            due = max(1, *map(len, proposals))
+            pending = np.array([[cap] * len(texts), [matched_prefix(d, t[n:]) for d, t, n in
+                                                     zip(proposals, texts, positions)]])
+        np.testing.assert_array_equal(np.stack([told["drafts"], told["accepted"]]), expected, err_msg=f"step {step}")
+    told = np.sum([t["drafts"].sum() for t in spy.told]), np.sum([t["accepted"].sum() for t in spy.told])
+    assert told[0] > 0 and 0 < told[1] < told[0]

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from scv_jax import NgramDrafter
-from scv_jax.decoding.ngram import propose_batch
+from scv_jax.decoding.ngram import UnverifiedProposals, propose_batch
 
 
 def reference_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -61,3 +61,39 @@ def test_examples():
 def test_bad_settings_raise_one_line_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         NgramDrafter(**kwargs)
+
+
+def matched_prefix(proposal: list[int], following: list[int]) -> int:
+    """How many leading drafts of ``proposal`` the tokens that ``following`` holds repeat."""
+    count = 0
+    while count < min(len(proposal), len(following)) and proposal[count] == following[count]:
+        count += 1
+    return count
+
+
+@given(st.lists(st.tuples(texts, texts, st.integers(0, 6), st.integers(0, 8)), min_size=1, max_size=5),
+       st.integers(0, 2 ** 32 - 1))
+def test_unverified_proposals_count_the_drafts_the_next_tokens_repeat(requests, seed):
+    """Proposals made at a k = 0 step, checked once the following steps emitted their tokens: offered
+    is each request's cap, accepted the proposal's prefix the emitted tokens repeat (only tokens
+    emitted count; the rows past a request's length are scratch)."""
+    drafter = NgramDrafter(min_n=1, max_n=2)
+    rng = np.random.default_rng(seed)
+    capacity = max(len(text) + len(after) for text, after, _, _ in requests) + 10
+    tokens = rng.integers(0, 4, (len(requests), capacity)).astype(np.int32)     # scratch everywhere
+    rows = rng.permutation(len(requests))[:max(1, len(requests) - 1)]
+    lengths = np.zeros(len(requests), np.int64)
+    for row, (text, after, emitted, _) in enumerate(requests):
+        full = text + after[:emitted]
+        tokens[row, :len(full)] = full
+        lengths[row] = len(full)
+    starts = np.array([len(requests[r][0]) for r in rows.tolist()], np.int64)
+    caps = np.array([requests[r][3] for r in rows.tolist()], np.int64)
+    indexes = [drafter.index(requests[r][0]) for r in rows.tolist()]
+    proposals = [reference_proposal(requests[r][0], 1, 2, cap) for r, cap in zip(rows.tolist(), caps.tolist())]
+    pending = UnverifiedProposals.propose(indexes, rows, starts, caps)
+    assert pending.due == max(1, *map(len, proposals))
+    offered, accepted = pending.check(tokens, lengths)
+    np.testing.assert_array_equal(offered, caps)
+    expected = [matched_prefix(p, requests[r][1][:requests[r][2]]) for p, r in zip(proposals, rows.tolist())]
+    np.testing.assert_array_equal(accepted, expected)

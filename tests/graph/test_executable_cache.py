@@ -107,12 +107,27 @@ def test_miss_compiles_lazily_once():
     cache = make_cache()
     kv = jnp.zeros(KV_SIZE, jnp.float32)
     rng = np.random.default_rng(1)
-    compiled = []
+    compiled, first_runs = [], []
     for _ in range(3):
         kv, _ = cache(kv, *random_batch(rng, 3, 4), k=4)
         compiled.append(cache.last_call_compiled)
+        first_runs.append(cache.last_call_first_run)
     assert (cache.stats.misses, cache.stats.hits, cache.stats.compiles) == (1, 2, 1)
-    assert compiled == [True, False, False]
+    assert compiled == [True, False, False] and first_runs == [True, False, False]
+
+
+def test_the_first_run_of_a_warmed_executable_is_flagged():
+    """An executable compiled ahead of time has not run: its first call is flagged (one-off costs, not
+    the shape's time), without a compile; later calls and other shapes' first calls as they come."""
+    cache = make_cache()
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    rng = np.random.default_rng(2)
+    cache.warmup(kv, *random_batch(rng, 3, 2), k=2, progress=False)
+    flags = []
+    for batch in (3, 3, 1, 3, 1):
+        kv, _ = cache(kv, *random_batch(rng, batch, 2), k=2)
+        flags.append((cache.last_call_compiled, cache.last_call_first_run))
+    assert flags == [(False, True), (False, False), (False, True), (False, False), (False, False)]
 
 
 def test_key_computation_makes_no_transfers():
