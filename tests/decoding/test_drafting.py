@@ -171,35 +171,41 @@ def test_no_recompilation_after_warmup_with_ngram_and_catch_up(target, partial_d
     assert out.stats.catch_up_calls >= 1
 
 
-def test_at_k0_steps_the_controller_learns_what_ngram_drafts_would_have_had_accepted(target, autoregressive):
+@pytest.mark.parametrize("stop", [False, True], ids=["budget", "eos"])
+def test_at_k0_steps_the_controller_learns_what_ngram_drafts_would_have_had_accepted(target, autoregressive, stop):
     """Regression (the k = 0 trap): a controller holding k = 0 with n-gram drafting is told what the
     drafter's proposals would have had accepted: after step t (each emits one token per request), if
-    none is pending, every request's proposal of up to min(budget - 1, k_max) drafts; L steps later
-    (L: the longest proposal) each one's cap and how many of its drafts the tokens emitted since repeat.
-    Steps in between tell nothing."""
+    none is pending, each running request's proposal of up to min(budget - 1, k_max) drafts; L steps
+    later (L: the longest proposal) each one's cap and how many of its drafts the tokens emitted since
+    repeat (a request that stopped at EOS meanwhile: those it emitted). Steps in between tell nothing."""
     fixed_k0 = ControllerConfig(mode="fixed", k_init=0)
     decoder = SpeculativeDecoder(target, NgramDrafter(min_n=1, max_n=3),
                                  config=DecoderConfig(**{**vars(ADAPTIVE), "controller": fixed_k0}))
     spy = decoder.controllers["greedy"] = Spy(decoder.controllers["greedy"].config)
     batch_prompts = prompts(8, 3, alphabet=3) + prompts(9, 1)
-    out = decoder.generate(batch_prompts, MAX_NEW)
-    assert out.tokens == autoregressive.generate(batch_prompts, MAX_NEW).tokens
+    reference = autoregressive.generate(batch_prompts, MAX_NEW).tokens
+    eos = reference[0][4] if stop else None                     # request 0 stops after 5 tokens, others maybe
+    out = decoder.generate(batch_prompts, MAX_NEW, eos_token_id=eos)
+    assert out.tokens == autoregressive.generate(batch_prompts, MAX_NEW, eos_token_id=eos).tokens
     texts = [p + g for p, g in zip(batch_prompts, out.tokens)]
-    assert len(spy.told) == MAX_NEW and {t["step_k"] for t in spy.told} == {0}
+    assert len(spy.told) == max(map(len, out.tokens)) and {t["step_k"] for t in spy.told} == {0}
+    assert stop == (min(map(len, out.tokens)) < MAX_NEW)
+    first_id = min(int(t["ids"].min()) for t in spy.told)
     pending, due = None, 0
     for step, told in enumerate(spy.told, start=1):
-        expected = np.zeros((2, len(texts)), np.int64)
+        running = [i - first_id for i in told["ids"].tolist()]         # the step's requests
+        expected = np.zeros((2, len(running)), np.int64)
         if pending is not None:
             due -= 1
             if not due:
-                expected, pending = pending, None
-        if pending is None:       # proposals at this step's end, checked ``due`` steps later
+                expected, pending = np.array([[pending[r][j] for r in running] for j in (0, 1)]), None
+        if pending is None:       # proposals at this step's end for the requests still running
             cap = min(MAX_NEW - step - 1, 3)
-            positions = [len(p) + step for p in batch_prompts]
-            proposals = [reference_proposal(t[:n], 1, 3, cap) for t, n in zip(texts, positions)]
-            due = max(1, *map(len, proposals))
-            pending = np.array([[cap] * len(texts), [matched_prefix(d, t[n:]) for d, t, n in
-                                                     zip(proposals, texts, positions)]])
+            after = {r: len(batch_prompts[r]) + step for r in range(len(texts)) if len(out.tokens[r]) > step}
+            proposals = {r: reference_proposal(texts[r][:n], 1, 3, cap) for r, n in after.items()}
+            due = max([1, *map(len, proposals.values())])
+            pending = {r: (cap, matched_prefix(proposals[r], texts[r][n:])) if r in after else (0, 0)
+                       for r, n in ((r, after.get(r)) for r in range(len(texts)))}
         np.testing.assert_array_equal(np.stack([told["drafts"], told["accepted"]]), expected, err_msg=f"step {step}")
     told = np.sum([t["drafts"].sum() for t in spy.told]), np.sum([t["accepted"].sum() for t in spy.told])
     assert told[0] > 0 and 0 < told[1] < told[0]
