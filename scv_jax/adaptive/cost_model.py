@@ -105,11 +105,10 @@ def _nondecreasing(values: list[float], weights: list[float]) -> list[float]:
     for value, weight in zip(values, weights):
         blocks.append([weight * value, weight, 1])
         while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
-            total, weight, size = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += weight
-            blocks[-1][2] += size
-    return [total / weight for total, weight, size in blocks for _ in range(size)]
+            last = blocks.pop()        # below the run before it: pooled into it
+            for i in range(3):
+                blocks[-1][i] += last[i]
+    return [total / pooled for total, pooled, size in blocks for _ in range(int(size))]
 
 
 @dataclass(frozen=True)
