@@ -3,7 +3,8 @@ them (per-request estimates, remaining tokens, the step's dense k, a measured st
 and 64.
 
 The per-step inputs (acceptance draws, step times) are drawn before timing; each step's two calls are
-timed with ``time.perf_counter`` (the simulated step outcome between them is not counted). Prints median / p90 / p99 / mean microseconds per step.
+timed with ``time.perf_counter`` (the simulated step outcome between them is not counted). Prints
+median / p90 / p99 / mean microseconds per step.
 
 Run: ``.venv/bin/python benchmarks/bench_controller.py [--steps 3000] [--append]``
 """
@@ -60,8 +61,8 @@ def main() -> None:
     load = os.getloadavg()[0]
     publish(__file__, "Adaptive controller cost per step (next_k + update)",
             f"{args.steps} steps per row, allowed k {ALLOWED}, requests of acceptance 0.3-0.95, the decoder's "
-            f"calls (per-request ids and remaining tokens, the step's dense k, a measured step time); µs per step; load average "
-            f"{load:.1f} during the run. ", "\n".join(rows), append=args.append)
+            f"calls (per-request ids and remaining tokens, the step's dense k, a measured step time); "
+            f"µs per step; load average {load:.1f} during the run. ", "\n".join(rows), append=args.append)
 
 
 if __name__ == "__main__":

@@ -186,14 +186,14 @@ class AdaptiveController:
         cfg = self.config
         self._allowed_list = list(cfg.allowed)
         self._allowed = np.array(self._allowed_list)
-        self._positive_rows = [k - 1 for k in self._allowed_list if k > 0]   # rows of E_b(k) - 1 per positive k
+        positive = [k for k in self._allowed_list if k > 0]
+        self._num_positive = len(positive)
         # [2 * positive k, k_max]: for each positive allowed k, the sums over positions j <= k of reach_j,
         # then of (2j - 1) reach_j (``_finishing_rate``)
         positions = np.arange(1, cfg.k_max + 1)
-        upto = (positions[None, :] <= np.array([k for k in self._allowed_list if k > 0])[:, None]).astype(np.float64)
+        upto = (positions[None, :] <= np.array(positive)[:, None]).astype(np.float64)
         self._moment_sums = np.concatenate([upto, upto * (2.0 * positions - 1.0)])
         self._k_init = cfg.k_init if cfg.k_init is not None else self._allowed_list[-1]
-        positive = [k for k in self._allowed_list if k > 0]
         self._k_probe = positive[0] if positive else self._k_init
         self._success = [0.0] * cfg.k_max   # decayed accepted counts per draft position
         self._trials = [0.0] * cfg.k_max    # decayed counts of drafts reached per position
@@ -391,7 +391,7 @@ class AdaptiveController:
         # accepted drafts L: E[L] = sum_j reach_j, E[L^2] = sum_j (2j - 1) reach_j (reaching j means
         # reaching every i < j), both for each positive allowed k in one product
         moments = self._moment_sums @ self._request_reach(scales)
-        accepted, squares = moments[:len(self._positive_rows)], moments[len(self._positive_rows):]
+        accepted, squares = moments[:self._num_positive], moments[self._num_positive:]
         remaining = np.maximum(remaining, 1.0)
         squares -= accepted * accepted                                    # the variance of L
         accepted += 1.0                                                   # E_b(k)

@@ -33,12 +33,12 @@ from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.device_step import SplitModel, StepRow
 from scv_jax.decoding.executables import step_executables
-from scv_jax.decoding.ngram import NgramDrafter, NgramIndex, UnverifiedProposals, propose_batch
+from scv_jax.decoding.ngram import NgramDrafter, NgramIndex, UnverifiedProposals, draft_grid, propose_batch
 from scv_jax.decoding.placement import BatchRows, OnMesh, ShardingConfig, SingleDevice
 from scv_jax.decoding.positions import catch_up_rows
 from scv_jax.decoding.requests import RequestBatch, check_prompts
 from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
-from scv_jax.decoding.step_inputs import decode_inputs, draft_grid, prefill_chunks
+from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
 

@@ -86,6 +86,15 @@ def propose_batch(indexes: Sequence[NgramIndex], max_drafts: np.ndarray) -> list
     return [index.propose(k) for index, k in zip(indexes, max_drafts.tolist())]
 
 
+def draft_grid(proposals: list[list[int]], positions: np.ndarray, batch: int, k: int, fill: int = 0) -> np.ndarray:
+    """int32[batch, k] drafts: request i's proposal (at most k tokens) left-aligned in row
+    ``positions[i]``, ``fill`` elsewhere."""
+    out = np.full((batch, k), fill, np.int32)
+    for row, proposal in zip(positions.tolist(), proposals):
+        out[row, :len(proposal)] = proposal[:k]
+    return out
+
+
 @dataclass
 class UnverifiedProposals:
     """Proposals made at a k = 0 step (which verifies none), checked against the tokens the following
@@ -116,11 +125,9 @@ class UnverifiedProposals:
         """Each request's proposal of at most ``max_drafts[b]`` tokens (an empty one is news too: a
         step would have had none of its drafts accepted)."""
         proposals = propose_batch(indexes, max_drafts)
-        longest = max(map(len, proposals), default=0)
-        drafts = np.full((len(proposals), max(longest, 1)), -1, np.int32)
-        for row, proposal in zip(drafts, proposals):
-            row[:len(proposal)] = proposal
-        return cls(rows, lengths.copy(), drafts, max_drafts.copy(), max(longest, 1))
+        longest = max(1, max(map(len, proposals), default=0))
+        drafts = draft_grid(proposals, np.arange(len(proposals)), len(proposals), longest, fill=-1)
+        return cls(rows, lengths.copy(), drafts, max_drafts.copy(), longest)
 
     def check(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """int64[n] (offered, accepted): each proposal's drafts and how many of them lead the tokens

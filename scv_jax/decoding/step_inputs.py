@@ -42,15 +42,6 @@ def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, 
     return dict(block_tables=tables, rows=step_rows)
 
 
-def draft_grid(proposals: list[list[int]], positions: np.ndarray, batch: int, k: int) -> np.ndarray:
-    """int32[batch, k] drafts: request i's proposal (at most k tokens) left-aligned in row
-    ``positions[i]``, 0 elsewhere."""
-    out = np.zeros((batch, k), np.int32)
-    for row, proposal in zip(positions.tolist(), proposals):
-        out[row, :len(proposal)] = proposal[:k]
-    return out
-
-
 def prefill_chunks(state: RequestBatch, rows: np.ndarray, begin: np.ndarray, count: np.ndarray,
                    chunk: int) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
     """Prefill-step inputs committing tokens [begin[b], begin[b] + count[b]) of each request in ``rows``,
