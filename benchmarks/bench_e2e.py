@@ -2,13 +2,13 @@
 
 Batch sizes {1, 4, 16}, greedy and temperature 1, fixed k in {2, 4, 8} and adaptive k, the demo draft
 model or n-gram prompt lookup (``--ngram``); ``--mixed`` adds a batch of 8 mixing repetitive and
-free-form prompts. Each row's ratio is against autoregressive decoding (same batch, temperature,
+free-form prompts; ``--packed`` runs every speculative mode packed too (``packed_verify``). Each row's ratio is against autoregressive decoding (same batch, temperature,
 prompts and cache code); compilation is excluded (each configuration is warmed up by an untimed
 call). Each configuration runs ``--repeats`` times, interleaved; rows give the median and the spread,
 and the host's share of each step (step wall time - the step's device time). A second table puts
 adaptive against the best fixed k of each batch and temperature.
 
-Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_e2e.py [--quick] [--ngram] [--mixed] [--append]``
+Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_e2e.py [--quick] [--ngram] [--mixed] [--packed] [--append]``
 (``scv-jax bench`` runs the same benchmark).
 """
 
@@ -32,6 +32,8 @@ def main() -> None:
     parser.add_argument("--ngram", action="store_true", help="draft with n-gram prompt lookup, not the draft model")
     parser.add_argument("--mixed", action="store_true", help="add the mixed workload (batch 8, greedy)")
     parser.add_argument("--only-mixed", action="store_true", help="run the mixed workload alone")
+    parser.add_argument("--packed", action="store_true",
+                        help="also run every speculative mode with packed verification (packed_verify=True)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed runs per configuration")
     parser.add_argument("--append", action="store_true", help="append the tables to benchmarks/RESULTS.md")
@@ -41,7 +43,7 @@ def main() -> None:
     workloads = ("mixed",) if args.only_mixed else ("stdlib", "mixed") if args.mixed else ("stdlib",)
     rows = run_e2e(target, draft, batch_sizes=batch_sizes, temperatures=temperatures,
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats,
-                   drafter="ngram" if args.ngram else "model", workloads=workloads)
+                   drafter="ngram" if args.ngram else "model", workloads=workloads, packed=args.packed)
     table, summary = format_table(rows), adaptive_summary(rows)
     print(f"{table}\n\n{summary}\n(load average {os.getloadavg()[0]:.1f})")
     if args.append:

@@ -47,6 +47,11 @@ def _add_ngram_sizes(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-max", type=_int_at_least(1), default=3, help="longest n-gram matched (--ngram)")
 
 
+def _add_packed_verify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--packed-verify", action="store_true",
+                        help="the target scores only the drafts each step offers (DecoderConfig.packed_verify)")
+
+
 def _ngram_drafter(args: argparse.Namespace):
     """The ``NgramDrafter`` of ``--ngram-min`` / ``--ngram-max`` (checked even without ``--ngram``)."""
     from scv_jax.decoding.ngram import NgramDrafter
@@ -72,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--ngram", action="store_true",
                       help="draft by prompt lookup (n-gram matches in the text so far) instead of the draft model")
     _add_ngram_sizes(demo)
+    _add_packed_verify(demo)
     generate = sub.add_parser("generate", help="continue a text with a local Hugging Face model",
                               formatter_class=formatter)
     generate.add_argument("--model", required=True, metavar="DIR", help="the target's model directory")
@@ -91,6 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     generate_mode.add_argument("--k", type=_int_at_least(0), default=4, help="fixed drafts per step")
     generate_mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
     _add_ngram_sizes(generate)
+    _add_packed_verify(generate)
     bench = sub.add_parser("bench", help="end-to-end benchmark on the demo models (with progress)",
                            formatter_class=formatter)
     bench.add_argument("--batch-sizes", type=_int_at_least(1), nargs="+", default=[1, 4, 16],
@@ -104,6 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--ngram", action="store_true", help="draft by prompt lookup instead of the draft model")
     bench.add_argument("--mixed", action="store_true",
                        help="add a batch of 8 mixing repetitive and free-form prompts (greedy)")
+    bench.add_argument("--packed", action="store_true", help="also run every speculative mode with packed_verify")
     bench.add_argument("--append", metavar="PATH", help="append the results to this markdown file")
     return parser
 
@@ -121,7 +129,8 @@ def _decoder_config(args: argparse.Namespace, prompt_len: int, **fields):
     """A ``DecoderConfig`` for one request of ``prompt_len`` tokens and ``args``' k and length."""
     from scv_jax.decoding.config import DecoderConfig
 
-    config = DecoderConfig(k=args.k, adaptive=args.adaptive, batch_buckets=(1,), **fields)
+    config = DecoderConfig(k=args.k, adaptive=args.adaptive, batch_buckets=(1,), packed_verify=args.packed_verify,
+                           **fields)
     needed = prompt_len + args.max_new_tokens
     return dataclasses.replace(config, max_seq_len=max(config.max_seq_len, needed),
                                num_blocks=max(config.num_blocks, -(-needed // config.block_size)))
@@ -215,7 +224,7 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = run_e2e(target, draft, batch_sizes=args.batch_sizes, temperatures=args.temperatures, modes=modes,
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                    drafter="ngram" if args.ngram else "model",
-                   workloads=("stdlib", "mixed") if args.mixed else ("stdlib",))
+                   workloads=("stdlib", "mixed") if args.mixed else ("stdlib",), packed=args.packed)
     table, summary = format_table(rows), adaptive_summary(rows)
     print(f"{table}\n\n{summary}")
     if args.append:

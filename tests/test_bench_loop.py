@@ -44,4 +44,5 @@ def test_adaptive_summary_compares_with_the_best_fixed_k_round_by_round():
     lines = adaptive_summary([row("autoregressive", (50, 60, 70)), row("k=2", (100, 90, 120)),
                               row("k=4", (80, 200, 40)), row("adaptive", (110, 80, 60))])
     cells = [c.strip() for c in lines.splitlines()[-1].split("|")[1:-1]]
-    assert cells[4:] == ["k=2", f"{80 / 100:.2f}", f"{60 / 120:.2f}", "0.89 [0.50-1.10]"]      # 110/100, 80/90, 60/120
+    # adaptive mode, best fixed k, medians' ratio, min / max, same-round ratios 110/100, 80/90, 60/120
+    assert cells[4:] == ["adaptive", "k=2", f"{80 / 100:.2f}", f"{60 / 120:.2f}", "0.89 [0.50-1.10]"]

@@ -40,15 +40,16 @@ def test_bench_appends_table(tiny_demo, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("scv_jax.demo.e2e.benchmark_prompts", lambda batch, **_: [[100, 101, 102]] * batch)
     results = tmp_path / "RESULTS.md"
     assert cli.main(["bench", "--batch-sizes", "2", "--temperatures", "0", "--modes", "2",
-                     "--max-new-tokens", "5", "--append", str(results)]) == 0
+                     "--max-new-tokens", "5", "--packed", "--append", str(results)]) == 0
     table = capsys.readouterr().out
-    assert "| 2 | 0 | autoregressive |" in table and "| 2 | 0 | k=2 |" in table
+    assert "| 2 | 0 | autoregressive |" in table and "| 2 | 0 | k=2 |" in table and "| 2 | 0 | k=2 packed |" in table
     assert "End-to-end" in results.read_text() and "| 2 | 0 | k=2 |" in results.read_text()
 
 
-def test_demo_with_ngram_drafting(tiny_demo, capsys):
+@pytest.mark.parametrize("packed", [[], ["--packed-verify"]], ids=["dense", "packed"])
+def test_demo_with_ngram_drafting(tiny_demo, capsys, packed):
     assert cli.main(["demo", "--prompt", "abcabcabcabc", "--max-new-tokens", "10", "--k", "3", "--ngram",
-                     "--ngram-max", "2"]) == 0
+                     "--ngram-max", "2", *packed]) == 0
     out = capsys.readouterr().out
     assert "speculative (k=3, n-gram)" in out and "greedy outputs identical  yes" in out
 

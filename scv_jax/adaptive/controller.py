@@ -39,6 +39,7 @@ Python loop over requests; ``benchmarks/bench_controller.py``).
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 from dataclasses import asdict, dataclass, replace
@@ -60,6 +61,7 @@ _AFTER_CHANGE = 2          # steps after a decision forced by a new batch to the
 _PROBE_FLOOR = 0.7         # a never-timed k is tried if its extrapolated objective is within 30% of the best
 _PROBES = 2                # tries of a k never timed at a batch size (a try may go untimed: a compile)
 _MAX_PENDING = 16          # steps kept unfolded at most (see ``AdaptiveController._fold``)
+_PACKED_RATE = 0.2         # weight of a step in its k's moving mean of packed target tokens per row
 
 
 def _expected_max_normal(count: int) -> float:
@@ -226,6 +228,7 @@ class AdaptiveController:
         self._accepted_per_step = 1.0                       # a request's accepted drafts per drafting step
         self._num_explored = 0
         self._k_counts = [0] * (cfg.k_max + 1)
+        self._packed_means: dict[int, float] = {}   # step k -> moving mean of its target tokens per row - 1
         self._totals = [0.0, 0.0, 0.0, 0.0]  # drafted, accepted, emitted, timed seconds
         # int64[2, B] (drafts, accepted) of the steps not yet folded into the estimates (all of the
         # current batch with per-request ids, or all without), folded when an estimate is read; the
@@ -491,14 +494,44 @@ class AdaptiveController:
         for r in self._reach(request_ids):
             total += r
             emitted.append(total)
-        return [emitted[k] / cost for k, cost in zip(self._allowed_list, self._table.relative(batch_size))]
+        return [emitted[k] / cost for k, cost in zip(self._allowed_list, self._choice_costs(batch_size))]
+
+    def _choice_costs(self, batch_size: int) -> list[float]:
+        """The relative cost of choosing each allowed k at ``batch_size``: its step's (the table's), or
+        after packed steps (``update(target_tokens=...)``) the packed step that k leads to, whose
+        target scores ``m + 1`` tokens per row (m: the mean over k's recent steps, or for a k not run
+        since, k times the share m / k of the nearest k that was): the table interpolated at m, plus
+        the draft model's work for k rather than m."""
+        costs = self._table.relative(batch_size)
+        if not self._packed_means:
+            return costs
+        out = list(costs)
+        allowed = self._allowed_list
+        theta = self._model.coefficients(batch_size) if self.config.draft_model else None
+        for i, k in enumerate(allowed):
+            m = self._packed_means.get(k)
+            if m is None and k:
+                nearest = min(self._packed_means, key=lambda seen: abs(seen - k))
+                m = k * self._packed_means[nearest] / nearest
+            if m is None or m >= k:
+                continue
+            j = max(bisect.bisect_right(allowed, m) - 1, 0)     # allowed[j] <= m < allowed[j + 1] (<= k)
+            share = (m - allowed[j]) / (allowed[j + 1] - allowed[j])
+            out[i] = costs[j] + share * (costs[j + 1] - costs[j])
+            if theta is not None:      # the interpolation has the draft work of about m drafts
+                forwards = self._forwards(allowed[j]) + share * (self._forwards(allowed[j + 1])
+                                                                 - self._forwards(allowed[j]))
+                out[i] += (max(theta[2], 0.0) * (self._forwards(k) - forwards)
+                           + max(theta[3], 0.0) * batch_size * (k - m))      # the table's units
+            out[i] = min(out[i], costs[i])
+        return out
 
     def _choose_goodput(self, batch_size: int, request_ids: Any, remaining: Any) -> int:
         """The k maximising the goodput; with per-request estimates and ``remaining`` tokens of several
         requests, the batch's progress per second toward its last request's end: ``_finishing_rate`` /
         T(k) (for one request the two are the same)."""
         if remaining is not None and self.config.per_request and request_ids is not None and len(remaining) > 1:
-            costs = self._table.relative(batch_size)
+            costs = self._choice_costs(batch_size)
             rates = [rate / cost for rate, cost in zip(self._finishing_rate(request_ids, remaining), costs)]
         else:
             rates = self._rates(batch_size, request_ids)
@@ -539,8 +572,10 @@ class AdaptiveController:
         For engines whose step cost grows with each request's own drafts (a packed verify forward):
         a request drafts position i only while its chance of reaching and accepting it exceeds the
         step's tokens-per-second times the marginal cost of one more draft token (target + draft
-        per-token cost). Requests without history use the shared estimate. (In a dense [B, k + 1]
-        step, as ``SpeculativeDecoder`` runs, a trimmed draft saves nothing, so it verifies them all.)
+        per-token cost). Requests without history use the shared estimate. (``SpeculativeDecoder``
+        does not trim: in a dense [B, k + 1] step a trimmed draft saves nothing, and its packed steps,
+        ``DecoderConfig.packed_verify``, serve batches that run until their last request ends, where
+        a throughput threshold would slow the requests the batch waits for.)
         """
         if not self.config.per_request:
             raise ValueError("AdaptiveController.request_k needs ControllerConfig(per_request=True)")
@@ -560,7 +595,8 @@ class AdaptiveController:
 
     # ----------------------------------------------------------------- observations
     def update(self, num_draft_tokens: Any, num_accepted: Any, step_seconds: float | None = None,
-               batch_size: int | None = None, request_ids: Any = None, *, step_k: int | None = None) -> None:
+               batch_size: int | None = None, request_ids: Any = None, *, step_k: int | None = None,
+               target_tokens: int | None = None) -> None:
         """Records one step.
 
         Args:
@@ -575,6 +611,9 @@ class AdaptiveController:
             0 (nothing verified) the counts may be counterfactual: drafts proposed but not verified and
             how many of them the tokens emitted next matched (a point-mass drafter's, e.g. n-gram: the
             chance rejection sampling accepts them); they inform the acceptance estimates only.
+          target_tokens: with ``step_k``, the tokens the target scored when fewer than
+            ``batch_size * (step_k + 1)`` (a packed verify; the draft model still ran ``step_k``
+            drafts per request).
         """
         drafts, accepted = self._checked_counts(num_draft_tokens, num_accepted)
         cfg = self.config
@@ -592,7 +631,7 @@ class AdaptiveController:
         if self._pending and with_ids != self._pending_ids:
             self._fold()
         if step_seconds is not None:
-            self._observe_cost(batch, drafts, step_k, float(step_seconds))
+            self._observe_cost(batch, drafts, step_k, float(step_seconds), target_tokens)
         if step_k == 0 and drafts.any():          # counterfactual counts: no drafted or emitted tokens
             unverified = drafts.sum(), accepted.sum()
             self._totals[0] -= unverified[0]
@@ -603,6 +642,12 @@ class AdaptiveController:
         if len(self._pending) >= _MAX_PENDING:
             self._fold()
         self._k_counts[self._last_k if step_k is None else step_k] += 1
+        if target_tokens is not None and step_k:      # the packed share of the steps of this k
+            mean = target_tokens / batch - 1.0
+            known = self._packed_means.get(step_k, float(step_k))
+            self._packed_means[step_k] = known + _PACKED_RATE * (mean - known)
+        elif step_k in self._packed_means:
+            self._packed_means[step_k] += _PACKED_RATE * (step_k - self._packed_means[step_k])
         self._steps += 1
         self._since_decision += 1
 
@@ -653,15 +698,23 @@ class AdaptiveController:
         totals[1] += accepted_sum
         totals[2] += accepted_sum + both.shape[1]
 
-    def _observe_cost(self, batch: int, drafts: np.ndarray, step_k: int | None, seconds: float) -> None:
+    def _observe_cost(self, batch: int, drafts: np.ndarray, step_k: int | None, seconds: float,
+                      target_tokens: int | None) -> None:
         """Feeds a timed step to the cost table (which skips outliers)."""
         if step_k is None:
             k = int(drafts.max(initial=0))
             draft_tokens = int(drafts.sum()) + (batch - drafts.shape[0]) * k
         else:
             k, draft_tokens = int(step_k), batch * int(step_k)
-        features = (1.0, float(batch + draft_tokens), float(self._forwards(k)),
-                    float(draft_tokens * self.config.draft_model))
+        scored = batch + draft_tokens if target_tokens is None else int(target_tokens)
+        if scored != batch + draft_tokens:
+            if self.config.draft_model:    # a packed step with a draft model: no shape of the cost model's
+                self._totals[3] += seconds
+                return
+            # without a draft model, a packed step of m + 1 target tokens per row is a dense step of k = m
+            k = draft_tokens = scored // batch - 1
+            draft_tokens *= batch
+        features = (1.0, float(scored), float(self._forwards(k)), float(draft_tokens * self.config.draft_model))
         shape = k if draft_tokens == batch * k else None       # a dense step of one of the table's shapes
         if self._table.observe(batch, shape, features, seconds):
             self._totals[3] += seconds

@@ -36,6 +36,12 @@ class DecoderConfig:
       context_buckets: block-table widths (in blocks) steps are padded to; None: multiples of 16
         blocks up to max_seq_len (fewer executables; attention masks the padding).
       backend: "auto", "pallas", "xla" or "interpret" for every op of the step.
+      packed_verify: the target scores only each request's own drafts, packed in one row
+        (``forward_packed``; single device): a step with ragged drafts (n-gram matches of different
+        lengths, budgets) costs the tokens it verifies, B * (m + 1) with m their mean per request
+        rounded up to a power of two, or with ``adaptive`` to 1 or one of ``k_values`` (one more
+        executable per such m < k); an adaptive decoder's controller costs each k by the packed
+        steps it leads to.
     """
 
     k: int = 4
@@ -50,6 +56,7 @@ class DecoderConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     context_buckets: tuple[int, ...] | None = None
     backend: str = "auto"
+    packed_verify: bool = False
 
     def __post_init__(self):
         def fail(name: str, expected: str) -> None:
@@ -68,6 +75,8 @@ class DecoderConfig:
                 fail(name, "a non-empty tuple of ints >= 1" + (" or None" if name == "context_buckets" else ""))
         if self.controller is not None and not isinstance(self.controller, ControllerConfig):
             fail("controller", "a ControllerConfig or None")
+        if not isinstance(self.packed_verify, bool):
+            fail("packed_verify", "a bool")
         if self.backend not in BACKENDS:
             fail("backend", f"one of {BACKENDS}")
         try:

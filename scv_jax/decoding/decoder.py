@@ -119,6 +119,9 @@ class SpeculativeDecoder:
         elif self.drafter is None and (self.config.adaptive or self.config.k):
             self.config = dataclasses.replace(self.config, k=0, adaptive=False)
         cfg = self.config
+        if cfg.packed_verify and (mesh is not None or not hasattr(target, "forward_packed")):
+            raise ValueError("SpeculativeDecoder: DecoderConfig.packed_verify needs one device (no mesh) and a "
+                             "target with forward_packed (scv_jax.models.Transformer has it)")
         if mesh is None and sharding is not None:
             raise ValueError("SpeculativeDecoder: sharding is for a mesh; pass mesh= too")
         self.placement = SingleDevice(cfg) if mesh is None else OnMesh(mesh, cfg, sharding)
@@ -131,6 +134,10 @@ class SpeculativeDecoder:
                                    draft_placed.cache_dims, factory=self.placement.new_cache)
         # every drafter may run a k = 0 step: at the end of a budget, when no n-gram matches, or by choice
         self._step_ks = tuple(sorted(set(cfg.allowed_k) | {0}))
+        # a packed step's drafts per row: 1 and an adaptive decoder's other k values (the controller's
+        # cost table then times most packed steps as one of its shapes), else powers of two
+        self._packed_ks = (() if not cfg.packed_verify else tuple(sorted({1, *self._step_ks[1:]})) if cfg.adaptive
+                           else tuple(1 << i for i in range((cfg.k - 1).bit_length())) if cfg.k else ())
         self._prefill, self._decode = step_executables(cfg, self._target, self._draft, self._step_ks, self.placement)
         self._plans: dict[tuple, BucketPlan] = {}
         self._next_request_id = 0
@@ -264,17 +271,25 @@ class SpeculativeDecoder:
         """The smallest compiled k that holds ``most_drafts`` drafts."""
         return next(k for k in self._step_ks if k >= most_drafts)
 
-    def _decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool) -> BucketPlan:
+    def _decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool,
+                     packed_k: int = 0) -> BucketPlan:
         """The decode executable's bucket for a step's sizes (planned once per shape); ``masked``: the
         step gives its own request mask (a batch laid out over a mesh's data shards)."""
-        key = (batch, width, k, greedy, masked)
+        key = (batch, width, k, greedy, masked, packed_k)
         plan = self._plans.get(key)
         if plan is None:
             given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self._draft is not None and k else ()) \
                 + (("drafts",) if self.drafter else ()) + (("request_mask",) if masked else ())
             plan = self._plans[key] = self._decode.plan_sizes(
-                {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, backend=self.config.backend)
+                {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, backend=self.config.backend,
+                packed_k=packed_k)
         return plan
+
+    def _packed_k(self, num_drafts: np.ndarray, batch: int, step_k: int) -> int:
+        """A packed step's ``packed_k`` for these drafts at a padded batch of ``batch`` rows: their mean per
+        row rounded up to one of ``_packed_ks``, or 0 (a dense step) when packing is off or saves nothing."""
+        mean = int(num_drafts.sum()) / batch
+        return next((k for k in self._packed_ks if mean <= k < step_k), 0)
 
     def _step(self, call: _Call, rows: np.ndarray) -> None:
         step_start = time.perf_counter()
@@ -304,14 +319,18 @@ class SpeculativeDecoder:
         width = int(state.num_blocks[rows].max())
         planning = time.perf_counter()
         plan = self._decode_plan(layout.size, width, step_k, call.greedy, layout.scattered)
-        step_start += time.perf_counter() - planning     # a shape's one-off planning is no step cost
         size = plan.padded["batch"] or layout.size
+        packed_k = self._packed_k(num_drafts, size, step_k)
+        if packed_k:
+            plan = self._decode_plan(layout.size, width, step_k, call.greedy, layout.scattered, packed_k)
+        step_start += time.perf_counter() - planning     # a shape's one-off planning is no step cost
         inputs = decode_inputs(state, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts)
         if proposals is not None:
             inputs["drafts"] = draft_grid(proposals, layout.rows, size, step_k)
         if layout.scattered:
             inputs["request_mask"] = np.zeros(size, np.bool_)
             inputs["request_mask"][layout.rows] = True
+        scored = size * (packed_k + 1) if packed_k else None      # tokens a packed step's target scores
         dispatch = time.perf_counter()
         (summary,) = self._run(self._decode, stats, use_draft=self._draft is not None and step_k > 0, plan=plan,
                                base_key=call.base_key, temperature=call.temperature, **inputs)
@@ -333,10 +352,10 @@ class SpeculativeDecoder:
             counts = (np.minimum(caps, step_k), host.num_accepted)
             if call.ngram:
                 counts = self._check_unverified(call, rows, step_k) or counts
-            call.observed = (*counts, None if cold else step_seconds, batch, ids, step_k)
+            call.observed = (*counts, None if cold else step_seconds, batch, ids, step_k, scored)
         call.tally.add(num_drafts, host.num_accepted, host.num_emitted)
         stats.add_step(batch, step_k, None if cold else step_seconds + time.perf_counter() - fetched,
-                       dispatch - step_start + time.perf_counter() - fetched)
+                       dispatch - step_start + time.perf_counter() - fetched, scored)
 
     def _check_unverified(self, call: _Call, rows: np.ndarray, step_k: int) -> tuple[np.ndarray, np.ndarray] | None:
         """n-gram drafting at a k = 0 step (the controller's choice, or the budgets' end): the counterfactual
@@ -365,8 +384,8 @@ class SpeculativeDecoder:
     def _observe(call: _Call) -> None:
         """Tells the controller about the last step (if not yet told)."""
         if call.observed is not None:
-            drafts, accepted, seconds, batch, ids, step_k = call.observed
-            call.controller.update(drafts, accepted, seconds, batch, ids, step_k=step_k)
+            drafts, accepted, seconds, batch, ids, step_k, target_tokens = call.observed
+            call.controller.update(drafts, accepted, seconds, batch, ids, step_k=step_k, target_tokens=target_tokens)
             call.observed = None
 
     def _catch_up(self, state: RequestBatch, rows: np.ndarray, stats: GenerateStats) -> None:
@@ -428,7 +447,8 @@ class SpeculativeDecoder:
         """Compiles ahead of time the prefill and step executables for batches of ``batch_sizes``
         requests (their buckets) of up to ``max_len`` positions (prompt + generated), every k a step
         may use (and the draft's catch-up prefill when k = 0 can be chosen); returns the number of
-        compilations. Smaller buckets (a batch shrinking as requests finish) compile on first use."""
+        compilations (with ``packed_verify``, each k's packed steps too). Smaller buckets (a batch
+        shrinking as requests finish) compile on first use."""
         cfg = self.config
         sizes = [batch_sizes] if isinstance(batch_sizes, (int, np.integer)) else list(batch_sizes)
         batch_keep = {self._decode.bucket("batch", b) for b in sizes}
@@ -449,13 +469,15 @@ class SpeculativeDecoder:
             if cfg.adaptive and self._draft is not None and 0 in cfg.allowed_k:
                 self._prefill.warmup(**{**models, "target_params": None, "target_cache": None}, **draft, **prefill)
             for k in self._step_ks:
-                step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
-                            base_key=np.zeros(2, np.uint32), temperature=np.float32(1.0), k=k, greedy=greedy,
-                            keep=lambda s, k=k: s["k"] == k and fits(s), progress=progress)
-                if self.drafter is not None:
-                    step["drafts"] = np.zeros((1, k), np.int32)
-                no_draft = dict(draft_params=None, draft_cache=None)
-                self._decode.warmup(**models, **(draft if self._draft is not None and k else no_draft), **step)
+                packed = [p for p in self._packed_ks if p < k]
+                for packed_k in (0, *packed):
+                    step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
+                                base_key=np.zeros(2, np.uint32), temperature=np.float32(1.0), k=k, greedy=greedy,
+                                packed_k=packed_k, keep=lambda s, k=k: s["k"] == k and fits(s), progress=progress)
+                    if self.drafter is not None:
+                        step["drafts"] = np.zeros((1, k), np.int32)
+                    no_draft = dict(draft_params=None, draft_cache=None)
+                    self._decode.warmup(**models, **(draft if self._draft is not None and k else no_draft), **step)
         self._caches.put(target_cache, draft_cache)
         return compiles.count
 

@@ -8,7 +8,9 @@ one straight sequence of stages; ``positions`` says where each request's tokens 
    are used as they are; a draft model runs its lag tokens (one catch-up forward), then k - 1
    one-token forwards, reading its cache plus a staging buffer of the step's earlier tokens (it
    writes no cache). With k = 0 nothing runs.
-2. ``score``: the target runs [pending, d_1 .. d_k] over its cache, causally among them.
+2. ``score``: the target runs [pending, d_1 .. d_k] over its cache, causally among them; in a
+   packed step (``packed_k`` > 0, a target with ``forward_packed``) only each request's pending token
+   and its first ``num_drafts`` drafts, B * (packed_k + 1) tokens in one row (``score_packed``).
 3. ``accept_and_commit``: request b verifies its first ``num_drafts[b]`` drafts (the ragged slots are
    compacted, ``cu = cumsum(num_drafts)``; its bonus token comes from the target's logits after its
    last verified draft): greedy match or lossless rejection sampling, and the commit of the target's
@@ -29,7 +31,7 @@ from flax import nnx
 from pallas_kernels.ragged_batch import slot_owner
 from pallas_kernels.sampling_math import argmax_ignoring_nan
 from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
-from scv_jax.models.protocol import PagedForwardOutput, StagedKV
+from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
 from scv_jax.ops.commit.api import slots_from_block_table
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.commit.sharded import sharded_commit_draft_kv
@@ -205,10 +207,38 @@ def score(target, target_cache: PagedKVCache, block_tables: jax.Array, pending: 
                                 block_tables, context_lens, backend=backend)
 
 
-def ragged_slots(num_drafts: jax.Array, k: int, shards: int = 1) -> tuple[jax.Array, jax.Array]:
+def packed_layout(num_drafts: jax.Array, num_tokens: int, width: int) -> PackedTokens:
+    """The packed layout of a step's target tokens: request b's pending token and its first
+    ``num_drafts[b]`` drafts (offsets 0 .. num_drafts[b]) at tokens ``cu[b] + b ...`` (``cu =
+    cumsum(num_drafts)``, the order ``verify_step``'s "query" K/V layout expects); tokens past the last
+    request's are padding (offset ``width``). ``num_drafts`` must fit: ``sum(num_drafts + 1) <= num_tokens``."""
+    cu_tokens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(num_drafts + 1, dtype=jnp.int32)])
+    rows, offsets = slot_owner(cu_tokens, num_tokens)
+    return PackedTokens(rows, jnp.where(jnp.arange(num_tokens) < cu_tokens[-1], offsets, width), width)
+
+
+def fitting_drafts(num_drafts: jax.Array, capacity: int) -> jax.Array:
+    """``num_drafts`` int32[B] cut, from the last requests on, to sum to at most ``capacity`` (a packed
+    step's draft slots: bad host data never overflows them)."""
+    before = jnp.cumsum(num_drafts) - num_drafts
+    return jnp.clip(jnp.minimum(num_drafts, capacity - before), 0, None).astype(jnp.int32)
+
+
+def score_packed(target, target_cache: PagedKVCache, block_tables: jax.Array, pending: jax.Array,
+                 drafts: jax.Array, packed: PackedTokens, context_lens: jax.Array, *,
+                 backend: str) -> PagedForwardOutput:
+    """Stage 2, packed: the target's ``forward_packed`` over each request's [pending, its drafts] laid out
+    by ``packed``; logits [N, V], K/V [layers, N, kv_heads, head_dim]."""
+    grid = jnp.concatenate([pending[:, None], drafts], axis=1)
+    tokens = grid[packed.rows, jnp.minimum(packed.offsets, grid.shape[1] - 1)]
+    return target.forward_packed(tokens, packed, target_cache, block_tables, context_lens, backend=backend)
+
+
+def ragged_slots(num_drafts: jax.Array, k: int, shards: int = 1,
+                 num_slots: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The compaction of a ragged batch: int32[B + 1] offsets ``cu = cumsum(num_drafts)`` and
-    int32[shards, B * k / shards]: for each compacted slot of a part, the index of its draft in the
-    part's row-major [B / shards, k] grid.
+    int32[shards, num_slots / shards]: for each compacted slot of a part, the index of its draft in the
+    part's row-major [B / shards, k] grid (``num_slots`` defaults to B * k).
 
     The batch's ``shards`` equal parts (a mesh's data shards, which verify their requests alone) are
     compacted each within its own B * k / shards slots: part s's drafts fill the start of slots
@@ -220,15 +250,16 @@ def ragged_slots(num_drafts: jax.Array, k: int, shards: int = 1) -> tuple[jax.Ar
     rows = batch // shards
     local = jnp.concatenate([jnp.zeros((shards, 1), jnp.int32),
                              jnp.cumsum(num_drafts.reshape(shards, rows), axis=1, dtype=jnp.int32)], axis=1)
-    owner, position = jax.vmap(slot_owner, (0, None))(local, rows * k)               # [shards, rows * k]
+    part_slots = rows * k if num_slots is None else num_slots // shards
+    owner, position = jax.vmap(slot_owner, (0, None))(local, part_slots)             # [shards, part_slots]
     return cu, jnp.clip(owner * k + position, 0, max(rows * k - 1, 0))
 
 
 def compact_drafts(x: jax.Array, source: jax.Array) -> jax.Array:
-    """[B, k, ...] per-draft values -> [B * k, ...] in ``ragged_slots`` order (``source``: int32[shards,
-    B * k / shards]); each part gathers within itself, so a batch split over "data" stays local."""
+    """[B, k, ...] per-draft values -> [T, ...] in ``ragged_slots`` order (``source``: int32[shards,
+    T / shards]); each part gathers within itself, so a batch split over "data" stays local."""
     shards, slots = source.shape
-    parts = x.reshape(shards, slots, *x.shape[2:])
+    parts = x.reshape(shards, -1, *x.shape[2:])
     gathered = jnp.take_along_axis(parts, source.reshape(shards, slots, *(1,) * (x.ndim - 2)), axis=1)
     return gathered.reshape(shards * slots, *x.shape[2:])
 
@@ -236,33 +267,47 @@ def compact_drafts(x: jax.Array, source: jax.Array) -> jax.Array:
 def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, proposal: Proposal,
                       num_drafts: jax.Array, keys: jax.Array, temperature: jax.Array, block_tables: jax.Array,
                       context_lens: jax.Array, request_mask: jax.Array, *, block_size: int, greedy: bool,
-                      backend: str):
+                      backend: str, packed: PackedTokens | None = None):
     """Stage 3: acceptance of each request's first ``num_drafts`` drafts against the target, then the
-    commit of the target's K/V for the pending token and the accepted drafts. Returns (target_cache,
-    ``VerifyStepOutput``)."""
+    commit of the target's K/V for the pending token and the accepted drafts. ``scored`` is the dense
+    [B, k + 1] forward, or with ``packed`` the packed one (``score_packed``; its N - B draft slots hold
+    every request's drafts). Returns (target_cache, ``VerifyStepOutput``)."""
     batch, k = proposal.tokens.shape
     num_drafts = jnp.clip(num_drafts, 0, k).astype(jnp.int32)
-    mesh = active_mesh()
-    cu, source = ragged_slots(num_drafts, k, 1 if mesh is None else mesh.shape[DATA])
-    compact = lambda x: compact_drafts(x, source)  # noqa: E731  [B, k, ...] -> [T, ...]
     positions = context_lens[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-    slots = slots_from_block_table(block_tables, positions, block_size).reshape(-1)
-    after_last = jnp.take_along_axis(scored.logits, num_drafts[:, None, None], axis=1)[:, 0]
+    slots = slots_from_block_table(block_tables, positions, block_size)           # [B, k + 1]
+    if packed is None:
+        mesh = active_mesh()
+        cu, source = ragged_slots(num_drafts, k, 1 if mesh is None else mesh.shape[DATA])
+        draft_logits = lambda: compact_drafts(scored.logits[:, :k], source)  # noqa: E731
+        after_last = jnp.take_along_axis(scored.logits, num_drafts[:, None, None], axis=1)[:, 0]
+        new_keys, new_values, slots, kv_layout = (_flatten_rows(scored.keys), _flatten_rows(scored.values),
+                                                  slots.reshape(-1), "grid")
+    else:   # draft slot s of request b is token s + b (after b requests' pending tokens)
+        num_tokens = packed.rows.shape[0]
+        cu, source = ragged_slots(num_drafts, k, num_slots=num_tokens - batch)
+        token_of_slot = jnp.minimum(jnp.arange(num_tokens - batch, dtype=jnp.int32) + source[0] // max(k, 1),
+                                    num_tokens - 1)
+        draft_logits = lambda: scored.logits[token_of_slot]  # noqa: E731
+        after_last = scored.logits[cu[1:] + jnp.arange(batch, dtype=jnp.int32)]
+        new_keys, new_values, kv_layout = scored.keys, scored.values, "query"
+        slots = slots[packed.rows, jnp.minimum(packed.offsets, k)]
+    compact = lambda x: compact_drafts(x, source)  # noqa: E731  [B, k, ...] -> [T, ...]
     bonus, _ = choose_tokens(after_last, _tagged(keys, _BONUS), temperature, greedy)
     # the commit writes the cache as it is after every read (the bonus token comes from the last
     # logits): with k = 0 the acceptance does not depend on them, and XLA:CPU would copy the donated
     # cache instead of updating it in place (tests/decoding: test_decode_steps_update_the_caches_in_place)
     target_cache, _ = jax.lax.optimization_barrier((target_cache, bonus))
     if greedy:        # the argmax is fused into the acceptance (with no draft slot there is none to take)
-        acceptance = (dict(target_logits=compact(scored.logits[:, :k])) if k
+        acceptance = (dict(target_logits=draft_logits()) if k
                       else dict(target_token_ids=jnp.zeros((0,), jnp.int32)))
     else:
-        acceptance = dict(target_probs=jax.nn.softmax(compact(scored.logits[:, :k]) / temperature, axis=-1),
+        acceptance = dict(target_probs=jax.nn.softmax(draft_logits() / temperature, axis=-1),
                           draft_probs=None if proposal.probs is None else compact(proposal.probs),
                           key=_tagged(keys, _ACCEPT))
-    return sharded_verify_step(target_cache, _flatten_rows(scored.keys), _flatten_rows(scored.values), slots,
-                               compact(proposal.tokens), cu, bonus, request_mask=request_mask, max_spec_len=k,
-                               kv_layout="grid", backend=backend, **acceptance)
+    return sharded_verify_step(target_cache, new_keys, new_values, slots, compact(proposal.tokens), cu, bonus,
+                               request_mask=request_mask, max_spec_len=k, kv_layout=kv_layout, backend=backend,
+                               **acceptance)
 
 
 def commit_draft(draft_cache: PagedKVCache, proposal: Proposal, block_tables: jax.Array,
@@ -278,7 +323,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
     """``decode_step(...)``: one speculative step (plain autoregressive decoding at k = 0)."""
 
     def decode_step(target_params, draft_params, target_cache, draft_cache, block_tables, rows, base_key,
-                    temperature, drafts=None, request_mask=None, *, k: int, greedy: bool, backend: str = "auto"):
+                    temperature, drafts=None, request_mask=None, *, k: int, greedy: bool, backend: str = "auto",
+                    packed_k: int = 0):
         """One decoding step of B requests (see ``scv_jax.decoding.positions``).
 
         Args:
@@ -292,6 +338,9 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           drafts: int32[B, k] drafts proposed on the host (n-gram), or None (the draft model's).
           request_mask: bool[B], False = padding.
           k: drafts computed per request (static); greedy: argmax decoding (static).
+          packed_k: 0 (a dense [B, k + 1] target forward) or in [1, k): the target scores B *
+            (packed_k + 1) tokens packed (``score_packed``), at most B * packed_k drafts in all (static;
+            the last requests' ``num_drafts`` are cut to fit).
         Returns:
           (target_cache, draft_cache, ``StepSummary``).
         """
@@ -300,6 +349,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
         if drafts is not None and (draft_params is not None or drafts.shape[1] != k):
             raise ValueError(f"decode_step: drafts must be int32[B, k={k}] and come without draft_params, "
                              f"got shape {drafts.shape}")
+        if packed_k and not 0 < packed_k < k:
+            raise ValueError(f"decode_step: packed_k must be 0 or in [1, k={k}), got {packed_k}")
         lag, context_lens, num_drafts = rows[:, StepRow.LAG], rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS]
         tail = rows[:, StepRow.TOKENS:]
         catch_up = jnp.arange(MAX_CATCH_UP, dtype=jnp.int32)[None, :] + MAX_CATCH_UP - lag[:, None]
@@ -311,12 +362,18 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
         draft_lens = context_lens + 1 - lag
         proposal = propose(draft_model, drafts, draft_cache, block_tables, lag_tokens, lag, draft_lens, keys,
                            temperature, k=k, greedy=greedy, backend=backend)
-        pending = tail[:, -1]
-        scored = score(target.merge(target_params), target_cache, block_tables, pending, proposal.tokens,
-                       context_lens, backend=backend)
+        pending, target_model, packed = tail[:, -1], target.merge(target_params), None
+        if packed_k:
+            num_drafts = fitting_drafts(jnp.clip(num_drafts, 0, k), rows.shape[0] * packed_k)
+            packed = packed_layout(num_drafts, rows.shape[0] * (packed_k + 1), k + 1)
+            scored = score_packed(target_model, target_cache, block_tables, pending, proposal.tokens, packed,
+                                  context_lens, backend=backend)
+        else:
+            scored = score(target_model, target_cache, block_tables, pending, proposal.tokens, context_lens,
+                           backend=backend)
         target_cache, result = accept_and_commit(target_cache, scored, proposal, num_drafts, keys, temperature,
                                                  block_tables, context_lens, request_mask, block_size=block_size,
-                                                 greedy=greedy, backend=backend)
+                                                 greedy=greedy, backend=backend, packed=packed)
         if proposal.staged is not None:
             draft_cache = commit_draft(draft_cache, proposal, block_tables, draft_lens, lag, result.num_accepted,
                                        request_mask, block_size=block_size, backend=backend,

@@ -1,5 +1,6 @@
 """The prefill and decode steps in graph mode: one ``ExecutableCache`` each, bucketed by batch size,
-block-table width and (for decode steps) k, with both caches donated, for the placement's devices."""
+block-table width and (for decode steps) k, with both caches donated, for the placement's devices
+(decode steps are also compiled per ``packed_k``, the packed verify's mean drafts per request)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,6 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
     decode = ExecutableCache(
         placement.step(make_decode_step(target, draft, config.block_size)),
         pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "drafts": Pad("batch")},
-        bucketed_statics={"k": k_values}, static_argnames=("greedy", "backend"), name="decode_step",
+        bucketed_statics={"k": k_values}, static_argnames=("greedy", "backend", "packed_k"), name="decode_step",
         **common)
     return prefill, decode

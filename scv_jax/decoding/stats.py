@@ -25,6 +25,8 @@ class GenerateStats:
         their wall time (host work, device work and the one fetch of each step; with the device
         time of each shape, the host's share per step follows) and the part of it the host spent on
         its own work (before the step's dispatch and after its fetch).
+      scored_tokens: tokens the target's verify forwards scored, padding included: B * (k + 1) a
+        dense step of B rows, B * (packed_k + 1) a packed one (``DecoderConfig.packed_verify``).
       catch_up_calls: draft-only prefill calls that brought a lagging draft up to date after k = 0
         steps (``positions``).
       compile_seconds: wall time of the calls that compiled an executable (first use of a shape
@@ -44,12 +46,16 @@ class GenerateStats:
     compile_seconds: float = 0.0
     compile_count: int = 0
     step_seconds: dict[tuple[int, int], list] = dataclasses.field(default_factory=dict)
+    scored_tokens: int = 0
     catch_up_calls: int = 0
 
-    def add_step(self, batch: int, k: int, seconds: float | None, host_seconds: float = 0.0) -> None:
+    def add_step(self, batch: int, k: int, seconds: float | None, host_seconds: float = 0.0,
+                 scored_tokens: int | None = None) -> None:
         """Counts one decode step of static ``k`` on ``batch`` (padded) rows that took ``seconds`` (None:
-        it compiled or was its executable's first run), ``host_seconds`` of them the host's own work."""
+        it compiled or was its executable's first run), ``host_seconds`` of them the host's own work;
+        the target scored ``scored_tokens`` (default: dense, ``batch * (k + 1)``)."""
         self.steps += 1
+        self.scored_tokens += batch * (k + 1) if scored_tokens is None else scored_tokens
         self.k_histogram[k] = self.k_histogram.get(k, 0) + 1
         if seconds is not None:
             entry = self.step_seconds.setdefault((batch, k), [0, 0.0, 0.0])

@@ -89,10 +89,12 @@ def wall_minus_device_us(decoder: SpeculativeDecoder, stats: GenerateStats, gree
 
 def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatures: Sequence[float] = (0.0, 1.0),
             modes: Sequence[int | str] = (2, 4, 8, "adaptive"), max_new_tokens: int = 96, repeats: int = 3,
-            drafter: str = "model", workloads: Sequence[str] = ("stdlib",), progress: bool = True) -> list[E2ERow]:
+            drafter: str = "model", workloads: Sequence[str] = ("stdlib",), packed: bool = False,
+            progress: bool = True) -> list[E2ERow]:
     """Tokens/s of autoregressive decoding and of speculative decoding per mode, per workload, batch and
     temperature (the mixed workload: batch 8, greedy), with ``draft`` ("model") or prompt lookup
-    ("ngram") drafting; ``repeats`` interleaved timed runs each."""
+    ("ngram") drafting; ``repeats`` interleaved timed runs each. ``packed``: every speculative mode
+    also runs with ``DecoderConfig(packed_verify=True)`` (modes "k=4 packed", "adaptive packed")."""
     if drafter not in ("model", "ngram"):
         raise ValueError(f"run_e2e: drafter must be 'model' or 'ngram', got {drafter!r}")
     if not workloads or not set(workloads) <= {"stdlib", "mixed"}:
@@ -102,14 +104,17 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
     buckets = tuple(sorted({b for _, b, _ in cases}))
     base = DecoderConfig(batch_buckets=buckets)
     configs = {"autoregressive": base}
-    for mode in modes:
-        configs[mode if mode == "adaptive" else f"k={mode}"] = (
-            dataclasses.replace(base, adaptive=True) if mode == "adaptive" else dataclasses.replace(base, k=int(mode)))
+    for packing in (False, True) if packed else (False,):
+        for mode in modes:
+            name = ("adaptive" if mode == "adaptive" else f"k={mode}") + (" packed" if packing else "")
+            configs[name] = dataclasses.replace(base, packed_verify=packing,
+                                                **(dict(adaptive=True) if mode == "adaptive" else dict(k=int(mode))))
     drafting = draft if drafter == "model" else "ngram"
-    decoders = {name: SpeculativeDecoder(target, None if name == "autoregressive" else drafting, config=config)
-                for name, config in configs.items()}
     rows, start = [], time.perf_counter()
     for workload, batch, temperature in cases:
+        # fresh decoders per case: a case's executables (and the memory XLA:CPU maps for them) go with it
+        decoders = {name: SpeculativeDecoder(target, None if name == "autoregressive" else drafting, config=config)
+                    for name, config in configs.items()}
         prompts = mixed_prompts(batch) if workload == "mixed" else benchmark_prompts(batch)
         for decoder in decoders.values():
             _warm(decoder, prompts, max_new_tokens, temperature)
@@ -156,26 +161,26 @@ def format_table(rows: list[E2ERow]) -> str:
 
 
 def adaptive_summary(rows: list[E2ERow]) -> str:
-    """Per workload, batch and temperature: adaptive's tokens/s over the best fixed k's (medians; the
-    runs' spread; and the ratio within each round, which the machine's drifting load hits alike), as
-    markdown lines."""
-    lines = ["| workload | drafter | batch | temperature | best fixed k | adaptive / best fixed (median) | "
-             "adaptive min / best fixed max | same-round ratios: median [min-max] |",
-             "|---|---|---:|---:|---|---:|---:|---:|"]
+    """Per workload, batch and temperature: each adaptive mode's tokens/s over the best fixed k's (of
+    every fixed mode, packed or not; medians; the runs' spread; and the ratio within each round, which
+    the machine's drifting load hits alike), as markdown lines."""
+    lines = ["| workload | drafter | batch | temperature | adaptive mode | best fixed k | adaptive / best fixed "
+             "(median) | adaptive min / best fixed max | same-round ratios: median [min-max] |",
+             "|---|---|---:|---:|---|---|---:|---:|---:|"]
     groups: dict[tuple, list[E2ERow]] = {}
     for r in rows:
         groups.setdefault((r.workload, r.drafter, r.batch, r.temperature), []).append(r)
     for (workload, drafter, batch, temperature), group in groups.items():
         fixed = [r for r in group if r.mode.startswith("k=")]
-        adaptive = [r for r in group if r.mode == "adaptive"]
-        if not fixed or not adaptive:
+        if not fixed:
             continue
         best = max(fixed, key=lambda r: r.tokens_per_second)
-        paired = [a / b for a, b in zip(adaptive[0].runs, best.runs)] or [float("nan")]
-        lines.append(f"| {workload} | {drafter} | {batch} | {temperature:g} | {best.mode} | "
-                     f"{adaptive[0].tokens_per_second / best.tokens_per_second:.2f} | "
-                     f"{adaptive[0].spread[0] / best.spread[1]:.2f} | "
-                     f"{np.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] |")
+        for adaptive in (r for r in group if r.mode.startswith("adaptive")):
+            paired = [a / b for a, b in zip(adaptive.runs, best.runs)] or [float("nan")]
+            lines.append(f"| {workload} | {drafter} | {batch} | {temperature:g} | {adaptive.mode} | {best.mode} | "
+                         f"{adaptive.tokens_per_second / best.tokens_per_second:.2f} | "
+                         f"{adaptive.spread[0] / best.spread[1]:.2f} | "
+                         f"{np.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] |")
     return "\n".join(lines)
 
 

@@ -3,10 +3,10 @@ Hugging Face checkpoints (Llama, Qwen2, Mistral) with their tokenizers."""
 
 from scv_jax.models.config import Llama3RopeScaling, TransformerConfig
 from scv_jax.models.hf import load_hf
-from scv_jax.models.protocol import PagedForwardOutput, PagedModel, StagedKV
+from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, PagedModel, StagedKV
 from scv_jax.models.tokenizer import Tokenizer, load_tokenizer
 from scv_jax.models.transformer import Transformer
 from scv_jax.models.weights import load_demo, load_model, save_model
 
 __all__ = ["TransformerConfig", "Llama3RopeScaling", "Transformer", "PagedModel", "PagedForwardOutput",
-           "StagedKV", "load_demo", "load_model", "save_model", "load_hf", "load_tokenizer", "Tokenizer"]
+           "PackedTokens", "StagedKV", "load_demo", "load_model", "save_model", "load_hf", "load_tokenizer", "Tokenizer"]

@@ -21,12 +21,30 @@ class StagedKV(NamedTuple):
     lengths: jax.Array
 
 
+class PackedTokens(NamedTuple):
+    """Where the N tokens of a packed forward (``forward_packed``) sit in their batch.
+
+    Attributes:
+      rows: int32[N] each token's request (a row of ``block_tables``).
+      offsets: int32[N] its place among its request's tokens of the call: the token is at position
+        ``context_lens[rows[i]] + offsets[i]`` and attends to its request's earlier tokens of the
+        call. A request's tokens have offsets 0, 1, ..., in any order of i; offsets outside
+        [0, width) mark padding tokens (their outputs are junk and reach no other token).
+      width: the most tokens of any request (static).
+    """
+
+    rows: jax.Array
+    offsets: jax.Array
+    width: int
+
+
 class PagedForwardOutput(NamedTuple):
     """What one paged forward returns.
 
     Attributes:
-      logits: float32[B, T, vocab_size].
-      keys, values: the new tokens' K/V, [layers, B, T, kv_heads, head_dim] (to stage, then commit).
+      logits: float32[B, T, vocab_size] (``forward_packed``: float32[N, vocab_size]).
+      keys, values: the new tokens' K/V, [layers, B, T, kv_heads, head_dim] (``forward_packed``:
+        [layers, N, kv_heads, head_dim]), to stage, then commit.
     """
 
     logits: jax.Array
@@ -39,7 +57,9 @@ class PagedModel(Protocol):
     """A decoder-only LM the decoder can drive (an ``nnx.Module``; the decoder splits it once).
 
     ``config`` must expose ``vocab_size``, ``num_layers``, ``num_kv_heads`` and ``head_dim``
-    (the paged caches are sized from them).
+    (the paged caches are sized from them). A target that also has ``forward_packed`` (as
+    ``scv_jax.models.Transformer`` does) can be verified with packed tokens
+    (``DecoderConfig.packed_verify``): each request scores only its own drafts.
     """
 
     config: object

@@ -15,7 +15,7 @@ from flax import nnx
 
 from scv_jax.models.attention import causal_attention
 from scv_jax.models.config import TransformerConfig
-from scv_jax.models.protocol import PagedForwardOutput, StagedKV
+from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
 from scv_jax.models.rope import apply_rope, inverse_frequencies
 from scv_jax.ops.attention.sharded import sharded_paged_attention
 
@@ -178,3 +178,37 @@ class Transformer(nnx.Module):
 
         x, keys, values = self._run_layers(self.embed(tokens), positions, attend, (layers, staged_kv))
         return PagedForwardOutput(self._logits(x), keys, values)
+
+    def forward_packed(self, tokens: jax.Array, packed: PackedTokens, cache, block_tables: jax.Array,
+                       context_lens: jax.Array, *, backend: str = "auto") -> PagedForwardOutput:
+        """``forward_paged`` of B requests' tokens packed in one row: tokens int32[N], request
+        ``packed.rows[i]`` at offset ``packed.offsets[i]`` (``PackedTokens``), so a request with fewer
+        tokens costs fewer (every layer but attention runs on the N tokens). Returns logits
+        float32[N, vocab] and K/V [layers, N, kv_heads, head_dim]; reads ``cache``, never writes it.
+
+        Attention places each layer's queries and new K/V in a ``[B, width]`` grid (padding tokens
+        dropped), runs ``scv_jax.paged_attention`` on it and takes each token's row back: a token sees
+        its request's cache and its request's tokens at smaller offsets, exactly as in ``forward_paged``.
+        """
+        batch, width = block_tables.shape[0], packed.width
+        context_lens = context_lens.astype(jnp.int32)
+        rows = jnp.clip(packed.rows.astype(jnp.int32), 0, batch - 1)
+        offsets = packed.offsets.astype(jnp.int32)
+        real = (offsets >= 0) & (offsets < width)
+        cell = jnp.where(real, rows * width + offsets, batch * width)        # batch * width: dropped
+        positions = (context_lens[rows] + jnp.clip(offsets, 0, width - 1))[None]
+        layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        window = self.config.sliding_window
+
+        def to_grid(x: jax.Array) -> jax.Array:      # [1, N, heads, D] -> [B, width, heads, D]
+            grid = jnp.zeros((batch * width, *x.shape[2:]), x.dtype).at[cell].set(x[0], mode="drop")
+            return grid.reshape(batch, width, *x.shape[2:])
+
+        def attend(layer, q, k, v):
+            out = sharded_paged_attention(to_grid(q), cache, layer, block_tables, context_lens,
+                                          new_keys=to_grid(k), new_values=to_grid(v), sliding_window=window,
+                                          backend=backend)
+            return out.reshape(batch * width, *out.shape[2:])[jnp.minimum(cell, batch * width - 1)][None]
+
+        x, keys, values = self._run_layers(self.embed(tokens.astype(jnp.int32)[None]), positions, attend, layers)
+        return PagedForwardOutput(self._logits(x)[0], keys[:, 0], values[:, 0])

@@ -148,6 +148,24 @@ def test_per_request_k_trims_poor_requests():
     assert ks.max() <= ctrl.state()["k"]
 
 
+def test_packed_steps_make_a_large_k_as_cheap_as_what_it_verifies():
+    """Drafting free (n-gram): a k whose dense step is too slow wins once its packed steps
+    (update(target_tokens=...)) show that it verifies about one draft per row: its cost is then the
+    table's between k = 0 and k = 2."""
+    ctrl = AdaptiveController(allowed_k=(0, 2, 4), k_max=4, k_init=2, draft_model=False,
+                              explore_prob=0.0, warmup_steps=0, min_dwell_steps=1)
+    batch, ids = 8, np.arange(8)
+    dense = {0: 0.010, 2: 0.014, 4: 0.030}
+    for _ in range(12):                          # every draft accepted: E(2) = 3, E(4) = 5 tokens a step
+        for k, seconds in dense.items():
+            ctrl.update(np.full(batch, k), np.full(batch, k), seconds, batch, ids, step_k=k)
+    assert ctrl.next_k(batch, ids) == 2         # 5 / 0.030 < 3 / 0.014
+    for _ in range(12):                          # k = 4 steps verifying one draft per row, packed
+        ctrl.update(np.full(batch, 1), np.full(batch, 1), 0.012, batch, ids, step_k=4, target_tokens=2 * batch)
+        ctrl.update(np.full(batch, 2), np.full(batch, 2), dense[2], batch, ids, step_k=2)
+    assert ctrl.next_k(batch, ids) == 4
+
+
 # ----------------------------------------------------------------- cost model
 def test_cost_model_learns_a_linear_cost():
     truth = np.array([0.01, 2e-5, 1e-3, 5e-6])

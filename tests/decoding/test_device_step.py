@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import scv_jax
-from scv_jax.decoding.device_step import (SplitModel, StepRow, compact_drafts, make_decode_step, make_prefill_step,
-                                           ragged_slots)
+from scv_jax.decoding.device_step import (SplitModel, StepRow, compact_drafts, fitting_drafts, make_decode_step,
+                                           make_prefill_step, packed_layout, ragged_slots)
 from tests.models.fixtures import TINY, tiny_model
 
 BLOCK, BLOCKS_PER_REQUEST, BATCH, K = 8, 4, 4, 3
@@ -26,7 +26,7 @@ def setup():
     model = tiny_model(TINY, seed=0)
     split, params = SplitModel.split(model)
     prefill = jax.jit(make_prefill_step(split, None, BLOCK), static_argnames=("backend",))
-    step = jax.jit(make_decode_step(split, None, BLOCK), static_argnames=("k", "greedy", "backend"))
+    step = jax.jit(make_decode_step(split, None, BLOCK), static_argnames=("k", "greedy", "backend", "packed_k"))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in PROMPT_LENS]
     forward = jax.jit(lambda tokens: model(tokens))
@@ -52,8 +52,9 @@ def prefilled(rows: list[int]):
     return cache, tables
 
 
-def run_step(rows: list[int], drafts: np.ndarray, num_drafts: np.ndarray):
-    """One greedy step of the requests ``rows`` with given drafts: (emitted tokens, accepted, cache)."""
+def run_step(rows: list[int], drafts: np.ndarray, num_drafts: np.ndarray, *, packed_k: int = 0, greedy: bool = True):
+    """One step (greedy by default) of the requests ``rows`` with given drafts: (emitted tokens, accepted,
+    cache, block tables)."""
     _, params, _, step, prompts, _ = setup()
     cache, tables = prefilled(rows)
     step_rows = np.zeros((len(rows), StepRow.WIDTH), np.int32)
@@ -62,7 +63,7 @@ def run_step(rows: list[int], drafts: np.ndarray, num_drafts: np.ndarray):
         step_rows[i, StepRow.REQUEST_ID], step_rows[i, StepRow.NUM_DRAFTS] = r, num_drafts[i]
         step_rows[i, StepRow.TOKENS:] = ([0] + prompts[r])[-2:]
     cache, _, summary = step(params, None, cache, None, tables, step_rows, np.zeros(2, np.uint32),
-                             np.float32(1.0), drafts.astype(np.int32), k=K, greedy=True)
+                             np.float32(1.0), drafts.astype(np.int32), k=K, greedy=greedy, packed_k=packed_k)
     host = summary.fetch(len(rows))
     return host.token_lists(), host.num_accepted, cache, tables
 
@@ -110,6 +111,63 @@ def test_each_request_verifies_its_own_drafts(case):
         # the pending token and the accepted drafts are committed; nothing after them
         written = np.abs(np.asarray(got_k)).sum(axis=(0, 2, 3)) > 0
         assert written.tolist() == [p < PROMPT_LENS[b] - 1 + len(expected) for p in positions]
+
+
+def assert_same_commits(rows: list[int], first, second) -> None:
+    """Two steps' caches hold the same K/V at every position of the requests ``rows``."""
+    for i, b in enumerate(rows):
+        positions = np.arange(BLOCKS_PER_REQUEST * BLOCK)
+        got, want = (scv_jax.gather_kv(cache, scv_jax.slots_from_block_table(tables[i], positions, BLOCK))
+                     for cache, tables in (first, second))
+        for x, y in zip(got, want):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+@given(ragged_drafts(), st.integers(1, K - 1))
+def test_packed_step_equals_the_dense_step(case, packed_k):
+    """A packed step (B * (packed_k + 1) target tokens) emits and commits what the dense step does for the
+    same drafts, cut from the last requests on to fit its B * packed_k draft slots."""
+    drafts, num_drafts = case
+    rows = list(range(BATCH))
+    fitting = np.asarray(fitting_drafts(jax.numpy.asarray(num_drafts, jax.numpy.int32), BATCH * packed_k))
+    tokens, accepted, *dense = run_step(rows, drafts, fitting)
+    packed_tokens, packed_accepted, *packed = run_step(rows, drafts, num_drafts, packed_k=packed_k)
+    assert packed_tokens == tokens and packed_accepted.tolist() == accepted.tolist()
+    assert_same_commits(rows, dense, packed)
+
+
+def test_packed_sampling_step_equals_the_dense_step():
+    """With rejection sampling too (the same random stream per request), on fixed cases."""
+    rng = np.random.default_rng(7)
+    rows = list(range(BATCH))
+    for _ in range(6):
+        drafts = rng.integers(0, TINY.vocab_size, (BATCH, K))
+        num_drafts = rng.integers(0, K, BATCH)          # sum <= BATCH * (K - 1): nothing cut
+        tokens, accepted, *dense = run_step(rows, drafts, num_drafts, greedy=False)
+        packed_tokens, packed_accepted, *packed = run_step(rows, drafts, num_drafts, packed_k=K - 1, greedy=False)
+        assert packed_tokens == tokens and packed_accepted.tolist() == accepted.tolist()
+        assert_same_commits(rows, dense, packed)
+
+
+@given(st.lists(st.integers(0, 5), max_size=6), st.integers(0, 40), st.integers(0, 12))
+def test_packed_layout_and_fitting_drafts(num_drafts, extra_tokens, capacity):
+    """Request b's tokens are offsets 0..n_b at tokens cu[b] + b..., the rest padding (offset = width);
+    fitting_drafts keeps each request's drafts while the running sum fits ``capacity``."""
+    width = 6
+    fitted = np.asarray(fitting_drafts(jax.numpy.asarray(num_drafts, jax.numpy.int32), capacity)).tolist()
+    expected, left = [], capacity
+    for n in num_drafts:
+        expected.append(min(n, left))
+        left -= expected[-1]
+    assert fitted == expected
+    if not num_drafts:
+        return
+    num_tokens = sum(num_drafts) + len(num_drafts) + extra_tokens
+    layout = packed_layout(jax.numpy.asarray(num_drafts, jax.numpy.int32), num_tokens, width)
+    cells = [(b, t) for b, n in enumerate(num_drafts) for t in range(n + 1)]
+    got = list(zip(np.asarray(layout.rows).tolist(), np.asarray(layout.offsets).tolist()))
+    assert got[:len(cells)] == cells and layout.width == width
+    assert all(offset == width for _, offset in got[len(cells):])
 
 
 @given(st.data())

@@ -43,10 +43,12 @@ class Spy(AdaptiveController):
         return k
 
     def update(self, num_draft_tokens, num_accepted, step_seconds=None, batch_size=None, request_ids=None, *,
-               step_k=None):
+               step_k=None, target_tokens=None):
         self.told.append(dict(drafts=np.array(num_draft_tokens), accepted=np.array(num_accepted),
-                              seconds=step_seconds, batch=batch_size, ids=np.array(request_ids), step_k=step_k))
-        super().update(num_draft_tokens, num_accepted, step_seconds, batch_size, request_ids, step_k=step_k)
+                              seconds=step_seconds, batch=batch_size, ids=np.array(request_ids), step_k=step_k,
+                              target_tokens=target_tokens))
+        super().update(num_draft_tokens, num_accepted, step_seconds, batch_size, request_ids, step_k=step_k,
+                       target_tokens=target_tokens)
 
 
 @pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 3}), ADAPTIVE], ids=["k=3", "adaptive"])

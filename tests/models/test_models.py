@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 
 import jax
@@ -12,8 +14,8 @@ from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import scv_jax
-from scv_jax.models import (Llama3RopeScaling, PagedModel, StagedKV, Transformer, TransformerConfig, load_model,
-                            save_model)
+from scv_jax.models import (Llama3RopeScaling, PackedTokens, PagedModel, StagedKV, Transformer, TransformerConfig,
+                            load_model, save_model)
 from tests.models.fixtures import TINY, commit_prefix, pad_rows, tiny_model
 
 SCALING = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
@@ -71,6 +73,57 @@ def test_paged_staged_forward_matches_full_forward(jitted, lengths, layout, seed
         got = np.concatenate([np.asarray(out.logits[b, :c]), np.asarray(out_staged.logits[b, :n]),
                               np.asarray(out_new.logits[b, :m])])
         np.testing.assert_allclose(got, full[b, :c + n + m], atol=2e-4, rtol=2e-4)
+
+
+PACKED_BATCH, PACKED_WIDTH, PACKED_TOKENS = 3, 4, 11     # fixed shapes (one compile each window)
+
+
+@functools.cache
+def packed_forwards(window: int | None):
+    """(dense ``forward_paged``, ``forward_packed``) of a tiny model, jitted; ``window``: sliding window."""
+    config = dataclasses.replace(TINY, sliding_window=window)
+    graphdef, state = nnx.split(tiny_model(config, seed=5, scale=1.0))
+    dense = jax.jit(lambda *args: nnx.merge(graphdef, state).forward_paged(*args))
+    packed = jax.jit(lambda tokens, rows, offsets, *args: nnx.merge(graphdef, state).forward_packed(
+        tokens, PackedTokens(rows, offsets, PACKED_WIDTH), *args))
+    return dense, packed
+
+
+@settings(max_examples=8)
+@given(counts=st.lists(st.integers(1, PACKED_WIDTH), min_size=PACKED_BATCH, max_size=PACKED_BATCH),
+       committed=st.lists(st.integers(0, 12), min_size=PACKED_BATCH, max_size=PACKED_BATCH),
+       window=st.sampled_from([None, 3]), seed=st.integers(0, 2 ** 16))
+def test_packed_forward_equals_the_dense_rows(counts, committed, window, seed):
+    """Each request's tokens packed in any order among padding tokens (offset outside [0, width)) get
+    the logits and K/V of the dense forward's rows; padding changes nothing."""
+    dense, packed = packed_forwards(window)
+    rng = np.random.default_rng(seed)
+    cells = [(b, t) for b, n in enumerate(counts) for t in range(n)]
+    order = rng.permutation(PACKED_TOKENS)                      # token i holds cells[order[i]], or padding
+    rows = np.array([cells[j][0] if j < len(cells) else rng.integers(PACKED_BATCH) for j in order], np.int32)
+    offsets = np.array([cells[j][1] if j < len(cells) else rng.choice([-1, PACKED_WIDTH, 99]) for j in order],
+                       np.int32)
+    grid = rng.integers(0, TINY.vocab_size, (PACKED_BATCH, PACKED_WIDTH)).astype(np.int32)
+    tokens = np.where((offsets >= 0) & (offsets < PACKED_WIDTH), grid[rows, np.clip(offsets, 0, PACKED_WIDTH - 1)],
+                      rng.integers(0, TINY.vocab_size, PACKED_TOKENS)).astype(np.int32)
+    cache = scv_jax.PagedKVCache.create(TINY.num_layers, NUM_BLOCKS, BLOCK_SIZE, TINY.num_kv_heads, TINY.head_dim,
+                                        dtype="float32")
+    cache = cache.replace(k_pages=jnp.asarray(rng.normal(size=cache.k_pages.shape), jnp.float32),
+                          v_pages=jnp.asarray(rng.normal(size=cache.v_pages.shape), jnp.float32))
+    tables = jnp.asarray(rng.permutation(NUM_BLOCKS)[:PACKED_BATCH * MAX_BLOCKS].reshape(PACKED_BATCH, MAX_BLOCKS),
+                         jnp.int32)
+    lens = jnp.asarray(committed, jnp.int32)
+    want = dense(jnp.asarray(grid), cache, tables, lens)
+    got = packed(jnp.asarray(tokens), jnp.asarray(rows), jnp.asarray(offsets), cache, tables, lens)
+    assert got.logits.shape == (PACKED_TOKENS, TINY.vocab_size)
+    assert got.keys.shape == (TINY.num_layers, PACKED_TOKENS, TINY.num_kv_heads, TINY.head_dim)
+    real = np.flatnonzero(order < len(cells))
+    for i in real:
+        b, t = rows[i], offsets[i]
+        np.testing.assert_allclose(np.asarray(got.logits[i]), np.asarray(want.logits[b, t]), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.keys[:, i]), np.asarray(want.keys[:, b, t]), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got.values[:, i]), np.asarray(want.values[:, b, t]), atol=1e-5,
+                                   rtol=1e-5)
 
 
 def test_fp8_cache_is_read_dequantized(jitted):
