@@ -2,11 +2,12 @@
 
 Batch sizes {1, 4, 16}, greedy and temperature 1, fixed k in {2, 4, 8} and adaptive k, the demo draft
 model or n-gram prompt lookup (``--ngram``); ``--mixed`` adds a batch of 8 mixing repetitive and
-free-form prompts; ``--packed`` runs every speculative mode packed too (``packed_verify``). Each row's ratio is against autoregressive decoding (same batch, temperature,
-prompts and cache code); compilation is excluded (each configuration is warmed up by an untimed
-call). Each configuration runs ``--repeats`` times, interleaved; rows give the median and the spread,
-and the host's share of each step (step wall time - the step's device time). A second table puts
-adaptive against the best fixed k of each batch and temperature.
+free-form prompts; ``--packed`` runs every speculative mode packed too (``packed_verify``). Each row's
+ratio is against autoregressive decoding (same batch, temperature, prompts and cache code);
+compilation is excluded (each configuration is warmed up by an untimed call). Each configuration runs
+``--repeats`` times, interleaved; rows give the median and the spread, and the host's share of each
+step (step wall time - the step's device time). A second table puts each adaptive mode against the
+best fixed k of each batch and temperature.
 
 Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_e2e.py [--quick] [--ngram] [--mixed] [--packed] [--append]``
 (``scv-jax bench`` runs the same benchmark).
