@@ -516,7 +516,7 @@ class AdaptiveController:
             if m is None or m >= k:
                 continue
             j = max(bisect.bisect_right(allowed, m) - 1, 0)     # allowed[j] <= m < allowed[j + 1] (<= k)
-            share = (m - allowed[j]) / (allowed[j + 1] - allowed[j])
+            share = min(max((m - allowed[j]) / (allowed[j + 1] - allowed[j]), 0.0), 1.0)  # m below the least k
             out[i] = costs[j] + share * (costs[j + 1] - costs[j])
             if theta is not None:      # the interpolation has the draft work of about m drafts
                 forwards = self._forwards(allowed[j]) + share * (self._forwards(allowed[j + 1])
