@@ -712,8 +712,8 @@ class AdaptiveController:
                 self._totals[3] += seconds
                 return
             # without a draft model, a packed step of m + 1 target tokens per row is a dense step of k = m
-            k = draft_tokens = scored // batch - 1
-            draft_tokens *= batch
+            k = scored // batch - 1
+            draft_tokens = batch * k
         features = (1.0, float(scored), float(self._forwards(k)), float(draft_tokens * self.config.draft_model))
         shape = k if draft_tokens == batch * k else None       # a dense step of one of the table's shapes
         if self._table.observe(batch, shape, features, seconds):

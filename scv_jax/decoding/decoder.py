@@ -134,10 +134,7 @@ class SpeculativeDecoder:
                                    draft_placed.cache_dims, factory=self.placement.new_cache)
         # every drafter may run a k = 0 step: at the end of a budget, when no n-gram matches, or by choice
         self._step_ks = tuple(sorted(set(cfg.allowed_k) | {0}))
-        # a packed step's drafts per row: 1 and an adaptive decoder's other k values (the controller's
-        # cost table then times most packed steps as one of its shapes), else powers of two
-        self._packed_ks = (() if not cfg.packed_verify else tuple(sorted({1, *self._step_ks[1:]})) if cfg.adaptive
-                           else tuple(1 << i for i in range((cfg.k - 1).bit_length())) if cfg.k else ())
+        self._packed_ks = self._packed_draft_counts()
         self._prefill, self._decode = step_executables(cfg, self._target, self._draft, self._step_ks, self.placement)
         self._plans: dict[tuple, BucketPlan] = {}
         self._next_request_id = 0
@@ -284,6 +281,17 @@ class SpeculativeDecoder:
                 {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, backend=self.config.backend,
                 packed_k=packed_k)
         return plan
+
+    def _packed_draft_counts(self) -> tuple[int, ...]:
+        """The drafts per row a packed step may score, ascending: 1 and an adaptive decoder's other k
+        values (the controller's cost table then times most packed steps as one of its shapes), else
+        the powers of two below k; none without ``packed_verify``."""
+        cfg = self.config
+        if not cfg.packed_verify:
+            return ()
+        if cfg.adaptive:
+            return tuple(sorted({1, *self._step_ks[1:]}))
+        return tuple(1 << i for i in range((cfg.k - 1).bit_length())) if cfg.k else ()
 
     def _packed_k(self, num_drafts: np.ndarray, batch: int, step_k: int) -> int:
         """A packed step's ``packed_k`` for these drafts at a padded batch of ``batch`` rows: their mean per
@@ -468,16 +476,16 @@ class SpeculativeDecoder:
             self._prefill.warmup(**models, **draft, **prefill)
             if cfg.adaptive and self._draft is not None and 0 in cfg.allowed_k:
                 self._prefill.warmup(**{**models, "target_params": None, "target_cache": None}, **draft, **prefill)
+            no_draft = dict(draft_params=None, draft_cache=None)
             for k in self._step_ks:
-                packed = [p for p in self._packed_ks if p < k]
-                for packed_k in (0, *packed):
-                    step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
-                                base_key=np.zeros(2, np.uint32), temperature=np.float32(1.0), k=k, greedy=greedy,
-                                packed_k=packed_k, keep=lambda s, k=k: s["k"] == k and fits(s), progress=progress)
-                    if self.drafter is not None:
-                        step["drafts"] = np.zeros((1, k), np.int32)
-                    no_draft = dict(draft_params=None, draft_cache=None)
-                    self._decode.warmup(**models, **(draft if self._draft is not None and k else no_draft), **step)
+                step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
+                            base_key=np.zeros(2, np.uint32), temperature=np.float32(1.0), k=k, greedy=greedy,
+                            keep=lambda s, k=k: s["k"] == k and fits(s), progress=progress)
+                if self.drafter is not None:
+                    step["drafts"] = np.zeros((1, k), np.int32)
+                for packed_k in (0, *(p for p in self._packed_ks if p < k)):
+                    self._decode.warmup(**models, **(draft if self._draft is not None and k else no_draft), **step,
+                                        packed_k=packed_k)
         self._caches.put(target_cache, draft_cache)
         return compiles.count
 

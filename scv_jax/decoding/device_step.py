@@ -286,7 +286,7 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
     else:   # draft slot s of request b is token s + b (after b requests' pending tokens)
         num_tokens = packed.rows.shape[0]
         cu, source = ragged_slots(num_drafts, k, num_slots=num_tokens - batch)
-        token_of_slot = jnp.minimum(jnp.arange(num_tokens - batch, dtype=jnp.int32) + source[0] // max(k, 1),
+        token_of_slot = jnp.minimum(jnp.arange(num_tokens - batch, dtype=jnp.int32) + source[0] // k,
                                     num_tokens - 1)
         draft_logits = lambda: scored.logits[token_of_slot]  # noqa: E731
         after_last = scored.logits[cu[1:] + jnp.arange(batch, dtype=jnp.int32)]

@@ -84,3 +84,17 @@ def test_packed_verify_needs_one_device_and_a_packed_forward(target):
         SpeculativeDecoder(target, "ngram", config=PACKED, mesh=scv_jax.decoder_mesh(1, 1))
     with pytest.raises(ValueError, match="DecoderConfig.packed_verify must be a bool"):
         DecoderConfig(packed_verify="yes")
+
+
+@pytest.mark.parametrize("config", [PACKED, PACKED_ADAPTIVE], ids=["k3", "adaptive"])
+def test_no_recompilation_after_warmup_with_packed_steps(target, config):
+    """``warmup`` compiles every packed step a decoder may run: ragged n-gram steps compile nothing more."""
+    from scv_jax.graph.compile_counter import CompileCounter
+
+    decoder = SpeculativeDecoder(target, NgramDrafter(1, 3), config=config)
+    assert decoder.warmup(4, 40) > 0
+    with CompileCounter() as compiles:
+        out = decoder.generate(prompts(1, 4, alphabet=4), MAX_NEW)
+    assert compiles.count == 0
+    if not config.adaptive:          # ragged n-gram drafts: packed steps ran
+        assert out.stats.scored_tokens < out.stats.steps * 4 * (config.k + 1)
