@@ -109,8 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=96, help="tokens per request")
     bench.add_argument("--repeats", type=_int_at_least(1), default=3, help="interleaved timed runs per configuration")
     bench.add_argument("--ngram", action="store_true", help="draft by prompt lookup instead of the draft model")
-    bench.add_argument("--mixed", action="store_true",
-                       help="add a batch of 8 mixing repetitive and free-form prompts (greedy)")
+    bench.add_argument("--workloads", nargs="+", choices=("stdlib", "mixed", "stream"), default=["stdlib"],
+                       help="stdlib: the batch sizes x temperatures; mixed: a batch of 8 repetitive and free-form "
+                            "prompts; stream: 32 of them, 8 running at once (both greedy)")
     bench.add_argument("--packed", action="store_true", help="also run every speculative mode with packed_verify")
     bench.add_argument("--append", metavar="PATH", help="append the results to this markdown file")
     return parser
@@ -224,7 +225,7 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = run_e2e(target, draft, batch_sizes=args.batch_sizes, temperatures=args.temperatures, modes=modes,
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                    drafter="ngram" if args.ngram else "model",
-                   workloads=("stdlib", "mixed") if args.mixed else ("stdlib",), packed=args.packed)
+                   workloads=args.workloads, packed=args.packed)
     table, summary = format_table(rows), adaptive_summary(rows)
     print(f"{table}\n\n{summary}")
     if args.append:

@@ -40,9 +40,11 @@ def test_bench_appends_table(tiny_demo, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("scv_jax.demo.e2e.benchmark_prompts", lambda batch, **_: [[100, 101, 102]] * batch)
     results = tmp_path / "RESULTS.md"
     assert cli.main(["bench", "--batch-sizes", "2", "--temperatures", "0", "--modes", "2",
-                     "--max-new-tokens", "5", "--packed", "--append", str(results)]) == 0
+                     "--max-new-tokens", "5", "--packed", "--workloads", "stdlib", "stream", "--append",
+                     str(results)]) == 0
     table = capsys.readouterr().out
     assert "| 2 | 0 | autoregressive |" in table and "| 2 | 0 | k=2 |" in table and "| 2 | 0 | k=2 packed |" in table
+    assert "| stream | model | 8 | 0 | k=2 packed |" in table      # 32 requests, 8 running at once
     assert "End-to-end" in results.read_text() and "| 2 | 0 | k=2 |" in results.read_text()
 
 
@@ -72,6 +74,7 @@ def test_demo_without_speculation_prints_dashes(tiny_demo, capsys):
     (["bench", "--batch-sizes", "0"], "argument --batch-sizes: must be an int >= 1, got 0"),
     (["demo", "--prompt", ""], "--prompt must not be empty"),
     (["bench", "--modes", "two"], "--modes: each mode must be a k >= 1 or 'adaptive'"),
+    (["bench", "--workloads", "server"], "argument --workloads: invalid choice: 'server'"),
     (["demo", "--ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min (3) must be <= --ngram-max (2)"),
     (["demo", "--ngram-min", "0"], "argument --ngram-min: must be an int >= 1, got 0"),
 ])

@@ -573,9 +573,10 @@ class AdaptiveController:
         a request drafts position i only while its chance of reaching and accepting it exceeds the
         step's tokens-per-second times the marginal cost of one more draft token (target + draft
         per-token cost). Requests without history use the shared estimate. (``SpeculativeDecoder``
-        does not trim: in a dense [B, k + 1] step a trimmed draft saves nothing, and its packed steps,
-        ``DecoderConfig.packed_verify``, serve batches that run until their last request ends, where
-        a throughput threshold would slow the requests the batch waits for.)
+        does not trim: in a dense [B, k + 1] step a trimmed draft saves nothing; a packed step
+        (``DecoderConfig.packed_verify``) of a batch that runs until its last request ends would slow
+        the requests the batch waits for, and on the demo stream (continuous batching, n-gram drafts)
+        trimming at k = 4 cost both steps and target tokens: README, "End-to-end benchmark".)
         """
         if not self.config.per_request:
             raise ValueError("AdaptiveController.request_k needs ControllerConfig(per_request=True)")

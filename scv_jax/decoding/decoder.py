@@ -158,26 +158,31 @@ class SpeculativeDecoder:
             k_init=base.k_init if base.k_init in allowed else allowed[-1]))
 
     # ------------------------------------------------------------------ checks
-    def _check_request(self, prompts: list[list[int]], max_new_tokens: int) -> list[BlockPool]:
-        """The block pool of each request; raises before anything runs when the batch cannot fit the
-        caches. Drafts never outrun a request's budget, so a request writes at most
-        prompt + max_new_tokens - 1 cache positions."""
+    def _check_request(self, prompts: list[list[int]], max_new_tokens: int,
+                       max_num_seqs: int | None) -> list[BlockPool]:
+        """The block pool of each request; raises before anything runs when the requests (at most
+        ``max_num_seqs`` running at once) cannot fit the caches. Drafts never outrun a request's
+        budget, so a request writes at most prompt + max_new_tokens - 1 cache positions."""
         cfg = self.config
         longest = max(len(p) for p in prompts) + max_new_tokens - 1
         if longest > cfg.max_seq_len:
             raise ValueError(f"generate: a request needs up to {longest} cache positions (prompt "
                              f"{max(len(p) for p in prompts)} + max_new_tokens {max_new_tokens} - 1) but "
                              f"DecoderConfig.max_seq_len is {cfg.max_seq_len}")
-        return self.pool.assign([-(-(len(p) + max_new_tokens - 1) // cfg.block_size) for p in prompts])
+        return self.pool.assign([-(-(len(p) + max_new_tokens - 1) // cfg.block_size) for p in prompts],
+                                max_num_seqs)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, eos_token_id: int | None = None, *, progress: bool = False) -> GenerateOutput:
+                 seed: int = 0, eos_token_id: int | None = None, *, max_num_seqs: int | None = None,
+                 progress: bool = False) -> GenerateOutput:
         """Generates up to ``max_new_tokens`` tokens for each prompt (a batch of any lengths).
 
         A request stops at ``max_new_tokens`` or after emitting ``eos_token_id``; its KV blocks go back
         to the pool. ``temperature`` 0 is greedy; otherwise sampling with ``seed`` (same seed, same
-        output). ``progress``: report the prefill of long prompts on stderr.
+        output). ``max_num_seqs``: at most that many requests decode at once (continuous batching: the
+        others wait, in order, and each is prefilled and joins the running batch as soon as a running
+        request finishes; None: all at once). ``progress``: report the prefill of long prompts on stderr.
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
                 or max_new_tokens < 1:
@@ -188,19 +193,22 @@ class SpeculativeDecoder:
         if eos_token_id is not None and not 0 <= eos_token_id < self.vocab_size:
             raise ValueError(f"generate: eos_token_id must be in [0, vocab_size={self.vocab_size}) or None, "
                              f"got {eos_token_id!r}")
+        if max_num_seqs is not None and (isinstance(max_num_seqs, bool)
+                                         or not isinstance(max_num_seqs, (int, np.integer)) or max_num_seqs < 1):
+            raise ValueError(f"generate: max_num_seqs must be an int >= 1 or None, got {max_num_seqs!r}")
         prompt_ids = check_prompts(prompts, self.vocab_size)
-        pools = self._check_request(prompt_ids, max_new_tokens)
+        pools = self._check_request(prompt_ids, max_new_tokens, max_num_seqs)
         cfg = self.config
         state = RequestBatch(prompt_ids, int(max_new_tokens), pools, [self.pool.shard_of(p) for p in pools],
-                             cfg.block_size, cfg.max_blocks_per_seq, self._step_ks[-1])
+                             cfg.block_size, cfg.max_blocks_per_seq, self._step_ks[-1], max_num_seqs)
         stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_ids))
         first_id, self._next_request_id = self._next_request_id, self._next_request_id + len(prompt_ids)
         start = time.perf_counter()
         with CompileCounter() as compiles:
             try:
                 base_key = jax.random.key_data(jax.random.key(seed))   # before the prefill: no wait on it
-                self._prefill_rows(state, state.active, np.zeros(len(prompt_ids), np.int64), state.prompt_len - 1,
-                                   stats, draft_only=False, progress=progress)
+                self._prefill_rows(state, state.active, np.zeros(state.active.size, np.int64),
+                                   state.prompt_len[state.active] - 1, stats, draft_only=False, progress=progress)
                 stats.prefill_seconds = time.perf_counter() - start
                 call = _Call(state, base_key, jax.device_put(np.float32(max(temperature, 1e-6))), temperature == 0.0,
                              eos_token_id,
@@ -210,6 +218,11 @@ class SpeculativeDecoder:
                              AcceptanceTally(max(cfg.allowed_k)))
                 while state.active.size:
                     self._step(call, state.active)
+                    if state.waiting.size and state.active.size < max_num_seqs:     # continuous batching
+                        admitted, admitting = state.admit(max_num_seqs - state.active.size), time.perf_counter()
+                        self._prefill_rows(state, admitted, np.zeros(admitted.size, np.int64),
+                                           state.prompt_len[admitted] - 1, stats, draft_only=False)
+                        stats.prefill_seconds += time.perf_counter() - admitting
                 if call.controller:
                     self._observe(call)
             finally:
@@ -310,13 +323,16 @@ class SpeculativeDecoder:
         # chose k during the last step's device time, unless the batch changed
         controller = call.controller
         budget = state.budget[rows]                        # tokens each request has left (until this step ends)
+        # the controller's objective: while requests wait for a slot (continuous batching) the stream's
+        # tokens per second; once none wait, the progress of the request that will finish last
+        remaining = None if state.waiting.size else budget
         if controller is None:
             k = self.config.k
         elif call.decided is not None and call.decided[0] == batch:
             k = call.decided[1]
         else:
             self._observe(call)
-            k = controller.next_k(batch, ids, budget)
+            k = controller.next_k(batch, ids, remaining)
         caps = np.minimum(budget - 1, k)                   # never draft past a request's budget
         proposals = propose_batch([call.ngram[r] for r in rows.tolist()], caps) if call.ngram else None
         num_drafts = caps if proposals is None else np.array([len(p) for p in proposals], np.int64)
@@ -344,7 +360,7 @@ class SpeculativeDecoder:
                                base_key=call.base_key, temperature=call.temperature, **inputs)
         if controller:     # while the device runs this step: learn from the last one, choose the next k
             self._observe(call)
-            call.decided = (batch, controller.next_k(batch, ids, budget))
+            call.decided = (batch, controller.next_k(batch, ids, remaining))
         host = layout.fetch(summary)                      # the step's one device-to-host transfer
         cold = self._decode.last_call_first_run        # compiled now or ahead of time, never run
         fetched = time.perf_counter()

@@ -90,25 +90,28 @@ class ShardedBlockPool:
         """The data shard whose pool ``pool`` is."""
         return self._index[id(pool)]
 
-    def assign(self, demands: Sequence[int]) -> list[BlockPool]:
+    def assign(self, demands: Sequence[int], max_running: int | None = None) -> list[BlockPool]:
         """The pool of each new request needing up to ``demands[i]`` blocks: the shard with the fewest
         requests so far, then the smallest demand (balanced rows, then balanced blocks).
 
-        Raises ValueError (before anything is allocated) when a shard cannot hold its requests.
+        Raises ValueError (before anything is allocated) when a shard cannot hold its requests, or with
+        ``max_running`` (at most that many run at once) the largest ``max_running`` of them.
         """
-        count, need = [0] * len(self.shards), [0] * len(self.shards)
+        total, shard_demands = [0] * len(self.shards), [[] for _ in self.shards]
         chosen = []
         for demand in demands:
-            s = min(range(len(self.shards)), key=lambda s: (count[s], need[s]))
-            count[s], need[s] = count[s] + 1, need[s] + demand
+            s = min(range(len(self.shards)), key=lambda s: (len(shard_demands[s]), total[s]))
+            total[s] += demand
+            shard_demands[s].append(demand)
             chosen.append(s)
+        need = [sum(sorted(d, reverse=True)[:max_running]) for d in shard_demands]
         for s, pool in enumerate(self.shards):
             if need[s] > pool.num_free:
                 where = ("the cache has" if len(self.shards) == 1 else
                          f"data shard {s} of {len(self.shards)} (num_blocks / {len(self.shards)} each) has")
                 raise ValueError(f"generate: the batch needs up to {need[s]} KV blocks but {where} "
                                  f"{pool.num_free} free of {pool.num_blocks} (raise DecoderConfig.num_blocks "
-                                 "or split the batch)")
+                                 "or lower generate's max_num_seqs)")
         return [self.shards[s] for s in chosen]
 
 

@@ -51,14 +51,15 @@ class RequestBatch:
         entries past ``length`` are scratch).
       length, prompt_len: int64[R]; budget: int64[R] tokens each request may still emit;
       lag: int64[R] tokens the draft cache lacks.
-      active: int64[B] rows of the unfinished requests.
+      active: int64[B] rows of the running requests; waiting: int64[W] rows of the requests not yet
+        admitted, in admission order (``admit``; empty unless ``generate`` limits ``max_num_seqs``).
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
       blocks: int32[R, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, from the
         request's pool; shards: int64[R] the data shard of each request's pool (0 on one device).
     """
 
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, pools: list[BlockPool], shards: list[int],
-                 block_size: int, max_blocks: int, max_drafts: int):
+                 block_size: int, max_blocks: int, max_drafts: int, max_running: int | None = None):
         rows = len(prompts)
         self.prompt_len = np.array([len(p) for p in prompts], np.int64)
         self.length = self.prompt_len.copy()
@@ -68,13 +69,20 @@ class RequestBatch:
         for row, prompt in zip(self.tokens, prompts):
             row[:len(prompt)] = prompt
         self.lag = np.ones(rows, np.int64)
-        self.active = np.arange(rows)
+        running = rows if max_running is None else min(rows, max_running)
+        self.active, self.waiting = np.arange(running), np.arange(running, rows)
         self.may_lag = False
         self.blocks = np.full((rows, max_blocks), -1, np.int32)
         self.num_blocks = np.zeros(rows, np.int64)
         self._addressable = np.zeros(rows, np.int64)     # num_blocks * block_size
         self.shards = np.array(shards, np.int64)
         self._pools, self._block_size = pools, block_size
+
+    def admit(self, count: int) -> np.ndarray:
+        """Moves up to ``count`` waiting requests to the running ones; returns int64[n] their rows."""
+        admitted, self.waiting = self.waiting[:count], self.waiting[count:]
+        self.active = np.concatenate([self.active, admitted])
+        return admitted
 
     def outputs(self) -> list[list[int]]:
         """The generated tokens of each request (EOS included)."""

@@ -19,7 +19,8 @@ class GenerateStats:
       k_histogram: {k: steps} by the k each step computed (its static k).
       tokens_per_second: generated tokens / (wall_seconds - compile_seconds): decoding speed with
         compilation excluded.
-      wall_seconds: the whole call; prefill_seconds: its prefill part (compilation included).
+      wall_seconds: the whole call; prefill_seconds: its prefill part (compilation included; with
+        ``max_num_seqs``, the prefills of the requests admitted later too).
       step_seconds: {(padded batch, k): [steps, seconds, host seconds]} the decode steps by shape,
         steps that compiled or ran their executable for the first time excluded (one-off costs):
         their wall time (host work, device work and the one fetch of each step; with the device

@@ -8,7 +8,9 @@ median and the spread of its runs.
 
 Workloads: ``"stdlib"``, prompts cut from held-out standard-library source; ``"mixed"``, a batch of 8
 with half repetitive prompts (rulers such as ``"####...\\n"``, which both drafters continue almost
-perfectly) and half free-form stdlib prompts: requests of very different acceptance in one batch.
+perfectly) and half free-form stdlib prompts: requests of very different acceptance in one batch;
+``"stream"``, 32 such requests served 8 at a time (``generate(max_num_seqs=8)``: continuous batching,
+a finished request's slot goes to the next one), the throughput a server sees.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ from scv_jax.demo.corpus import split_corpus, stdlib_bytes
 from scv_jax.demo.report import append_markdown, results_header
 
 MIXED_BATCH = 8
+STREAM_REQUESTS = 32     # the stream workload's requests, MIXED_BATCH running at once
 _RULERS = (b"#", b"=", b"-", b"*")
+WORKLOADS = ("stdlib", "mixed", "stream")
 
 
 @dataclasses.dataclass
 class E2ERow:
-    workload: str                  # "stdlib" or "mixed"
+    workload: str                  # "stdlib", "mixed" or "stream"
     drafter: str                   # "model" (the demo draft) or "ngram" (prompt lookup)
-    batch: int
+    batch: int                     # requests running at once
     temperature: float
     mode: str                      # "autoregressive", "k=4" or "adaptive"
     tokens_per_second: float       # median over the repeats
@@ -65,11 +69,13 @@ def mixed_prompts(batch: int = MIXED_BATCH, seed: int = 3) -> list[list[int]]:
     return [p for pair in zip(free, rulers) for p in pair] + free[len(rulers):]
 
 
-def _warm(decoder: SpeculativeDecoder, prompts, max_new_tokens: int, temperature: float) -> None:
-    """Compiles every k for the batch, then one untimed call (compiles what it uses, adapts k)."""
+def _warm(decoder: SpeculativeDecoder, prompts, batch: int, max_new_tokens: int, temperature: float) -> None:
+    """Compiles every k for ``batch`` running requests, then one untimed call (compiles what it uses,
+    adapts k)."""
     longest = max(map(len, prompts)) + max_new_tokens
-    decoder.warmup(len(prompts), longest, greedy=temperature == 0)
-    decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=1000)   # a seed the timed runs do not use
+    decoder.warmup(batch, longest, greedy=temperature == 0)
+    decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=1000,   # a seed the timed runs do not use
+                     max_num_seqs=batch)
 
 
 def wall_minus_device_us(decoder: SpeculativeDecoder, stats: GenerateStats, greedy: bool, context: int) -> float:
@@ -92,16 +98,18 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
             drafter: str = "model", workloads: Sequence[str] = ("stdlib",), packed: bool = False,
             progress: bool = True) -> list[E2ERow]:
     """Tokens/s of autoregressive decoding and of speculative decoding per mode, per workload, batch and
-    temperature (the mixed workload: batch 8, greedy), with ``draft`` ("model") or prompt lookup
+    temperature (the mixed and stream workloads: batch 8, greedy), with ``draft`` ("model") or prompt lookup
     ("ngram") drafting; ``repeats`` interleaved timed runs each. ``packed``: every speculative mode
     also runs with ``DecoderConfig(packed_verify=True)`` (modes "k=4 packed", "adaptive packed")."""
     if drafter not in ("model", "ngram"):
         raise ValueError(f"run_e2e: drafter must be 'model' or 'ngram', got {drafter!r}")
-    if not workloads or not set(workloads) <= {"stdlib", "mixed"}:
-        raise ValueError(f"run_e2e: workloads must name 'stdlib' and/or 'mixed', got {workloads!r}")
-    shapes = {"mixed": ((MIXED_BATCH,), (0.0,)), "stdlib": (tuple(batch_sizes), tuple(temperatures))}
+    if not workloads or not set(workloads) <= set(WORKLOADS):
+        raise ValueError(f"run_e2e: workloads must name some of {WORKLOADS}, got {workloads!r}")
+    shapes = {"mixed": ((MIXED_BATCH,), (0.0,)), "stream": ((MIXED_BATCH,), (0.0,)),
+              "stdlib": (tuple(batch_sizes), tuple(temperatures))}
     cases = [(w, b, t) for w in workloads for b in shapes[w][0] for t in shapes[w][1]]
-    buckets = tuple(sorted({b for _, b, _ in cases}))
+    # a stream admits requests one by one: their prefill runs at batch 1, not padded to the running batch
+    buckets = tuple(sorted({b for _, b, _ in cases} | ({1} if "stream" in workloads else set())))
     base = DecoderConfig(batch_buckets=buckets)
     configs = {"autoregressive": base}
     for packing in (False, True) if packed else (False,):
@@ -115,14 +123,15 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
         # fresh decoders per case: a case's executables (and the memory XLA:CPU maps for them) go with it
         decoders = {name: SpeculativeDecoder(target, None if name == "autoregressive" else drafting, config=config)
                     for name, config in configs.items()}
-        prompts = mixed_prompts(batch) if workload == "mixed" else benchmark_prompts(batch)
+        prompts = {"mixed": lambda: mixed_prompts(batch), "stream": lambda: mixed_prompts(STREAM_REQUESTS),
+                   "stdlib": lambda: benchmark_prompts(batch)}[workload]()
         for decoder in decoders.values():
-            _warm(decoder, prompts, max_new_tokens, temperature)
+            _warm(decoder, prompts, batch, max_new_tokens, temperature)
         runs: dict[str, list[GenerateOutput]] = {name: [] for name in decoders}
         hosts: dict[str, list[tuple[float, float]]] = {name: [] for name in decoders}
         for seed in range(repeats):          # round r: every mode with seed r (sampled texts differ by seed)
             for name, decoder in decoders.items():
-                out = decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=seed)
+                out = decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, max_num_seqs=batch)
                 runs[name].append(out)
                 own = sum(v[2] for v in out.stats.step_seconds.values()) / max(out.stats.steps, 1) * 1e6
                 hosts[name].append((own, wall_minus_device_us(decoder, out.stats, temperature == 0,

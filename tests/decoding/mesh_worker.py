@@ -6,8 +6,8 @@
 It must start its own interpreter: the CPU device count (and, for several processes,
 ``jax.distributed.initialize``) is fixed before JAX initialises. It decodes the same prompts with the
 model pair on one device and on each mesh ("data,model", ":model" places the draft on the mesh too),
-greedy and (``--sample``) sampled, after a warm-up, and records the tokens, the compiles after
-warm-up, the donations and the bytes each device holds.
+greedy (all at once and two at a time) and (``--sample``) sampled, after a warm-up, and records the
+tokens, the compiles after warm-up, the donations and the bytes each device holds.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def _layout(tree) -> dict[str, dict]:
 
 
 def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
-    out = {"greedy": decoder.generate(prompts, MAX_NEW)}
+    out = {"greedy": decoder.generate(prompts, MAX_NEW),
+           "streamed": decoder.generate(prompts, MAX_NEW, max_num_seqs=2)}    # continuous batching
     if ARGS.sample:
         out["sampled"] = decoder.generate(prompts, MAX_NEW, temperature=1.0, seed=7)
     return out

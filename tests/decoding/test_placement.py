@@ -33,6 +33,13 @@ def test_a_shard_that_cannot_hold_its_requests_raises_before_allocating():
         ShardedBlockPool(8, 1).assign([4, 5])
 
 
+def test_with_max_running_a_shard_holds_its_largest_running_requests():
+    pool = ShardedBlockPool(16, 2)                  # 8 blocks a shard; shard 0 gets [4, 2, 4], shard 1 [2, 1, 3]
+    assert len(pool.assign([4, 2, 1, 2, 3, 4], max_running=2)) == 6       # 4 + 4 and 3 + 2 fit
+    with pytest.raises(ValueError, match="needs up to 10 KV blocks but data shard 0 of 2"):
+        pool.assign([4, 2, 1, 2, 3, 4], max_running=3)
+
+
 def test_shard_major_rows_and_their_padding():
     buckets = Buckets((2, 4, 8))
     layout = shard_major_rows([1, 0, 1, 1], 2, buckets.bucket)       # shard 1 needs 3 rows: 2 x 4
