@@ -93,3 +93,14 @@ def test_the_controller_maximises_throughput_while_requests_wait(target, partial
     assert first > 0 and all(told_remaining[first:])                              # the queue only drains
     for _, ids, _, remaining in spy.asked[first:]:
         assert remaining.shape == ids.shape and (remaining >= 1).all()
+
+
+def test_warmup_of_the_running_batch_and_one_admission_compiles_everything(target, partial_draft):
+    from scv_jax.graph.compile_counter import CompileCounter
+
+    decoder = SpeculativeDecoder(target, partial_draft,
+                                 config=DecoderConfig(**{**vars(SMALL), "k": 3, "batch_buckets": (1, 4)}))
+    decoder.warmup([1, 4], 40)
+    with CompileCounter() as compiles:
+        out = decoder.generate(prompts(9, 7), MAX_NEW, max_num_seqs=4)
+    assert compiles.count == 0 and out.stats.compile_count == 0
