@@ -6,7 +6,9 @@ allocation, the step's input buffers, planning, the call into the executable (ar
 dispatch of the real executable are not included: the stub replaces them), the fetch of the step's
 summary (a ready device array) and the bookkeeping after it. On a CPU backend the real step's device
 work competes with the host for the same cores, so this isolates the host's own cost (on a GPU the two
-overlap). The stub's own work (building the summary) is timed and subtracted.
+overlap). The stub's own work (building the summary) is timed and subtracted. The last number of each
+cell is the part of it before the step's dispatch and after its fetch: on a GPU the rest (the
+adaptive controller's update and next k) runs while the device computes the step.
 
 Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_host_step.py [--batch-sizes 1 64] [--append]``
 """
@@ -67,9 +69,10 @@ class StepClock:
 
 
 def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
-                      repeats: int) -> tuple[float, float]:
+                      repeats: int) -> tuple[float, float, float]:
     """Median host microseconds per step of ``mode`` at ``batch`` over ``repeats`` generate calls: wall
-    time and the thread's CPU time (what an idle host's wall time would be)."""
+    time, the thread's CPU time (what an idle host's wall time would be) and the wall time before the
+    step's dispatch and after its fetch (what a device step does not hide)."""
     config = DecoderConfig(batch_buckets=(batch,), adaptive=mode == "adaptive", num_blocks=64 * batch,
                            k=0 if mode in ("autoregressive", "adaptive") else 4)
     drafter = None if mode == "autoregressive" else ("ngram" if mode.startswith("ngram") else draft)
@@ -85,9 +88,11 @@ def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
         stats = decoder.generate(prompts, max_new_tokens).stats
         steps = sum(v[0] for v in stats.step_seconds.values())
         seconds = sum(v[1] for v in stats.step_seconds.values())
-        samples.append(((seconds - stub.seconds) / steps * 1e6, (clock.cpu_seconds - stub.cpu_seconds) / steps * 1e6))
-    wall, cpu = np.median(samples, axis=0)
-    return float(wall), float(cpu)
+        outside = sum(v[2] for v in stats.step_seconds.values())
+        samples.append(((seconds - stub.seconds) / steps * 1e6, (clock.cpu_seconds - stub.cpu_seconds) / steps * 1e6,
+                        outside / steps * 1e6))
+    wall, cpu, outside = np.median(samples, axis=0)
+    return float(wall), float(cpu), float(outside)
 
 
 def main() -> None:
@@ -100,14 +105,15 @@ def main() -> None:
     target, draft = load_demo()
     rows = ["| batch | " + " | ".join(MODES) + " |", "|---:|" + "---:|" * len(MODES)]
     for batch in args.batch_sizes:
-        cells = ["{:.0f} ({:.0f})".format(*host_microseconds(target, draft, mode, batch, args.max_new_tokens,
+        cells = ["{:.0f} ({:.0f}; {:.0f})".format(*host_microseconds(target, draft, mode, batch, args.max_new_tokens,
                                                               args.repeats)) for mode in MODES]
         rows.append(f"| {batch} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
     load = os.getloadavg()[0]
     publish(__file__, "Host work per decoding step (device step stubbed out)",
             f"Demo models; median of {args.repeats} generate calls of {args.max_new_tokens} tokens, every draft "
-            f"accepted; µs per step: wall (the host thread's CPU time); load average {load:.1f} during the run. ",
+            f"accepted; µs per step: wall (the host thread's CPU time; the wall time before the step's dispatch and "
+            f"after its fetch, which a device step does not hide); load average {load:.1f} during the run. ",
             "\n".join(rows), append=args.append)
 
 

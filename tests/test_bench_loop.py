@@ -27,9 +27,9 @@ def test_bench_controller_reports_each_batch_and_mode():
 def test_bench_host_step_reports_every_mode():
     rows = _run("bench_host_step.py", "--batch-sizes", "2", "--max-new-tokens", "12", "--repeats", "1")
     assert len(rows) == 2 and rows[0] == rows[1] and rows[0][0] == "2" and len(rows[0]) == 5
-    for cell in rows[0][1:]:                    # "wall (cpu)" microseconds per step
-        wall, cpu = cell.replace("(", "").replace(")", "").split()
-        assert float(wall) > 0 and float(cpu) > 0
+    for cell in rows[0][1:]:                    # "wall (cpu; outside)" microseconds per step
+        wall, cpu, outside = cell.replace("(", "").replace(")", "").replace(";", "").split()
+        assert float(wall) > 0 and float(cpu) > 0 and 0 < float(outside) <= float(wall)
 
 
 def test_adaptive_summary_compares_with_the_best_fixed_k_round_by_round():
