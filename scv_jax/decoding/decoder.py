@@ -74,7 +74,7 @@ class _Call:
     greedy: bool
     eos_token_id: int | None
     request_ids: np.ndarray               # int64[R] the controller's ids of the requests (unique per decoder)
-    ngram: list[NgramIndex] | None
+    ngram: list[NgramIndex | None] | None  # each request's n-gram index, built when it starts running
     controller: AdaptiveController | None
     stats: GenerateStats
     tally: AcceptanceTally
@@ -207,22 +207,17 @@ class SpeculativeDecoder:
         with CompileCounter() as compiles:
             try:
                 base_key = jax.random.key_data(jax.random.key(seed))   # before the prefill: no wait on it
-                self._prefill_rows(state, state.active, np.zeros(state.active.size, np.int64),
-                                   state.prompt_len[state.active] - 1, stats, draft_only=False, progress=progress)
-                stats.prefill_seconds = time.perf_counter() - start
                 call = _Call(state, base_key, jax.device_put(np.float32(max(temperature, 1e-6))), temperature == 0.0,
                              eos_token_id,
                              first_id + np.arange(len(prompt_ids)),
-                             [self.drafter.index(p) for p in prompt_ids] if self.drafter else None,
+                             [None] * len(prompt_ids) if self.drafter else None,
                              self.controllers.get("greedy" if temperature == 0 else "sampling"), stats,
                              AcceptanceTally(max(cfg.allowed_k)))
+                self._start_running(call, state.active, prompt_ids, progress=progress)
                 while state.active.size:
                     self._step(call, state.active)
                     if state.waiting.size and state.active.size < max_num_seqs:     # continuous batching
-                        admitted, admitting = state.admit(max_num_seqs - state.active.size), time.perf_counter()
-                        self._prefill_rows(state, admitted, np.zeros(admitted.size, np.int64),
-                                           state.prompt_len[admitted] - 1, stats, draft_only=False)
-                        stats.prefill_seconds += time.perf_counter() - admitting
+                        self._start_running(call, state.admit(max_num_seqs - state.active.size), prompt_ids)
                 if call.controller:
                     self._observe(call)
             finally:
@@ -234,6 +229,19 @@ class SpeculativeDecoder:
         stats.tokens_per_second = stats.generated_tokens / max(stats.wall_seconds - stats.compile_seconds, 1e-9)
         call.tally.fill(stats)
         return GenerateOutput(outputs, stats)
+
+    def _start_running(self, call: _Call, rows: np.ndarray, prompts: list[list[int]], *,
+                       progress: bool = False) -> None:
+        """Starts requests ``rows``: commits their prompts but the last token to both caches (the time
+        goes to ``stats.prefill_seconds``) and, with n-gram drafting, indexes them."""
+        begin = time.perf_counter()
+        state = call.state
+        self._prefill_rows(state, rows, np.zeros(rows.size, np.int64), state.prompt_len[rows] - 1, call.stats,
+                           draft_only=False, progress=progress)
+        if call.ngram is not None:
+            for row in rows.tolist():
+                call.ngram[row] = self.drafter.index(prompts[row])
+        call.stats.prefill_seconds += time.perf_counter() - begin
 
     def _prefill_rows(self, state: RequestBatch, rows: np.ndarray, begin: np.ndarray, count: np.ndarray,
                       stats: GenerateStats, *, draft_only: bool, progress: bool = False) -> None:
