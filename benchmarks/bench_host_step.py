@@ -105,8 +105,9 @@ def main() -> None:
     target, draft = load_demo()
     rows = ["| batch | " + " | ".join(MODES) + " |", "|---:|" + "---:|" * len(MODES)]
     for batch in args.batch_sizes:
-        cells = ["{:.0f} ({:.0f}; {:.0f})".format(*host_microseconds(target, draft, mode, batch, args.max_new_tokens,
-                                                              args.repeats)) for mode in MODES]
+        cells = ["{:.0f} ({:.0f}; {:.0f})".format(*host_microseconds(target, draft, mode, batch,
+                                                                     args.max_new_tokens, args.repeats))
+                 for mode in MODES]
         rows.append(f"| {batch} | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
     load = os.getloadavg()[0]

@@ -10,6 +10,8 @@ import math
 import sys
 from typing import Callable
 
+from scv_jax.demo import WORKLOADS
+
 DEFAULT_PROMPT = "import sys\n\n\ndef "
 
 
@@ -109,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=96, help="tokens per request")
     bench.add_argument("--repeats", type=_int_at_least(1), default=3, help="interleaved timed runs per configuration")
     bench.add_argument("--ngram", action="store_true", help="draft by prompt lookup instead of the draft model")
-    bench.add_argument("--workloads", nargs="+", choices=("stdlib", "mixed", "stream"), default=["stdlib"],
+    bench.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=["stdlib"],
                        help="stdlib: the batch sizes x temperatures; mixed: a batch of 8 repetitive and free-form "
                             "prompts; stream: 32 of them, 8 running at once (both greedy)")
     bench.add_argument("--packed", action="store_true", help="also run every speculative mode with packed_verify")

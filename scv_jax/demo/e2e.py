@@ -25,13 +25,13 @@ import numpy as np
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.decoder import GenerateOutput, SpeculativeDecoder
 from scv_jax.decoding.stats import GenerateStats
+from scv_jax.demo import WORKLOADS
 from scv_jax.demo.corpus import split_corpus, stdlib_bytes
 from scv_jax.demo.report import append_markdown, results_header
 
 MIXED_BATCH = 8
 STREAM_REQUESTS = 32     # the stream workload's requests, MIXED_BATCH running at once
 _RULERS = (b"#", b"=", b"-", b"*")
-WORKLOADS = ("stdlib", "mixed", "stream")
 
 
 @dataclasses.dataclass
@@ -123,8 +123,8 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
         # fresh decoders per case: a case's executables (and the memory XLA:CPU maps for them) go with it
         decoders = {name: SpeculativeDecoder(target, None if name == "autoregressive" else drafting, config=config)
                     for name, config in configs.items()}
-        prompts = {"mixed": lambda: mixed_prompts(batch), "stream": lambda: mixed_prompts(STREAM_REQUESTS),
-                   "stdlib": lambda: benchmark_prompts(batch)}[workload]()
+        prompts = (benchmark_prompts(batch) if workload == "stdlib"
+                   else mixed_prompts(STREAM_REQUESTS if workload == "stream" else batch))
         for decoder in decoders.values():
             _warm(decoder, prompts, batch, max_new_tokens, temperature)
         runs: dict[str, list[GenerateOutput]] = {name: [] for name in decoders}

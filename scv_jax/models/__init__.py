@@ -9,4 +9,5 @@ from scv_jax.models.transformer import Transformer
 from scv_jax.models.weights import load_demo, load_model, save_model
 
 __all__ = ["TransformerConfig", "Llama3RopeScaling", "Transformer", "PagedModel", "PagedForwardOutput",
-           "PackedTokens", "StagedKV", "load_demo", "load_model", "save_model", "load_hf", "load_tokenizer", "Tokenizer"]
+           "PackedTokens", "StagedKV", "load_demo", "load_model", "save_model", "load_hf", "load_tokenizer",
+           "Tokenizer"]
