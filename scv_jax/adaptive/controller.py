@@ -15,7 +15,8 @@ drops k as soon as the repetitive requests finish). Modes:
   request is done, each request needing r_b / E_b(k) steps give or take its own spread (speculation
   that helps the other requests finish early buys nothing while that one runs). k is decided every
   ``min_dwell_steps`` steps (at once when the batch changes), switching only for a ``switch_margin``
-  gain. A k never timed at a batch size is tried once there (its cost is otherwise only
+  gain; a decision that keeps k with a 5% lead over the runner-up doubles the steps to the next one,
+  up to ``max_dwell_steps``, so a batch whose best k is clear pays for few decisions. A k never timed at a batch size is tried once there (its cost is otherwise only
   extrapolated, and a k predicted worse than it is would never be chosen); and with probability
   ``explore_prob`` a step tries the k that wins a draw of each k's predicted goodput with its
   uncertainty (Thompson sampling: shapes timed often are drawn tighter), so a k that may be best is
@@ -60,7 +61,7 @@ _PAST_SCALES = 256         # scales of past requests kept, the prior of a new ba
 _AFTER_CHANGE = 2          # steps after a decision forced by a new batch to the next decision
 _PROBE_FLOOR = 0.7         # a never-timed k is tried if its extrapolated objective is within 30% of the best
 _PROBES = 2                # tries of a k never timed at a batch size (a try may go untimed: a compile)
-_MAX_PENDING = 16          # steps kept unfolded at most (see ``AdaptiveController._fold``)
+_LEAD = 1.05               # a kept k leading the runner-up by this factor is decided again after twice the steps
 _PACKED_RATE = 0.2         # weight of a step in its k's moving mean of packed target tokens per row
 
 
@@ -90,6 +91,10 @@ class ControllerConfig:
       switch_margin: "goodput" switches only for a relative gain above this.
       min_dwell_steps: steps between decisions (k is held in between unless the batch changes: another
         size or, with ``per_request``, another ``request_ids`` object).
+      max_dwell_steps: the most steps between decisions: each decision that keeps k with a 5% lead
+        over the next best doubles the steps to the next one up to this; a switch, a new batch or a
+        probe starts again from ``min_dwell_steps``. Steps are folded into the estimates at least
+        this often.
       explore_prob: chance per step that "goodput" draws a k to try (the held one when it wins the draw).
       warmup_steps: steps before the first decision (alternating k_init and the smallest positive k).
       acceptance_decay: forgetting factor per step of the acceptance counts, in (0, 1] (while k = 0 is
@@ -117,6 +122,7 @@ class ControllerConfig:
     target_band: float = 0.05
     switch_margin: float = 0.02
     min_dwell_steps: int = 8
+    max_dwell_steps: int = 32
     explore_prob: float = 0.05
     warmup_steps: int = 8
     acceptance_decay: float = 0.97
@@ -157,7 +163,8 @@ class ControllerConfig:
                 fail(name, "in (0, 1]")
         if not 0.0 <= self.explore_prob < 1.0:
             fail("explore_prob", "in [0, 1)")
-        for name in ("target_band", "switch_margin", "min_dwell_steps", "warmup_steps", "prior_strength"):
+        for name in ("target_band", "switch_margin", "min_dwell_steps", "max_dwell_steps", "warmup_steps",
+                     "prior_strength"):
             if getattr(self, name) < 0:
                 fail(name, ">= 0")
         if not isinstance(self.cost_prior, CostPrior):
@@ -220,6 +227,8 @@ class AdaptiveController:
         self._last_batch = 1
         self._steps = 0
         self._since_decision = 0
+        self._max_dwell = max(cfg.max_dwell_steps, cfg.min_dwell_steps, 1)   # also the most steps kept unfolded
+        self._dwell = cfg.min_dwell_steps       # steps from the last decision to the next
         self._decided_for: tuple[int, Any] = (0, None)     # the batch size and request ids of the last decision
         self._decision_objective: list[float] | None = None  # what the last "goodput" decision maximised
         self._probes: dict[tuple[int, int], int] = {}       # (batch size, column) -> tries while never timed
@@ -235,7 +244,7 @@ class AdaptiveController:
         # weight of each of n pending steps in the fold (decay ** age)
         self._pending: list[np.ndarray] = []
         self._pending_ids = False
-        self._age_weights = [cfg.acceptance_decay ** np.arange(n - 1, -1, -1.0) for n in range(_MAX_PENDING + 1)]
+        self._age_weights = [cfg.acceptance_decay ** np.arange(n - 1, -1, -1.0) for n in range(self._max_dwell + 1)]
         self._repeated_weights: dict[tuple[int, int], np.ndarray] = {}   # (steps, B) -> each entry's weight
         self._estimate()      # the prior's a_j (a fold needs the last estimate)
 
@@ -320,8 +329,10 @@ class AdaptiveController:
         return same
 
     def _counts_of(self, ids: np.ndarray) -> np.ndarray:
-        """float64[2, B] the (accepted, expected) counts of requests ``ids``: the running batch's own, or
-        from the store (``_stored_counts``)."""
+        """float64[2, B] the (accepted, expected) counts of requests ``ids``, the pending steps folded in:
+        the running batch's own, or from the store (``_stored_counts``)."""
+        if self._pending:
+            self._fold()
         return self._batch_counts if self._is_current_batch(ids) else self._stored_counts(ids)
 
     def _stored_counts(self, ids: np.ndarray) -> np.ndarray:
@@ -439,17 +450,22 @@ class AdaptiveController:
         elif self._steps < cfg.warmup_steps:
             k = self._k_init if self._steps % 2 == 0 else self._k_probe
         else:
-            if self._since_decision >= cfg.min_dwell_steps or self._batch_changed(int(batch_size), request_ids):
+            if self._since_decision >= self._dwell or self._batch_changed(int(batch_size), request_ids):
                 choice = (self._choose_goodput(int(batch_size), request_ids, remaining_tokens)
                           if cfg.mode == "goodput" else self._choose_target())
-                changed = self._since_decision < cfg.min_dwell_steps
+                changed = self._since_decision < self._dwell
+                # a kept k is decided again after twice the steps (up to max_dwell_steps); a switch or a
+                # new batch starts again from min_dwell_steps
+                kept = not changed and choice == self._k and self._lead() >= _LEAD
+                self._dwell = min(2 * self._dwell, self._max_dwell) if kept else cfg.min_dwell_steps
                 # a new batch's first choice rests on little of its own history: decide again soon
-                self._k, self._since_decision = choice, max(cfg.min_dwell_steps - _AFTER_CHANGE, 0) if changed else 0
+                self._k, self._since_decision = choice, max(self._dwell - _AFTER_CHANGE, 0) if changed else 0
                 self._decided_for = (int(batch_size), request_ids)
             k = self._k
             probe = self._probe(int(batch_size)) if cfg.mode == "goodput" else None
             if probe is not None:              # a k never timed at this batch size: time it once
-                k, self._last_explored, self._since_decision = probe, True, cfg.min_dwell_steps
+                self._dwell = cfg.min_dwell_steps
+                k, self._last_explored, self._since_decision = probe, True, self._dwell
                 self._num_explored += 1
             elif cfg.mode == "goodput" and self._rng.random() < cfg.explore_prob:
                 tried = self._explored(int(batch_size), request_ids)
@@ -458,6 +474,14 @@ class AdaptiveController:
                     self._num_explored += 1
         self._last_k = int(k)
         return self._last_k
+
+    def _lead(self) -> float:
+        """The last decision's best objective over the runner-up's (1 without a runner-up or objective)."""
+        rates = self._decision_objective
+        if not rates or len(rates) < 2:
+            return 1.0
+        first, second = sorted(rates)[-1:-3:-1]
+        return first / second
 
     def _probe(self, batch_size: int) -> int | None:
         """An allowed k whose step was never timed at this batch size (its cost there is only
@@ -640,7 +664,7 @@ class AdaptiveController:
             self._totals[2] -= unverified[1]
         self._pending.append(np.array((drafts, accepted), np.int64))      # a copy: kept until folded
         self._pending_ids = with_ids
-        if len(self._pending) >= _MAX_PENDING:
+        if len(self._pending) >= self._max_dwell:
             self._fold()
         self._k_counts[self._last_k if step_k is None else step_k] += 1
         if target_tokens is not None and step_k:      # the packed share of the steps of this k

@@ -218,6 +218,7 @@ def test_state_and_summary():
     ({"acceptance_decay": 0.0}, "acceptance_decay"),
     ({"explore_prob": 1.0}, "explore_prob"),
     ({"k_max": -1}, "k_max"),
+    ({"max_dwell_steps": -1}, "max_dwell_steps"),
 ])
 def test_bad_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -341,7 +342,8 @@ def test_deferred_steps_fold_as_if_each_was_folded_at_once(steps, read_every):
     step or every few steps (or past the pending limit) gives the same decayed position counts, totals
     and per-request accepted counts as a loop that decays at every step."""
     decay = 0.9
-    ctrl = AdaptiveController(k_max=6, acceptance_decay=decay, prior_strength=1e-9, per_request=True)
+    ctrl = AdaptiveController(k_max=6, acceptance_decay=decay, prior_strength=1e-9, per_request=True,
+                              min_dwell_steps=2, max_dwell_steps=3)      # at most 3 steps pending
     ids = np.arange(3)
     trials, successes, accepted_by_request, totals = np.zeros(6), np.zeros(6), np.zeros(3), np.zeros(2)
     for i, pairs in enumerate(steps):
@@ -392,6 +394,39 @@ def _train(ctrl: AdaptiveController, ids: np.ndarray, accepts: np.ndarray, remai
     for _ in range(steps):
         k = ctrl.next_k(ids.size, ids, remaining)
         ctrl.update(np.full(ids.size, k), np.where(accepts, k, 0), 0.01 * (1 + 0.15 * k), ids.size, ids, step_k=k)
+
+
+def _decision_steps(ctrl: AdaptiveController, sizes: list[int]) -> list[int]:
+    """The steps at which ``ctrl`` decided k, running one step per batch size in ``sizes`` (every
+    request accepting every draft, a step costing 1 + 0.05 k)."""
+    decided, choose = [], ctrl._choose_goodput
+
+    def spy(*args):
+        decided.append(step)
+        return choose(*args)
+
+    ctrl._choose_goodput = spy
+    for step, batch in enumerate(sizes):
+        k = ctrl.next_k(batch)
+        ctrl.update(np.full(batch, k), np.full(batch, k), 0.01 * (1 + 0.05 * k), batch, step_k=k)
+    return decided
+
+
+def test_a_clear_choice_is_decided_again_less_often():
+    """A k that keeps winning by far is decided again after 8, 16, then every 32 steps
+    (``max_dwell_steps``); a new batch size decides at once and starts again from 8 steps."""
+    settings = dict(allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0, draft_model=False)
+    backing_off, every_8 = AdaptiveController(**settings), AdaptiveController(**settings, max_dwell_steps=8)
+    sizes = [4] * 200 + [8] * 60
+    decided = {ctrl: np.array(_decision_steps(ctrl, sizes)) for ctrl in (backing_off, every_8)}
+    assert backing_off.next_k(8) == every_8.next_k(8) == 8
+    assert np.diff(decided[every_8]).max() == 8
+    before = np.diff(decided[backing_off][decided[backing_off] < 200]).tolist()
+    assert 16 in before and before[-3:] == [32, 32, 32]
+    assert 200 in decided[backing_off]                       # the new batch size at once
+    after = np.diff(decided[backing_off][decided[backing_off] >= 200]).tolist()
+    assert after[0] <= 8 and max(after) <= 32
+    assert len(decided[backing_off]) < 0.5 * len(decided[every_8])
 
 
 def test_a_batch_that_runs_until_its_last_request_speculates_for_that_request():
@@ -452,29 +487,33 @@ def test_shrunk_scales_keep_real_differences_and_drop_noise():
 def test_counterfactual_counts_at_k0_steps_free_a_controller_holding_k0():
     """Regression (the k = 0 trap): after requests that accept nothing, a new batch that would accept
     every draft starts at k = 0 (its requests are unknown, past requests were poor) and, drafting
-    nothing, never shows otherwise. Told at k = 0 steps what unverified proposals would have had
-    accepted (``SpeculativeDecoder`` does so for n-gram drafting), the controller drafts again; told
-    nothing, it keeps k = 0. Counterfactual counts are no drafted or emitted tokens in the summary."""
+    nothing, shows otherwise only when its estimates have drifted back to the prior. Told at k = 0
+    steps what unverified proposals would have had accepted (``SpeculativeDecoder`` does so for n-gram
+    drafting), the controller drafts again within a few proposals, well before a controller told
+    nothing. Counterfactual counts are no drafted or emitted tokens in the summary."""
     settings = dict(per_request=True, allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0, min_dwell_steps=4,
                     draft_model=False)
     poor, good, remaining = np.arange(4), np.arange(4) + 100, np.full(4, 500)
     told, silent = AdaptiveController(**settings), AdaptiveController(**settings)
-    before, accepted = {}, {told: 0, silent: 0}
+    before, accepted, chosen = {}, {told: 0, silent: 0}, {told: [], silent: []}
     for ctrl in (told, silent):
-        _train(ctrl, poor, np.zeros(4, bool), remaining)
+        _train(ctrl, poor, np.zeros(4, bool), remaining, steps=30)
         assert ctrl.next_k(4, poor, remaining) == 0
         before[ctrl] = ctrl.summary()
     for step in range(40):
         for ctrl in (told, silent):
             k = ctrl.next_k(4, good, remaining)
+            chosen[ctrl].append(k)
             if k:       # the requests accept every draft
                 ctrl.update(np.full(4, k), np.full(4, k), 0.01 * (1 + 0.15 * k), 4, good, step_k=k)
                 accepted[ctrl] += 4 * k
             else:       # a proposal checked every 4 steps, each of its 8 drafts matched
                 counterfactual = np.full(4, 8 if ctrl is told and step % 4 == 3 else 0)
                 ctrl.update(counterfactual, counterfactual, 0.01, 4, good, step_k=0)
-    assert told.next_k(4, good, remaining) > 0
-    assert silent.next_k(4, good, remaining) == 0
+    first_drafting = {ctrl: next(step for step, k in enumerate(ks) if k) for ctrl, ks in chosen.items()}
+    assert first_drafting[told] <= 12                          # within 3 proposals
+    assert first_drafting[silent] >= first_drafting[told] + 8  # only by drifting back to the prior
+    assert chosen[told][-1] == 8
     for ctrl in (told, silent):    # emitted: a token per request and step, and the drafts accepted
         summary = ctrl.summary()
         assert summary["emitted_tokens"] - before[ctrl]["emitted_tokens"] == 4 * 40 + accepted[ctrl]
