@@ -52,10 +52,3 @@ def require_int_vector(op: str, name: str, x: Any, length: int | None, shape_doc
     require_integer(op, name, x, shape_doc)
     if length is not None and np.shape(x)[0] != length:
         raise ValueError(f"{op}: {name} must be {shape_doc} with {length} entries, got {_shape_str(x)}")
-
-
-def require_int(op: str, name: str, value: Any, *, minimum: int) -> int:
-    """``value`` as a Python int >= ``minimum`` (a static argument; numpy ints are fine, bools not)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{op}: {name} must be a Python int >= {minimum} (static), got {value!r}")
-    return int(value)

@@ -41,6 +41,11 @@ def test_import_scv_jax_is_cheap_and_lazy():
     assert result["loaded"] == [] and result["seconds"] < 0.5, result
 
 
+def test_the_adaptive_controller_loads_no_jax():
+    """The controller is host-side numpy (the simulator and host benchmarks run without jax)."""
+    assert _fresh(f"import scv_jax\nscv_jax.AdaptiveController\nresult = {_loaded(('jax',))}") == []
+
+
 def test_ops_load_no_flax_and_the_decoder_loads_it():
     result = _fresh("import scv_jax\nscv_jax.accept_greedy, scv_jax.commit_draft_kv, scv_jax.verify_step\n"
                     f"ops = {_loaded(('flax',))}\nscv_jax.SpeculativeDecoder\n"

@@ -16,8 +16,9 @@ drops k as soon as the repetitive requests finish). Modes:
   that helps the other requests finish early buys nothing while that one runs). k is decided every
   ``min_dwell_steps`` steps (at once when the batch changes), switching only for a ``switch_margin``
   gain; a decision that keeps k with a 5% lead over the runner-up doubles the steps to the next one,
-  up to ``max_dwell_steps``, so a batch whose best k is clear pays for few decisions. A k never timed at a batch size is tried once there (its cost is otherwise only
-  extrapolated, and a k predicted worse than it is would never be chosen); and with probability
+  up to ``max_dwell_steps``, so a batch whose best k is clear pays for few decisions. A k never timed
+  at a batch size is tried once there (its cost is otherwise only extrapolated, and a k predicted
+  worse than it is would never be chosen); and with probability
   ``explore_prob`` a step tries the k that wins a draw of each k's predicted goodput with its
   uncertainty (Thompson sampling: shapes timed often are drawn tighter), so a k that may be best is
   measured again and one known to be worse rarely is.
@@ -50,6 +51,7 @@ from typing import Any, Literal
 import numpy as np
 
 from scv_jax.adaptive.cost_model import CostPrior, StepCostModel, StepCostTable
+from scv_jax.arguments import require_int
 
 Mode = Literal["goodput", "target", "fixed"]
 _MAX_ACCEPTANCE = 0.999
@@ -143,9 +145,7 @@ class ControllerConfig:
         if self.mode not in ("goodput", "target", "fixed"):
             fail("mode", 'one of "goodput", "target", "fixed"')
         for name in ("k_min", "k_max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                fail(name, "a non-negative int")
+            require_int("ControllerConfig", name, getattr(self, name), minimum=0)
         if self.k_min > self.k_max:
             raise ValueError(f"ControllerConfig: k_min ({self.k_min}) must be <= k_max ({self.k_max})")
         if self.allowed_k is not None:
@@ -169,9 +169,7 @@ class ControllerConfig:
                 fail(name, ">= 0")
         if not isinstance(self.cost_prior, CostPrior):
             fail("cost_prior", "a CostPrior")
-        if isinstance(self.max_tracked_requests, bool) or not isinstance(self.max_tracked_requests, (int, np.integer)) \
-                or not self.max_tracked_requests > 0:
-            fail("max_tracked_requests", "> 0")
+        require_int("ControllerConfig", "max_tracked_requests", self.max_tracked_requests, minimum=1)
         if self.draft_sync not in ("catch_up", "forward"):
             fail("draft_sync", 'one of "catch_up", "forward"')
 
@@ -433,8 +431,7 @@ class AdaptiveController:
         for a batch that runs until its last request finishes (no request joins it): k then
         maximises the progress of the request that would finish last (see ``_choose_goodput``);
         None: the batch's tokens per second (a server that refills finished slots)."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"AdaptiveController.next_k: batch_size must be a positive int, got {batch_size!r}")
+        require_int("AdaptiveController.next_k", "batch_size", batch_size, minimum=1)
         if remaining_tokens is not None:
             remaining_tokens = np.asarray(remaining_tokens)
             requests = None if request_ids is None else np.shape(request_ids)

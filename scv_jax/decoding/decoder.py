@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
+from scv_jax.arguments import require_int
 from scv_jax.decoding.block_pool import BlockPool
 from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DecoderConfig
@@ -184,18 +185,15 @@ class SpeculativeDecoder:
         others wait, in order, and each is prefilled and joins the running batch as soon as a running
         request finishes; None: all at once). ``progress``: report the prefill of long prompts on stderr.
         """
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-                or max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        require_int("generate", "max_new_tokens", max_new_tokens, minimum=1)
         if not (isinstance(temperature, (int, float, np.floating)) and math.isfinite(temperature)
                 and temperature >= 0):
             raise ValueError(f"generate: temperature must be a finite float >= 0, got {temperature!r}")
         if eos_token_id is not None and not 0 <= eos_token_id < self.vocab_size:
             raise ValueError(f"generate: eos_token_id must be in [0, vocab_size={self.vocab_size}) or None, "
                              f"got {eos_token_id!r}")
-        if max_num_seqs is not None and (isinstance(max_num_seqs, bool)
-                                         or not isinstance(max_num_seqs, (int, np.integer)) or max_num_seqs < 1):
-            raise ValueError(f"generate: max_num_seqs must be an int >= 1 or None, got {max_num_seqs!r}")
+        if max_num_seqs is not None:
+            require_int("generate", "max_num_seqs", max_num_seqs, minimum=1)
         prompt_ids = check_prompts(prompts, self.vocab_size)
         pools = self._check_request(prompt_ids, max_new_tokens, max_num_seqs)
         cfg = self.config

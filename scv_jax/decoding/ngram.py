@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from scv_jax.arguments import require_int
+
 
 @dataclass(frozen=True)
 class NgramDrafter:
@@ -35,11 +37,9 @@ class NgramDrafter:
 
     def __post_init__(self):
         for name in ("min_n", "max_n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"NgramDrafter.{name} must be an int >= 1, got {value!r}")
+            require_int("NgramDrafter", name, getattr(self, name), minimum=1)
         if self.min_n > self.max_n:
-            raise ValueError(f"NgramDrafter.min_n ({self.min_n}) must be <= max_n ({self.max_n})")
+            raise ValueError(f"NgramDrafter: min_n ({self.min_n}) must be <= max_n ({self.max_n})")
 
     def index(self, tokens: Sequence[int]) -> "NgramIndex":
         """A lookup index over one request's tokens (its prompt), extended as it generates."""

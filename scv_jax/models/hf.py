@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from scv_jax.arguments import is_int
 from scv_jax.models.assemble import LAYER_PREFIX, assemble_transformer, parameter_shapes
 from scv_jax.models.config import Llama3RopeScaling, TransformerConfig, canonical_dtype
 from scv_jax.models.transformer import Transformer
@@ -95,7 +96,7 @@ def _reject_unsupported(hf: dict, architecture: str) -> None:
 
 def _required(hf: dict, field: str) -> int:
     value = hf.get(field)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value, 1):
         raise ValueError(f"{field} must be an int >= 1, got {value!r}")
     return value
 

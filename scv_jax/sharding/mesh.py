@@ -16,9 +16,9 @@ import dataclasses
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from scv_jax.arguments import require_int
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 
 DATA, MODEL = "data", "model"
@@ -38,19 +38,14 @@ def decoder_mesh(data: int = 1, model: int | None = None, *, devices: Sequence[A
     process's devices when it is at most their number, and "data" spans the processes.
     """
     devices = list(jax.devices() if devices is None else devices)
-    _require_axis_size("data", data)
+    require_int("decoder_mesh", "data", data, minimum=1)
     model = max(len(devices) // data, 1) if model is None else model
-    _require_axis_size("model", model)
+    require_int("decoder_mesh", "model", model, minimum=1)
     if data * model > len(devices):
         raise ValueError(f"decoder_mesh: data * model = {data} * {model} = {data * model} devices, but only "
                          f"{len(devices)} are available")
     return jax.make_mesh((data, model), MESH_AXES, axis_types=(AxisType.Auto, AxisType.Auto),
                          devices=devices[:data * model])
-
-
-def _require_axis_size(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"decoder_mesh: {name} must be an int >= 1, got {value!r}")
 
 
 def check_mesh(mesh: Any, argument: str = "mesh") -> Mesh:

@@ -75,7 +75,7 @@ def test_a_stream_larger_than_the_cache_runs_a_few_at_a_time(target):
 
 @pytest.mark.parametrize("value", [0, -1, 2.0, "2", True])
 def test_bad_max_num_seqs(autoregressive, value):
-    with pytest.raises(ValueError, match="max_num_seqs must be an int >= 1 or None"):
+    with pytest.raises(ValueError, match="generate: max_num_seqs must be an int >= 1, got"):
         autoregressive.generate([[1, 2]], 4, max_num_seqs=value)
 
 

@@ -53,10 +53,10 @@ def test_examples():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"min_n": 0}, "NgramDrafter.min_n must be an int >= 1, got 0"),
-    ({"max_n": 2.5}, "NgramDrafter.max_n must be an int >= 1"),
-    ({"min_n": 3, "max_n": 2}, r"NgramDrafter.min_n \(3\) must be <= max_n \(2\)"),
-    ({"min_n": True}, "NgramDrafter.min_n"),
+    ({"min_n": 0}, "NgramDrafter: min_n must be an int >= 1, got 0"),
+    ({"max_n": 2.5}, "NgramDrafter: max_n must be an int >= 1"),
+    ({"min_n": 3, "max_n": 2}, r"NgramDrafter: min_n \(3\) must be <= max_n \(2\)"),
+    ({"min_n": True}, "NgramDrafter: min_n"),
 ])
 def test_bad_settings_raise_one_line_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scv_jax.checks import as_array, require_floating, require_int, require_int_vector, require_rank
+from scv_jax.arguments import require_int
+from scv_jax.checks import as_array, require_floating, require_int_vector, require_rank
 from scv_jax.ops import registry
 from scv_jax.ops.acceptance import reference
 from scv_jax.ops.acceptance.randomness import normalize_keys, slot_randomness
@@ -67,7 +68,7 @@ registry.register("rejection_sample", registry.Implementation("pallas", _rejecti
 def _check_ragged_batch(op: str, draft_token_ids, cu_num_draft_tokens, bonus_token_ids,
                         max_spec_len) -> tuple[int, int, int]:
     """Static checks shared by both ops; returns (T, B, max_spec_len)."""
-    k = require_int(op, "max_spec_len", max_spec_len, minimum=0)
+    k = require_int(op, "max_spec_len", max_spec_len, minimum=0, static=True)
     require_int_vector(op, "draft_token_ids", draft_token_ids, None, "int32[T]")
     require_int_vector(op, "cu_num_draft_tokens", cu_num_draft_tokens, None, "int32[B + 1]")
     num_requests = jnp.shape(cu_num_draft_tokens)[0] - 1

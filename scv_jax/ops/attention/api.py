@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scv_jax.checks import (as_array, require_floating, require_int, require_int_vector, require_integer,
+from scv_jax.arguments import require_int
+from scv_jax.checks import (as_array, require_floating, require_int_vector, require_integer,
                             require_rank)
 from scv_jax.ops import registry
 from scv_jax.ops.attention import reference
@@ -133,7 +134,7 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
         _check_floating("staged_values", staged_values, np.shape(staged_keys), f"{doc} like staged_keys")
         require_int_vector(OP, "staged_lens", staged_lens, batch, "int32[B]")
     if sliding_window is not None:
-        sliding_window = require_int(OP, "sliding_window", sliding_window, minimum=1)
+        sliding_window = require_int(OP, "sliding_window", sliding_window, minimum=1, static=True)
     extra_dtypes = tuple(np.dtype(jnp.result_type(x)) for x in (staged_keys, staged_values, new_keys, new_values)
                          if x is not None)
     impl = registry.select(OP, backend, head_dim=head_dim, block_size=cache.block_size, layout=cache.layout,

@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scv_jax.checks import (as_array, require_floating, require_int, require_int_vector, require_integer,
+from scv_jax.arguments import require_int
+from scv_jax.checks import (as_array, require_floating, require_int_vector, require_integer,
                             require_rank)
 from scv_jax.ops import registry
 from scv_jax.ops.commit import reference
@@ -156,7 +157,7 @@ def slots_from_block_table(block_table, positions, block_size: int) -> jax.Array
     op = "slots_from_block_table"
     if isinstance(block_size, PagedKVCache):
         block_size = block_size.block_size
-    block_size = require_int(op, "block_size", block_size, minimum=1)
+    block_size = require_int(op, "block_size", block_size, minimum=1, static=True)
     require_integer(op, "block_table", block_table, "int32[B, max_blocks]")
     require_integer(op, "positions", positions, "int32[B, S]")
     if np.ndim(block_table) not in (1, 2) or np.ndim(positions) != np.ndim(block_table) or (

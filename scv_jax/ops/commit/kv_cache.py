@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.fp8 import is_fp8
-from scv_jax.checks import require_int
+from scv_jax.arguments import require_int
 
 LAYOUTS: tuple[str, ...] = ("NHD", "HND")
 SCALE_MODES: tuple[str | None, ...] = (None, "tensor", "head", "token_head")
@@ -128,7 +128,7 @@ class PagedKVCache:
                k_scale: Any = None, v_scale: Any = None) -> "PagedKVCache":
         """A zero-filled cache. Scales default to 1; with ``scale_mode=None`` a given scale's shape picks
         the mode (() tensor, [kv_heads] head, [layers, blocks, block_size, kv_heads] token_head)."""
-        dims = [require_int("PagedKVCache.create", name, value, minimum=1) for name, value in (
+        dims = [require_int("PagedKVCache.create", name, value, minimum=1, static=True) for name, value in (
             ("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim))]
         num_layers, num_blocks, block_size, num_kv_heads, head_dim = dims
