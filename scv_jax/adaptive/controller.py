@@ -18,10 +18,10 @@ drops k as soon as the repetitive requests finish). Modes:
   gain; a decision that keeps k with a 5% lead over the runner-up doubles the steps to the next one,
   up to ``max_dwell_steps``, so a batch whose best k is clear pays for few decisions. A k never timed
   at a batch size is tried once there (its cost is otherwise only extrapolated, and a k predicted
-  worse than it is would never be chosen); and with probability
-  ``explore_prob`` a step tries the k that wins a draw of each k's predicted goodput with its
-  uncertainty (Thompson sampling: shapes timed often are drawn tighter), so a k that may be best is
-  measured again and one known to be worse rarely is.
+  worse than it is would never be chosen); and with probability ``explore_prob`` a step tries the k
+  that wins a draw of each k's predicted goodput with its uncertainty (Thompson sampling: shapes
+  timed often are drawn tighter), so a k that may be best is measured again and one known to be
+  worse rarely is.
 * ``"target"``: the seed rule; raise k while the acceptance ratio (accepted / drafted) is above
   ``target_acceptance + target_band``, lower it while below ``target_acceptance - target_band``.
 * ``"fixed"``: always ``k_init``.
@@ -163,10 +163,11 @@ class ControllerConfig:
                 fail(name, "in (0, 1]")
         if not 0.0 <= self.explore_prob < 1.0:
             fail("explore_prob", "in [0, 1)")
-        for name in ("target_band", "switch_margin", "min_dwell_steps", "max_dwell_steps", "warmup_steps",
-                     "prior_strength"):
+        for name in ("target_band", "switch_margin", "prior_strength"):
             if getattr(self, name) < 0:
                 fail(name, ">= 0")
+        for name in ("min_dwell_steps", "max_dwell_steps", "warmup_steps"):
+            require_int("ControllerConfig", name, getattr(self, name), minimum=0)
         if not isinstance(self.cost_prior, CostPrior):
             fail("cost_prior", "a CostPrior")
         require_int("ControllerConfig", "max_tracked_requests", self.max_tracked_requests, minimum=1)

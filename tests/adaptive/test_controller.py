@@ -219,6 +219,7 @@ def test_state_and_summary():
     ({"explore_prob": 1.0}, "explore_prob"),
     ({"k_max": -1}, "k_max"),
     ({"max_dwell_steps": -1}, "max_dwell_steps"),
+    ({"min_dwell_steps": 2.5}, "min_dwell_steps must be an int"),
 ])
 def test_bad_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
