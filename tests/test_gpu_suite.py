@@ -49,3 +49,21 @@ def test_peer_runs_when_its_script_is_present(tmp_path, monkeypatch):
     assert "vLLM graph" in gpu_suite.peer_section(peer)
     monkeypatch.setattr(gpu_suite, "PEER_SCRIPT", str(tmp_path / "missing.py"))
     assert gpu_suite.run_peer(gpu_suite.DRY, str(tmp_path), 30, True)["status"] == "skipped"
+
+
+
+def test_gpu_loop_run_dry_run(tmp_path):
+    """The decoding loop's one-command device run (benchmarks/gpu_loop_run.sh) on CPU at tiny sizes: every
+    step finishes within its limit and leaves its table in $OUT, and a dry run appends nothing."""
+    results = os.path.join(REPO, "benchmarks", "RESULTS.md")
+    before = open(results).read()
+    proc = subprocess.run(["bash", os.path.join(REPO, "benchmarks", "gpu_loop_run.sh")], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, DRY_RUN="1", OUT=str(tmp_path),
+                                                           PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for step, table in (("host_step", "| batch | autoregressive |"), ("controller", "| batch | per-request |"),
+                        ("e2e_model", "| stdlib | model | 1 | 0 | adaptive |"),
+                        ("e2e_ngram", "| stdlib | ngram | 1 | 0 | adaptive |")):
+        log = (tmp_path / f"{step}.log").read_text()
+        assert "rc=0 " in log and table in log, (step, log[-2000:])
+    assert (tmp_path / "RESULTS.md").read_text() == before == open(results).read()
