@@ -144,7 +144,7 @@ class ControllerConfig:
 
         if self.mode not in ("goodput", "target", "fixed"):
             fail("mode", 'one of "goodput", "target", "fixed"')
-        for name in ("k_min", "k_max"):
+        for name in ("k_min", "k_max", "min_dwell_steps", "max_dwell_steps", "warmup_steps"):
             require_int("ControllerConfig", name, getattr(self, name), minimum=0)
         if self.k_min > self.k_max:
             raise ValueError(f"ControllerConfig: k_min ({self.k_min}) must be <= k_max ({self.k_max})")
@@ -166,8 +166,6 @@ class ControllerConfig:
         for name in ("target_band", "switch_margin", "prior_strength"):
             if getattr(self, name) < 0:
                 fail(name, ">= 0")
-        for name in ("min_dwell_steps", "max_dwell_steps", "warmup_steps"):
-            require_int("ControllerConfig", name, getattr(self, name), minimum=0)
         if not isinstance(self.cost_prior, CostPrior):
             fail("cost_prior", "a CostPrior")
         require_int("ControllerConfig", "max_tracked_requests", self.max_tracked_requests, minimum=1)
@@ -476,7 +474,7 @@ class AdaptiveController:
     def _lead(self) -> float:
         """The last decision's best objective over the runner-up's (1 without a runner-up or objective)."""
         rates = self._decision_objective
-        if not rates or len(rates) < 2:
+        if len(rates or ()) < 2:
             return 1.0
         first, second = sorted(rates)[-1:-3:-1]
         return first / second
