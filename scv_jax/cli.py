@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import shlex
 import sys
 from typing import Callable
 
@@ -102,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_packed_verify(generate)
     bench = sub.add_parser("bench", help="end-to-end benchmark on the demo models (with progress)",
                            formatter_class=formatter)
+    bench.add_argument("--quick", action="store_true", help="batch 1, greedy only (--batch-sizes 1 --temperatures 0)")
     bench.add_argument("--batch-sizes", type=_int_at_least(1), nargs="+", default=[1, 4, 16],
                        help="batch sizes to run")
     bench.add_argument("--temperatures", type=_temperature, nargs="+", default=[0.0, 1.0],
@@ -216,6 +219,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     from scv_jax.demo.e2e import adaptive_summary, format_table, run_e2e, write_results
+    from scv_jax.demo.report import append_markdown
     from scv_jax.models import load_demo
 
     modes = []
@@ -223,22 +227,28 @@ def run_bench(args: argparse.Namespace) -> int:
         if mode != "adaptive" and not (mode.isdigit() and int(mode) >= 1):
             raise ValueError(f"--modes: each mode must be a k >= 1 or 'adaptive', got {mode!r}")
         modes.append(mode if mode == "adaptive" else int(mode))
+    batch_sizes, temperatures = ([1], [0.0]) if args.quick else (args.batch_sizes, args.temperatures)
     target, draft = load_demo()
-    rows = run_e2e(target, draft, batch_sizes=args.batch_sizes, temperatures=args.temperatures, modes=modes,
+    rows = run_e2e(target, draft, batch_sizes=batch_sizes, temperatures=temperatures, modes=modes,
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                    drafter="ngram" if args.ngram else "model",
                    workloads=args.workloads, packed=args.packed)
     table, summary = format_table(rows), adaptive_summary(rows)
-    print(f"{table}\n\n{summary}")
+    load = f"load average at the end {os.getloadavg()[0]:.1f}"
+    print(f"{table}\n\n{summary}\n({load})")
     if args.append:
-        write_results(args.append, table, "scv-jax bench " + " ".join(sys.argv[2:]), args.max_new_tokens,
-                      args.repeats)
+        write_results(args.append, table, args.command_line, args.max_new_tokens, args.repeats)
+        if summary:
+            append_markdown(args.append, f"\nAdaptive vs the best fixed k ({load}):\n\n{summary}")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
+def main(argv: list[str] | None = None, *, command_line: str | None = None) -> int:
+    """Runs the command ``argv`` (default: the process's arguments); ``command_line`` names it in the
+    results ``bench --append`` writes (default: ``scv-jax`` and ``argv``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    args.command_line = command_line or shlex.join(["scv-jax", *argv])
     try:
         return {"demo": run_demo, "generate": run_generate, "bench": run_bench}[args.command](args)
     except (ValueError, FileNotFoundError) as error:     # a user's mistake: one line, no traceback

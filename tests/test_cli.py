@@ -39,13 +39,15 @@ def test_demo_sampling_and_adaptive(tiny_demo, capsys):
 def test_bench_appends_table(tiny_demo, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("scv_jax.demo.e2e.benchmark_prompts", lambda batch, **_: [[100, 101, 102]] * batch)
     results = tmp_path / "RESULTS.md"
-    assert cli.main(["bench", "--batch-sizes", "2", "--temperatures", "0", "--modes", "2",
-                     "--max-new-tokens", "5", "--packed", "--workloads", "stdlib", "stream", "--append",
-                     str(results)]) == 0
+    argv = ["bench", "--batch-sizes", "2", "--temperatures", "0", "--modes", "2", "adaptive", "--max-new-tokens", "5",
+            "--packed", "--workloads", "stdlib", "stream", "--append", str(results)]
+    assert cli.main(argv) == 0
     table = capsys.readouterr().out
     assert "| 2 | 0 | autoregressive |" in table and "| 2 | 0 | k=2 |" in table and "| 2 | 0 | k=2 packed |" in table
     assert "| stream | model | 8 | 0 | k=2 packed |" in table      # 32 requests, 8 running at once
-    assert "End-to-end" in results.read_text() and "| 2 | 0 | k=2 |" in results.read_text()
+    written = results.read_text()
+    assert "End-to-end" in written and "| 2 | 0 | k=2 |" in written and f"`scv-jax {' '.join(argv)}`" in written
+    assert "Adaptive vs the best fixed k" in written and "| stdlib | model | 2 | 0 | adaptive packed | k=2" in written
 
 
 @pytest.mark.parametrize("packed", [[], ["--packed-verify"]], ids=["dense", "packed"])

@@ -172,7 +172,7 @@ def format_table(rows: list[E2ERow]) -> str:
 def adaptive_summary(rows: list[E2ERow]) -> str:
     """Per workload, batch and temperature: each adaptive mode's tokens/s over the best fixed k's (of
     every fixed mode, packed or not; medians; the runs' spread; and the ratio within each round, which
-    the machine's drifting load hits alike), as markdown lines."""
+    the machine's drifting load hits alike), as markdown lines ("" without adaptive and fixed modes)."""
     lines = ["| workload | drafter | batch | temperature | adaptive mode | best fixed k | adaptive / best fixed "
              "(median) | adaptive min / best fixed max | same-round ratios: median [min-max] |",
              "|---|---|---:|---:|---|---|---:|---:|---:|"]
@@ -190,7 +190,7 @@ def adaptive_summary(rows: list[E2ERow]) -> str:
                          f"{adaptive.tokens_per_second / best.tokens_per_second:.2f} | "
                          f"{adaptive.spread[0] / best.spread[1]:.2f} | "
                          f"{np.median(paired):.2f} [{min(paired):.2f}-{max(paired):.2f}] |")
-    return "\n".join(lines)
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def write_results(path: str, table: str, command: str, max_new_tokens: int, repeats: int) -> None:
