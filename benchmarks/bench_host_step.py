@@ -10,7 +10,12 @@ overlap). The stub's own work (building the summary) is timed and subtracted. Th
 cell is the part of it before the step's dispatch and after its fetch: on a GPU the rest (the
 adaptive controller's update and next k) runs while the device computes the step.
 
-Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_host_step.py [--batch-sizes 1 64] [--append]``
+``--cold-caches-mb N [N ...]`` (a row each): after each stubbed step, N MB are streamed through the caches (inside the stub,
+so not counted), as the real step's device work does on a CPU backend: it evicts the host's working
+set, and the host's work then takes longer (the end-to-end benchmark's host column on a CPU). A GPU
+step leaves the host's caches alone.
+
+Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_host_step.py [--batch-sizes 1 64] [--cold-caches-mb N] [--append]``
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ MODES = ("autoregressive", "k=4", "adaptive", "ngram k=4")
 
 class InstantStep:
     """Stands in for the decode executable's ``call_planned``: every request accepts all its drafts and
-    emits them plus one token; the caches pass through. Times its own work (wall and thread CPU)."""
+    emits them plus one token; the caches pass through; then streams ``cold_bytes`` through the CPU's
+    caches (if > 0). Times its own work (wall and thread CPU)."""
 
-    def __init__(self, executable):
+    def __init__(self, executable, cold_bytes: int = 0):
         self._names = executable.dynamic_argnames
+        self._evict = np.ones(cold_bytes // 8) if cold_bytes else None
         self.seconds = self.cpu_seconds = 0.0
 
     def __call__(self, plan, dynamic):
@@ -51,6 +58,8 @@ class InstantStep:
         tokens = np.where(np.arange(width) <= drafts[:, None], 65, -1).astype(np.int32)
         packed = np.concatenate([tokens, drafts[:, None], (drafts + 1)[:, None]], axis=1)
         summary = StepSummary(jax.device_put(packed).block_until_ready())
+        if self._evict is not None:
+            self._evict.sum()
         self.seconds += time.perf_counter() - start
         self.cpu_seconds += time.thread_time() - cpu
         return args["target_cache"], args["draft_cache"], summary
@@ -69,7 +78,7 @@ class StepClock:
 
 
 def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
-                      repeats: int) -> tuple[float, float, float]:
+                      repeats: int, cold_bytes: int = 0) -> tuple[float, float, float]:
     """Median host microseconds per step of ``mode`` at ``batch`` over ``repeats`` generate calls: wall
     time, the thread's CPU time (what an idle host's wall time would be) and the wall time before the
     step's dispatch and after its fetch (what a device step does not hide)."""
@@ -78,7 +87,7 @@ def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
     drafter = None if mode == "autoregressive" else ("ngram" if mode.startswith("ngram") else draft)
     decoder = SpeculativeDecoder(target, drafter, config=config)
     prompts = benchmark_prompts(batch)
-    stub = InstantStep(decoder._decode)
+    stub = InstantStep(decoder._decode, cold_bytes)
     decoder._decode.call_planned = stub                 # the device step, taken out
     clock = decoder._step = StepClock(decoder._step)
     decoder.generate(prompts, max_new_tokens)           # compiles the prefill; warms the controller, the plans
@@ -100,23 +109,27 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cold-caches-mb", type=int, nargs="+", default=[0],
+                        help="MB streamed through the caches after each step (a CPU device step's eviction); "
+                             "a row per value")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     target, draft = load_demo()
-    rows = ["| batch | " + " | ".join(MODES) + " |", "|---:|" + "---:|" * len(MODES)]
+    rows = ["| batch | cold caches (MB) | " + " | ".join(MODES) + " |", "|---:|---:|" + "---:|" * len(MODES)]
     for batch in args.batch_sizes:
-        cells = ["{:.0f} ({:.0f}; {:.0f})".format(*host_microseconds(target, draft, mode, batch,
-                                                                     args.max_new_tokens, args.repeats))
-                 for mode in MODES]
-        rows.append(f"| {batch} | " + " | ".join(cells) + " |")
-        print(rows[-1], flush=True)
+        for cold_mb in args.cold_caches_mb:
+            cells = ["{:.0f} ({:.0f}; {:.0f})".format(*host_microseconds(target, draft, mode, batch, args.max_new_tokens,
+                                                                         args.repeats, cold_mb << 20))
+                     for mode in MODES]
+            rows.append(f"| {batch} | {cold_mb} | " + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
     load = os.getloadavg()[0]
     publish(__file__, "Host work per decoding step (device step stubbed out)",
             f"Demo models; median of {args.repeats} generate calls of {args.max_new_tokens} tokens, every draft "
             f"accepted; µs per step: wall (the host thread's CPU time; the wall time before the step's dispatch and "
-            f"after its fetch, which a device step does not hide); load average {load:.1f} during the run. ",
+            f"after its fetch, which a device step does not hide); cold caches: MB streamed through the caches "
+            f"after each step, inside the stub (not counted); load average {load:.1f} during the run. ",
             "\n".join(rows), append=args.append)
-
 
 if __name__ == "__main__":
     main()

@@ -25,9 +25,11 @@ def test_bench_controller_reports_each_batch_and_mode():
 
 
 def test_bench_host_step_reports_every_mode():
-    rows = _run("bench_host_step.py", "--batch-sizes", "2", "--max-new-tokens", "12", "--repeats", "1")
-    assert len(rows) == 2 and rows[0] == rows[1] and rows[0][0] == "2" and len(rows[0]) == 5
-    for cell in rows[0][1:]:                    # "wall (cpu; outside)" microseconds per step
+    rows = _run("bench_host_step.py", "--batch-sizes", "2", "--max-new-tokens", "12", "--repeats", "1",
+                "--cold-caches-mb", "0", "4")
+    assert len(rows) == 4 and rows[:2] == rows[2:]           # each row as measured, then the table
+    assert [r[:2] for r in rows[:2]] == [["2", "0"], ["2", "4"]] and all(len(r) == 6 for r in rows)
+    for cell in rows[0][2:] + rows[1][2:]:      # "wall (cpu; outside)" microseconds per step
         wall, cpu, outside = cell.replace("(", "").replace(")", "").replace(";", "").split()
         assert float(wall) > 0 and float(cpu) > 0 and 0 < float(outside) <= float(wall)
 
