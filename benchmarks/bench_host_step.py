@@ -10,12 +10,15 @@ overlap). The stub's own work (building the summary) is timed and subtracted. Th
 cell is the part of it before the step's dispatch and after its fetch: on a GPU the rest (the
 adaptive controller's update and next k) runs while the device computes the step.
 
-``--cold-caches-mb N [N ...]`` (a row each): after each stubbed step, N MB are streamed through the caches (inside the stub,
-so not counted), as the real step's device work does on a CPU backend: it evicts the host's working
-set, and the host's work then takes longer (the end-to-end benchmark's host column on a CPU). A GPU
-step leaves the host's caches alone.
+``--cold-caches-mb N [N ...]`` (a row each): after each stubbed step, N MB are streamed through the
+caches (inside the stub, so not counted), as the real step's device work does on a CPU backend: it
+evicts the host's working set, and the host's work then takes longer (the end-to-end benchmark's
+host column on a CPU). A GPU step leaves the host's caches alone. The last column is the adaptive
+controller's ``update`` + ``next_k`` per step in the loop (``bench_controller.py`` times them in a
+loop of their own).
 
-Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_host_step.py [--batch-sizes 1 64] [--cold-caches-mb N] [--append]``
+Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_host_step.py [--batch-sizes 1 64] [--cold-caches-mb N ...]
+[--append]``
 """
 
 from __future__ import annotations
@@ -77,11 +80,33 @@ class StepClock:
         self.cpu_seconds += time.thread_time() - cpu
 
 
+class ControllerClock:
+    """Wraps the adaptive controllers' ``update`` and ``next_k`` (instance attributes): their wall seconds
+    in the loop, where the step's other host work runs between the calls (unlike a benchmark loop of
+    controller calls alone, ``bench_controller.py``)."""
+
+    def __init__(self, controllers):
+        self.seconds = 0.0
+        for controller in controllers:
+            for name in ("update", "next_k"):
+                setattr(controller, name, self._timed(getattr(controller, name)))
+
+    def _timed(self, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
 def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
-                      repeats: int, cold_bytes: int = 0) -> tuple[float, float, float]:
+                      repeats: int, cold_bytes: int = 0) -> tuple[float, float, float, float]:
     """Median host microseconds per step of ``mode`` at ``batch`` over ``repeats`` generate calls: wall
-    time, the thread's CPU time (what an idle host's wall time would be) and the wall time before the
-    step's dispatch and after its fetch (what a device step does not hide)."""
+    time, the thread's CPU time (what an idle host's wall time would be), the wall time before the
+    step's dispatch and after its fetch (what a device step does not hide) and the adaptive
+    controller's ``update`` + ``next_k`` (0 without one)."""
     config = DecoderConfig(batch_buckets=(batch,), adaptive=mode == "adaptive", num_blocks=64 * batch,
                            k=0 if mode in ("autoregressive", "adaptive") else 4)
     drafter = None if mode == "autoregressive" else ("ngram" if mode.startswith("ngram") else draft)
@@ -90,18 +115,18 @@ def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
     stub = InstantStep(decoder._decode, cold_bytes)
     decoder._decode.call_planned = stub                 # the device step, taken out
     clock = decoder._step = StepClock(decoder._step)
+    controllers = ControllerClock(decoder.controllers.values())
     decoder.generate(prompts, max_new_tokens)           # compiles the prefill; warms the controller, the plans
     samples = []
     for _ in range(repeats):
-        stub.seconds = stub.cpu_seconds = clock.cpu_seconds = 0.0
+        stub.seconds = stub.cpu_seconds = clock.cpu_seconds = controllers.seconds = 0.0
         stats = decoder.generate(prompts, max_new_tokens).stats
         steps = sum(v[0] for v in stats.step_seconds.values())
         seconds = sum(v[1] for v in stats.step_seconds.values())
         outside = sum(v[2] for v in stats.step_seconds.values())
         samples.append(((seconds - stub.seconds) / steps * 1e6, (clock.cpu_seconds - stub.cpu_seconds) / steps * 1e6,
-                        outside / steps * 1e6))
-    wall, cpu, outside = np.median(samples, axis=0)
-    return float(wall), float(cpu), float(outside)
+                        outside / steps * 1e6, controllers.seconds / steps * 1e6))
+    return tuple(float(x) for x in np.median(samples, axis=0))
 
 
 def main() -> None:
@@ -115,21 +140,25 @@ def main() -> None:
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
     target, draft = load_demo()
-    rows = ["| batch | cold caches (MB) | " + " | ".join(MODES) + " |", "|---:|---:|" + "---:|" * len(MODES)]
+    rows = ["| batch | cold caches (MB) | " + " | ".join(MODES) + " | adaptive's controller |",
+            "|---:|---:|" + "---:|" * (len(MODES) + 1)]
     for batch in args.batch_sizes:
         for cold_mb in args.cold_caches_mb:
-            cells = ["{:.0f} ({:.0f}; {:.0f})".format(*host_microseconds(target, draft, mode, batch, args.max_new_tokens,
-                                                                         args.repeats, cold_mb << 20))
-                     for mode in MODES]
-            rows.append(f"| {batch} | {cold_mb} | " + " | ".join(cells) + " |")
+            cells = {mode: host_microseconds(target, draft, mode, batch, args.max_new_tokens, args.repeats,
+                                             cold_mb << 20) for mode in MODES}
+            rows.append(f"| {batch} | {cold_mb} | " + " | ".join("{:.0f} ({:.0f}; {:.0f})".format(*cells[mode][:3])
+                                                               for mode in MODES)
+                        + f" | {cells['adaptive'][3]:.1f} |")
             print(rows[-1], flush=True)
     load = os.getloadavg()[0]
     publish(__file__, "Host work per decoding step (device step stubbed out)",
             f"Demo models; median of {args.repeats} generate calls of {args.max_new_tokens} tokens, every draft "
             f"accepted; µs per step: wall (the host thread's CPU time; the wall time before the step's dispatch and "
-            f"after its fetch, which a device step does not hide); cold caches: MB streamed through the caches "
-            f"after each step, inside the stub (not counted); load average {load:.1f} during the run. ",
+            f"after its fetch, which a device step does not hide); adaptive's controller: its update + next_k per "
+            f"step in the loop (included in the adaptive column's wall time); cold caches: MB streamed through the "
+            f"caches after each step, inside the stub (not counted); load average {load:.1f} during the run. ",
             "\n".join(rows), append=args.append)
+
 
 if __name__ == "__main__":
     main()

@@ -18,9 +18,11 @@ def _run(script: str, *args: str) -> list[list[str]]:
 
 
 def test_bench_controller_reports_each_batch_and_mode():
-    rows = _run("bench_controller.py", "--steps", "200")[-4:]
-    assert [(r[0], r[1]) for r in rows] == [("1", "no"), ("1", "yes"), ("64", "no"), ("64", "yes")]
-    for _, _, median, p90, p99, mean in rows:
+    rows = _run("bench_controller.py", "--steps", "200", "--request-steps", "10")[-6:]
+    static = "all (static)"
+    assert [tuple(r[:3]) for r in rows] == [("1", "no", static), ("1", "yes", static), ("1", "yes", "10"),
+                                            ("64", "no", static), ("64", "yes", static), ("64", "yes", "10")]
+    for *_, median, p90, p99, mean in rows:
         assert 0 < float(median) <= float(p90) <= float(p99) and float(mean) > 0
 
 
@@ -28,10 +30,13 @@ def test_bench_host_step_reports_every_mode():
     rows = _run("bench_host_step.py", "--batch-sizes", "2", "--max-new-tokens", "12", "--repeats", "1",
                 "--cold-caches-mb", "0", "4")
     assert len(rows) == 4 and rows[:2] == rows[2:]           # each row as measured, then the table
-    assert [r[:2] for r in rows[:2]] == [["2", "0"], ["2", "4"]] and all(len(r) == 6 for r in rows)
-    for cell in rows[0][2:] + rows[1][2:]:      # "wall (cpu; outside)" microseconds per step
-        wall, cpu, outside = cell.replace("(", "").replace(")", "").replace(";", "").split()
-        assert float(wall) > 0 and float(cpu) > 0 and 0 < float(outside) <= float(wall)
+    assert [r[:2] for r in rows[:2]] == [["2", "0"], ["2", "4"]] and all(len(r) == 7 for r in rows)
+    for row in rows[:2]:
+        for cell in row[2:6]:                   # "wall (cpu; outside)" microseconds per step, each mode
+            wall, cpu, outside = cell.replace("(", "").replace(")", "").replace(";", "").split()
+            assert float(wall) > 0 and float(cpu) > 0 and 0 < float(outside) <= float(wall)
+        adaptive_wall = float(row[4].split()[0])
+        assert 0 < float(row[6]) < adaptive_wall       # the adaptive controller's share of its step
 
 
 def test_adaptive_summary_compares_with_the_best_fixed_k_round_by_round():

@@ -14,9 +14,12 @@ drops k as soon as the repetitive requests finish). Modes:
   the end of the request that would finish last: 1 / T(k, B) over the expected steps until every
   request is done, each request needing r_b / E_b(k) steps give or take its own spread (speculation
   that helps the other requests finish early buys nothing while that one runs). k is decided every
-  ``min_dwell_steps`` steps (at once when the batch changes), switching only for a ``switch_margin``
-  gain; a decision that keeps k with a 5% lead over the runner-up doubles the steps to the next one,
-  up to ``max_dwell_steps``, so a batch whose best k is clear pays for few decisions. A k never timed
+  ``min_dwell_steps`` steps (at once when the batch changes: another size, or with ``per_request``
+  requests that joined or left since the last decision making up a quarter of it, so at batch 64
+  continuous batching's swaps of a request or two wait for the next decision), switching only for
+  a ``switch_margin`` gain; a decision that keeps k with a 5% lead over the runner-up doubles the
+  steps to the next one, up to ``max_dwell_steps``, so a batch whose best k is clear pays for few
+  decisions. A k never timed
   at a batch size is tried once there (its cost is otherwise only extrapolated, and a k predicted
   worse than it is would never be chosen); and with probability ``explore_prob`` a step tries the k
   that wins a draw of each k's predicted goodput with its uncertainty (Thompson sampling: shapes
@@ -36,7 +39,9 @@ The cost model charges k = 0 steps accordingly (0 or 1 draft forwards). Drafters
 Call ``next_k(batch_size)`` before each step and ``update(...)`` with the step's per-request counts after.
 Both are cheap enough for every step: ``update`` checks and keeps the counts, and the estimates fold
 the kept steps in when a decision reads them (a few vectorised numpy operations for all of them, no
-Python loop over requests; ``benchmarks/bench_controller.py``).
+Python loop over requests; ``benchmarks/bench_controller.py``). Per-request counts live in one store
+indexed by request slot, so a batch that changes (continuous batching) costs its new requests' slots
+and a fold step by step, not a fold at every change.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ _MAX_ACCEPTANCE = 0.999
 # batch size) (Thompson sampling: a k is tried as often as it may be the best, less once well measured)
 _EXPLORE_VARIANCE = 0.04
 _KNOWN = 2.0               # expected accepted drafts of a request before its own scale speaks for it
-_PAST_SCALES = 256         # scales of past requests kept, the prior of a new batch's unknown requests
+_CHANGED_SHARE = 0.25      # requests joined or left since the last decision, over the batch: decided at once
+_PAST_SCALES = 256         # the latest requests whose scales are the prior of a batch's unknown requests
 _AFTER_CHANGE = 2          # steps after a decision forced by a new batch to the next decision
 _PROBE_FLOOR = 0.7         # a never-timed k is tried if its extrapolated objective is within 30% of the best
 _PROBES = 2                # tries of a k never timed at a batch size (a try may go untimed: a compile)
@@ -92,7 +98,8 @@ class ControllerConfig:
       target_band: "target" mode's hysteresis half-width.
       switch_margin: "goodput" switches only for a relative gain above this.
       min_dwell_steps: steps between decisions (k is held in between unless the batch changes: another
-        size or, with ``per_request``, another ``request_ids`` object).
+        size or, with ``per_request``, requests that joined or left since the last decision making up a
+        quarter of it).
       max_dwell_steps: the most steps between decisions: each decision that keeps k with a 5% lead
         over the next best doubles the steps to the next one up to this; a switch, a new batch or a
         probe starts again from ``min_dwell_steps``. Steps are folded into the estimates at least
@@ -213,11 +220,11 @@ class AdaptiveController:
         # expectation under the shared estimate
         self._request_owner = np.full(cfg.max_tracked_requests, -1, np.int64)
         self._request_counts = np.zeros((2, cfg.max_tracked_requests))
-        # the requests of the last update, their counts (stored back when the batch changes) and mean reach
-        self._batch_ids: np.ndarray | None = None
-        self._batch_counts = np.zeros((2, 0))
-        self._batch_reach: list[float] | None = None     # their mean reach (None: not computed yet)
-        self._same_ids: np.ndarray | None = None
+        # the request ids of the last update (the caller's object: the same object is the same batch),
+        # and them as int64[B] with their slots; a request mixture's reach until the next fold
+        self._ids: Any = None
+        self._batch: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._reach_of: tuple[Any, list[float]] | None = None
         self._k = self._k_init  # the held choice; exploration and warm-up steps do not change it
         self._last_k = self._k_init
         self._last_explored = False
@@ -227,20 +234,24 @@ class AdaptiveController:
         self._max_dwell = max(cfg.max_dwell_steps, cfg.min_dwell_steps, 1)   # also the most steps kept unfolded
         self._dwell = cfg.min_dwell_steps       # steps from the last decision to the next
         self._decided_for: tuple[int, Any] = (0, None)     # the batch size and request ids of the last decision
+        self._compared: tuple[Any, int, float] = (None, 0, 0.0)   # _changed_share's last ids, decision, answer
+        # per slot: the number of the last decision whose batch held the slot's request; that batch's size
+        self._decided_in = np.zeros(cfg.max_tracked_requests, np.int64)
+        self._decisions = self._decided_count = 0
         self._decision_objective: list[float] | None = None  # what the last "goodput" decision maximised
         self._probes: dict[tuple[int, int], int] = {}       # (batch size, column) -> tries while never timed
-        self._past_scales = np.zeros(0)                     # scales of past requests with some history
-        self._past_sorted: np.ndarray | None = None          # them sorted (None: not yet)
+        self._past: tuple[Any, np.ndarray] = (None, np.zeros(0))    # (for which ids, ``_past_scales``)
         self._accepted_per_step = 1.0                       # a request's accepted drafts per drafting step
         self._num_explored = 0
         self._k_counts = [0] * (cfg.k_max + 1)
         self._packed_means: dict[int, float] = {}   # step k -> moving mean of its target tokens per row - 1
         self._totals = [0.0, 0.0, 0.0, 0.0]  # drafted, accepted, emitted, timed seconds
-        # int64[2, B] (drafts, accepted) of the steps not yet folded into the estimates (all of the
-        # current batch with per-request ids, or all without), folded when an estimate is read; the
-        # weight of each of n pending steps in the fold (decay ** age)
+        # int64[2, B] (drafts, accepted) of the steps not yet folded into the estimates (all with
+        # per-request ids, or all without: then their ids and slots too), folded when an estimate is
+        # read; the weight of each of n pending steps in the fold (decay ** age)
         self._pending: list[np.ndarray] = []
         self._pending_ids = False
+        self._pending_requests: list[tuple[np.ndarray, np.ndarray]] = []    # (ids, slots) of each
         self._age_weights = [cfg.acceptance_decay ** np.arange(n - 1, -1, -1.0) for n in range(self._max_dwell + 1)]
         self._repeated_weights: dict[tuple[int, int], np.ndarray] = {}   # (steps, B) -> each entry's weight
         self._estimate()      # the prior's a_j (a fold needs the last estimate)
@@ -303,50 +314,49 @@ class AdaptiveController:
         if self._pending:
             self._fold()
         if self.config.per_request and request_ids is not None:
+            if self._reach_of is not None and self._reach_of[0] is request_ids:
+                return self._reach_of[1]                # these requests', since the last fold
             ids = np.asarray(request_ids)
-            if self._is_current_batch(ids):
-                if self._batch_reach is None:       # computed when a decision needs it, once per update
-                    self._batch_reach = self._mixture(self._batch_counts)
-                return self._batch_reach
             if ids.size:
-                return self._mixture(self._stored_counts(ids))
+                reach = self._mixture(self._counts_of(ids))
+                self._reach_of = (request_ids, reach)
+                return reach
         reach, running = [], 1.0
         for a in self._shared():
             running *= a
             reach.append(running)
         return reach
 
-    def _is_current_batch(self, ids: np.ndarray) -> bool:
-        """Whether ``ids`` are the requests of the last update, in order (remembered by identity)."""
-        if ids is self._same_ids:
-            return True
-        current = self._batch_ids
-        same = current is not None and current.shape == ids.shape and bool((current == ids).all())
-        self._same_ids = ids if same else None
-        return same
-
     def _counts_of(self, ids: np.ndarray) -> np.ndarray:
-        """float64[2, B] the (accepted, expected) counts of requests ``ids``, the pending steps folded in:
-        the running batch's own, or from the store (``_stored_counts``)."""
+        """float64[2, B] the (accepted, expected) counts of requests ``ids``, the pending steps folded in
+        (0 for requests never seen, or whose slot a later id took)."""
         if self._pending:
             self._fold()
-        return self._batch_counts if self._is_current_batch(ids) else self._stored_counts(ids)
-
-    def _stored_counts(self, ids: np.ndarray) -> np.ndarray:
-        """float64[2, B] the (accepted, expected) counts of requests (0 for unknown ones)."""
-        if self._pending:
-            self._fold()
-        if self._batch_ids is not None:     # the last update's requests: their counts go to the store
-            slots = self._batch_ids % self.config.max_tracked_requests
-            self._request_counts[:, slots] = self._batch_counts
-            self._request_owner[slots] = self._batch_ids
-            known = self._batch_counts[1] >= _KNOWN
-            if known.any():                 # and the scales of those with some history to the past ones
-                self._past_scales = np.concatenate([self._past_scales,
-                                                    self._shrunk_scales(self._batch_counts[:, known])])[-_PAST_SCALES:]
-                self._past_sorted = None
+        if ids is self._ids:            # the last update's requests: they hold their slots
+            return self._request_counts[:, self._batch[1]]
         slots = ids % self.config.max_tracked_requests
         return np.where(self._request_owner[slots] == ids, self._request_counts[:, slots], 0.0)
+
+    def _claim(self, ids: np.ndarray) -> np.ndarray:
+        """int64[B] the slots of requests ``ids``; a request new to its slot starts there from zero counts."""
+        slots = ids % self.config.max_tracked_requests
+        fresh = self._request_owner[slots] != ids
+        if fresh.any():
+            taken = slots[fresh]
+            self._request_owner[taken] = ids[fresh]
+            self._request_counts[:, taken] = 0.0
+        return slots
+
+    def _past_scales(self, request_ids: Any) -> np.ndarray:
+        """float64[n] sorted shrunk scales of the ``_PAST_SCALES`` latest requests with some history, as
+        of the first time a batch (``request_ids``, the caller's object) asks."""
+        if self._past[0] is not request_ids:
+            known = np.flatnonzero(self._request_counts[1] >= _KNOWN)
+            if known.size > _PAST_SCALES:
+                known = known[np.argpartition(self._request_owner[known], -_PAST_SCALES)[-_PAST_SCALES:]]
+            self._past = (request_ids, np.sort(self._shrunk_scales(self._request_counts[:, known]))
+                          if known.size else known.astype(np.float64))
+        return self._past[1]
 
     def _scales(self, counts: np.ndarray) -> np.ndarray:
         """float64[B] each request's scale of the shared a_j, (accepted + s) / (expected + s) from its
@@ -388,17 +398,16 @@ class AdaptiveController:
         (V_b: the variance of its tokens per step); the batch finishes with the last of them, taken
         as max_b of mean + z_B std (z_B: the expected largest of B standard normals). Scales are
         shrunk by their noise (``_shrunk_scales``); requests with little history take evenly spaced
-        quantiles of past requests' (the shared estimate is their average, but the request that
-        finishes last is likely one of the poor ones)."""
+        quantiles of the latest requests' with some (``_past_scales``: the shared estimate is their
+        average, but the request that finishes last is likely one of the poor ones)."""
         counts = self._counts_of(np.asarray(request_ids))
         scales = self._shrunk_scales(counts)
         unknown = np.flatnonzero(counts[1] < _KNOWN)
-        if unknown.size and self._past_scales.size:
-            if self._past_sorted is None:
-                self._past_sorted = np.sort(self._past_scales)
-            last = self._past_sorted.shape[0] - 1     # np.quantile's linear rule on the sorted scales
+        past = self._past_scales(request_ids) if unknown.size else None
+        if past is not None and past.size:
+            last = past.shape[0] - 1     # np.quantile's linear rule on the sorted scales
             scales[unknown] = np.interp((np.arange(unknown.size) + 0.5) * (last / unknown.size),
-                                        np.arange(last + 1), self._past_sorted)
+                                        np.arange(last + 1), past)
         # accepted drafts L: E[L] = sum_j reach_j, E[L^2] = sum_j (2j - 1) reach_j (reaching j means
         # reaching every i < j), both for each positive allowed k in one product
         moments = self._moment_sums @ self._request_reach(scales)
@@ -446,10 +455,11 @@ class AdaptiveController:
         elif self._steps < cfg.warmup_steps:
             k = self._k_init if self._steps % 2 == 0 else self._k_probe
         else:
-            if self._since_decision >= self._dwell or self._batch_changed(int(batch_size), request_ids):
+            changed = self._changed_share(int(batch_size), request_ids) >= _CHANGED_SHARE
+            if self._since_decision >= self._dwell or changed:
                 choice = (self._choose_goodput(int(batch_size), request_ids, remaining_tokens)
                           if cfg.mode == "goodput" else self._choose_target())
-                changed = self._since_decision < self._dwell
+                changed = changed and self._since_decision < self._dwell
                 # a kept k is decided again after twice the steps (up to max_dwell_steps); a switch or a
                 # new batch starts again from min_dwell_steps
                 kept = not changed and choice == self._k and self._lead() >= _LEAD
@@ -457,6 +467,10 @@ class AdaptiveController:
                 # a new batch's first choice rests on little of its own history: decide again soon
                 self._k, self._since_decision = choice, max(self._dwell - _AFTER_CHANGE, 0) if changed else 0
                 self._decided_for = (int(batch_size), request_ids)
+                self._decisions += 1
+                if cfg.per_request and request_ids is not None:
+                    slots = np.asarray(request_ids) % cfg.max_tracked_requests
+                    self._decided_in[slots], self._decided_count = self._decisions, slots.size
             k = self._k
             probe = self._probe(int(batch_size)) if cfg.mode == "goodput" else None
             if probe is not None:              # a k never timed at this batch size: time it once
@@ -495,18 +509,28 @@ class AdaptiveController:
                 return self._allowed_list[i]
         return None
 
-    def _batch_changed(self, batch_size: int, request_ids: Any) -> bool:
-        """Whether the coming step runs another batch than the last decision's (another size, or with
-        ``per_request`` other requests): k is then decided again at once."""
+    def _changed_share(self, batch_size: int, request_ids: Any) -> float:
+        """How much of the coming step's batch changed since the last decision: 1 for another size (or
+        ids where the last decision had none, or none where it had ids), else with ``per_request``
+        the requests that joined or left, over the larger batch. From ``_CHANGED_SHARE`` k is decided
+        again at once, as for a new batch: at batch 8 when a request takes a finished one's place (a
+        request moves the batch's expectation by an eighth), at batch 64 once 16 requests came or
+        went (continuous batching swaps a few a step, each moving it by 1/64)."""
         size, ids = self._decided_for
         if batch_size != size:
-            return True
+            return 1.0
         if not self.config.per_request or request_ids is ids:
-            return False
+            return 0.0
         if ids is None or request_ids is None:
-            return True
-        ids, new = np.asarray(ids), np.asarray(request_ids)
-        return ids.shape != new.shape or not bool((ids == new).all())
+            return 1.0
+        if request_ids is self._compared[0] and self._compared[1] == self._decisions:    # asked before
+            return self._compared[2]
+        slots = np.asarray(request_ids) % self.config.max_tracked_requests
+        joined = np.count_nonzero(self._decided_in[slots] != self._decisions)   # not in the decided batch
+        before = self._decided_count
+        share = (joined + before - (slots.size - joined)) / max(slots.size, before, 1)
+        self._compared = (request_ids, self._decisions, share)
+        return share
 
     def _rates(self, batch_size: int, request_ids: Any) -> list[float]:
         """Expected emitted tokens per unit of cost (the load cancels) of each allowed k."""
@@ -641,14 +665,15 @@ class AdaptiveController:
         batch = drafts.shape[0] if batch_size is None else max(int(batch_size), drafts.shape[0])
         self._last_batch = max(batch, 1)
         with_ids = cfg.per_request and request_ids is not None
-        if with_ids:
+        if with_ids and request_ids is not self._ids:     # another batch (another ids object)
             ids = np.asarray(request_ids)
-            if ids is not self._same_ids and (ids.shape != drafts.shape or ids.dtype.kind not in "iu"):
+            if ids.shape != drafts.shape or ids.dtype.kind not in "iu" or (ids.size and ids.min() < 0):
                 raise ValueError(f"AdaptiveController.update: request_ids must be {drafts.shape[0]} non-negative "
                                  f"ints (one per request), got {ids.shape} of dtype {ids.dtype}")
-            if not self._is_current_batch(ids):       # fold the last batch's steps, then switch batches
-                self._batch_counts = self._stored_counts(ids)
-                self._batch_ids = self._same_ids = ids.copy()
+            ids = ids.astype(np.int64)
+            if not np.array_equal(ids, self._batch[0]):     # (the same requests in a new object: the same batch)
+                self._batch = (ids, self._claim(ids))
+            self._ids = request_ids
         if self._pending and with_ids != self._pending_ids:
             self._fold()
         if step_seconds is not None:
@@ -659,6 +684,8 @@ class AdaptiveController:
             self._totals[1] -= unverified[1]
             self._totals[2] -= unverified[1]
         self._pending.append(np.array((drafts, accepted), np.int64))      # a copy: kept until folded
+        if with_ids:
+            self._pending_requests.append(self._batch)
         self._pending_ids = with_ids
         if len(self._pending) >= self._max_dwell:
             self._fold()
@@ -678,11 +705,13 @@ class AdaptiveController:
         the fold: every position's decayed reached and accepted counts, each request's accepted and
         expected drafts (with per-request ids), and the totals."""
         steps, self._pending = self._pending, []
+        requests, self._pending_requests = self._pending_requests, []
         cfg = self.config
         both = np.concatenate(steps, axis=1) if len(steps) > 1 else steps[0]
         drafts, accepted = both
         age_weights = self._age_weights[len(steps)]
-        if self._pending_ids:        # the same requests in every pending step
+        same = bool(requests) and all(r is requests[0] for r in requests)    # one batch throughout
+        if same:
             weights = self._repeated_weights.get((len(steps), steps[0].shape[1]))
             if weights is None:
                 weights = self._repeated_weights[len(steps), steps[0].shape[1]] = np.repeat(age_weights,
@@ -692,15 +721,13 @@ class AdaptiveController:
         # Request b reached positions 1..min(d_b, n_b + 1) and accepted 1..n_b.
         reached = np.minimum(drafts, accepted + 1)
         forget = age_weights[0] * cfg.acceptance_decay
-        if self._pending_ids:
-            counts = self._batch_counts
+        if requests:
             # each request's accepted drafts and the sum of a_j over the positions it reached, per step
             # (a_j as last estimated: the expectation before these steps were seen)
             per_step = np.empty((2, both.shape[1]))
             per_step[0] = accepted
             np.take(self._acceptance_sums, reached, out=per_step[1])
-            counts *= forget
-            counts += np.matmul(age_weights, per_step.reshape(2, len(steps), -1))
+            self._fold_requests(requests, per_step, forget, age_weights, same)
         reached_at = np.bincount(reached, weights, minlength=cfg.k_max + 1).tolist()
         accepted_at = np.bincount(accepted, weights, minlength=cfg.k_max + 1).tolist()
         trials, success = self._trials, self._success
@@ -710,14 +737,42 @@ class AdaptiveController:
             accepted_total += accepted_at[j]
             trials[j - 1] = forget * trials[j - 1] + reached_total
             success[j - 1] = forget * success[j - 1] + accepted_total
-        self._acceptance = self._batch_reach = None
+        self._acceptance = self._reach_of = None
         drafted, accepted_sum = both.sum(axis=1).tolist()
         decay = cfg.acceptance_decay ** len(steps)
-        self._accepted_per_step = decay * self._accepted_per_step + (1.0 - decay) * accepted_sum / both.shape[1]
+        if both.shape[1]:      # (steps without requests move nothing)
+            self._accepted_per_step = decay * self._accepted_per_step + (1.0 - decay) * accepted_sum / both.shape[1]
         totals = self._totals
         totals[0] += drafted
         totals[1] += accepted_sum
         totals[2] += accepted_sum + both.shape[1]
+
+    def _fold_requests(self, requests: list[tuple[np.ndarray, np.ndarray]], per_step: np.ndarray, forget: float,
+                       age_weights: np.ndarray, same: bool) -> None:
+        """Folds float64[2, N] (accepted, expected) counts of the pending steps' requests (``requests``:
+        each step's (ids, slots); N: their total) into the per-request counts: a request's counts decay
+        at each step it takes part in. One batch throughout (``same``): one gather and scatter; else
+        step by step, skipping requests whose slot a later id took."""
+        owner, store = self._request_owner, self._request_counts
+        if same:
+            slots = requests[0][1]
+            counts = store[:, slots]
+            counts *= forget
+            counts += np.matmul(age_weights, per_step.reshape(2, len(requests), -1))
+            store[:, slots] = counts
+        else:
+            decay, start = self.config.acceptance_decay, 0
+            for ids, slots in requests:
+                end = start + slots.shape[0]
+                step = per_step[:, start:end]
+                current = owner[slots] == ids
+                if not current.all():
+                    slots, step = slots[current], step[:, current]
+                counts = store[:, slots]
+                counts *= decay
+                counts += step
+                store[:, slots] = counts
+                start = end
 
     def _observe_cost(self, batch: int, drafts: np.ndarray, step_k: int | None, seconds: float,
                       target_tokens: int | None) -> None:

@@ -367,10 +367,35 @@ def test_deferred_steps_fold_as_if_each_was_folded_at_once(steps, read_every):
     for j in range(6):
         if trials[j] > 1e-6 and (j == 0 or trials[j - 1] > 1e-6):
             assert a[j] == pytest.approx(min(successes[j] / trials[j], 0.999), rel=1e-6, abs=1e-6)
-    np.testing.assert_allclose(ctrl._batch_counts[0], accepted_by_request, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(ctrl._counts_of(ids)[0], accepted_by_request, rtol=1e-9, atol=1e-9)
     if totals[0]:
         assert summary["acceptance_ratio"] == pytest.approx(totals[1] / totals[0])
     assert summary["emitted_tokens"] == totals[1] + 3 * len(steps)
+
+
+@given(st.lists(st.tuples(st.lists(st.booleans(), min_size=6, max_size=6),
+                          st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=6, max_size=6)),
+                min_size=1, max_size=30), st.integers(1, 7))
+def test_requests_joining_and_leaving_fold_as_if_each_step_was_folded_at_once(steps, read_every):
+    """Continuous batching: each step runs some of 6 requests (a new ids object when they change, the
+    same object while they do not). Folded when read (every few steps, or past the pending limit),
+    each request's accepted count equals a loop that decays a request's count at each step it takes
+    part in; a request that left keeps its count."""
+    decay = 0.9
+    ctrl = AdaptiveController(k_max=6, acceptance_decay=decay, per_request=True, min_dwell_steps=2, max_dwell_steps=3)
+    pool = np.arange(6) + 1000
+    reference, ids = np.zeros(6), None
+    for i, (present, pairs) in enumerate(steps):
+        rows = np.flatnonzero(present)
+        if ids is None or not np.array_equal(ids, pool[rows]):
+            ids = pool[rows]
+        drafts = np.array([pairs[r][0] for r in rows], np.int64)
+        accepted = np.array([min(pairs[r]) for r in rows], np.int64)
+        ctrl.update(drafts, accepted, request_ids=ids)
+        reference[rows] = decay * reference[rows] + accepted
+        if i % read_every == 0:
+            ctrl.next_k(max(rows.size, 1), ids)
+    np.testing.assert_allclose(ctrl._counts_of(pool)[0], reference, rtol=1e-9, atol=1e-9)
 
 
 @given(st.integers(0, 2 ** 32 - 1), st.integers(1, 4), st.lists(st.booleans(), min_size=4, max_size=4))
@@ -428,6 +453,45 @@ def test_a_clear_choice_is_decided_again_less_often():
     after = np.diff(decided[backing_off][decided[backing_off] >= 200]).tolist()
     assert after[0] <= 8 and max(after) <= 32
     assert len(decided[backing_off]) < 0.5 * len(decided[every_8])
+
+
+def _swap_decisions(batch: int, swaps_from: int, steps: int, *, shrink: bool = False) -> list[int]:
+    """Steps at which a per-request controller decided, holding k otherwise (dwell of 1000 steps), while
+    from step ``swaps_from`` one request a step makes way for a new one (``shrink``: at that step one
+    leaves, none joins; the padded batch size stays)."""
+    ctrl = AdaptiveController(per_request=True, allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0,
+                              min_dwell_steps=1000, max_dwell_steps=1000)
+    decided, choose, step = [], ctrl._choose_goodput, 0
+
+    def spy(*args):
+        decided.append(step)
+        return choose(*args)
+
+    ctrl._choose_goodput = spy
+    ids = np.arange(batch)
+    for step in range(steps):
+        if step >= swaps_from:
+            ids = ids[1:] if shrink else np.append(ids[1:], 1000 + step)      # a new ids object
+        k = ctrl.next_k(batch, ids)
+        ctrl.update(np.full(ids.size, k), np.full(ids.size, k), 0.01 * (1 + 0.1 * k), batch, ids, step_k=k)
+        if shrink and step >= swaps_from:
+            break
+    return decided
+
+
+def test_continuous_batching_decides_again_once_a_quarter_of_the_batch_changed():
+    """Requests that joined or left since the last decision trigger a decision at once when they make
+    up a quarter of the batch: at batch 8 each swap (one in, one out) and at batch 4 one request
+    leaving, at batch 64 every 8th swap (each swap moves the batch's expectation by 1/64; k is decided
+    again 2 steps after a decision forced by a change, then waits for the next quarter)."""
+    def after_swaps(*args, **kwargs):       # (the first steps decide and probe each untimed k)
+        return [step for step in _swap_decisions(*args, **kwargs) if step >= 10]
+
+    assert after_swaps(8, 10, 60) == list(range(10, 60))
+    assert after_swaps(4, 10, 30, shrink=True) == [10]
+    at_64 = after_swaps(64, 10, 60)
+    assert at_64[0] == 17 and set(np.diff(at_64).tolist()) == {2, 8}, at_64   # after 8 swaps, and 2 steps later
+    assert after_swaps(64, 1000, 60) == []                          # no change: the dwell holds
 
 
 def test_a_batch_that_runs_until_its_last_request_speculates_for_that_request():
