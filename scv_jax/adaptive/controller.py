@@ -19,12 +19,11 @@ drops k as soon as the repetitive requests finish). Modes:
   continuous batching's swaps of a request or two wait for the next decision), switching only for
   a ``switch_margin`` gain; a decision that keeps k with a 5% lead over the runner-up doubles the
   steps to the next one, up to ``max_dwell_steps``, so a batch whose best k is clear pays for few
-  decisions. A k never timed
-  at a batch size is tried once there (its cost is otherwise only extrapolated, and a k predicted
-  worse than it is would never be chosen); and with probability ``explore_prob`` a step tries the k
-  that wins a draw of each k's predicted goodput with its uncertainty (Thompson sampling: shapes
-  timed often are drawn tighter), so a k that may be best is measured again and one known to be
-  worse rarely is.
+  decisions. A k never timed at a batch size is tried once there (its cost is otherwise only
+  extrapolated, and a k predicted worse than it is would never be chosen); and with probability
+  ``explore_prob`` a step tries the k that wins a draw of each k's predicted goodput with its
+  uncertainty (Thompson sampling: shapes timed often are drawn tighter), so a k that may be best is
+  measured again and one known to be worse rarely is.
 * ``"target"``: the seed rule; raise k while the acceptance ratio (accepted / drafted) is above
   ``target_acceptance + target_band``, lower it while below ``target_acceptance - target_band``.
 * ``"fixed"``: always ``k_init``.
@@ -247,11 +246,10 @@ class AdaptiveController:
         self._packed_means: dict[int, float] = {}   # step k -> moving mean of its target tokens per row - 1
         self._totals = [0.0, 0.0, 0.0, 0.0]  # drafted, accepted, emitted, timed seconds
         # int64[2, B] (drafts, accepted) of the steps not yet folded into the estimates (all with
-        # per-request ids, or all without: then their ids and slots too), folded when an estimate is
+        # per-request ids, then each one's (ids, slots) too, or all without), folded when an estimate is
         # read; the weight of each of n pending steps in the fold (decay ** age)
         self._pending: list[np.ndarray] = []
-        self._pending_ids = False
-        self._pending_requests: list[tuple[np.ndarray, np.ndarray]] = []    # (ids, slots) of each
+        self._pending_requests: list[tuple[np.ndarray, np.ndarray]] = []
         self._age_weights = [cfg.acceptance_decay ** np.arange(n - 1, -1, -1.0) for n in range(self._max_dwell + 1)]
         self._repeated_weights: dict[tuple[int, int], np.ndarray] = {}   # (steps, B) -> each entry's weight
         self._estimate()      # the prior's a_j (a fold needs the last estimate)
@@ -355,7 +353,7 @@ class AdaptiveController:
             if known.size > _PAST_SCALES:
                 known = known[np.argpartition(self._request_owner[known], -_PAST_SCALES)[-_PAST_SCALES:]]
             self._past = (request_ids, np.sort(self._shrunk_scales(self._request_counts[:, known]))
-                          if known.size else known.astype(np.float64))
+                          if known.size else np.zeros(0))
         return self._past[1]
 
     def _scales(self, counts: np.ndarray) -> np.ndarray:
@@ -674,7 +672,7 @@ class AdaptiveController:
             if not np.array_equal(ids, self._batch[0]):     # (the same requests in a new object: the same batch)
                 self._batch = (ids, self._claim(ids))
             self._ids = request_ids
-        if self._pending and with_ids != self._pending_ids:
+        if self._pending and with_ids != bool(self._pending_requests):     # ids in all pending steps or none
             self._fold()
         if step_seconds is not None:
             self._observe_cost(batch, drafts, step_k, float(step_seconds), target_tokens)
@@ -686,7 +684,6 @@ class AdaptiveController:
         self._pending.append(np.array((drafts, accepted), np.int64))      # a copy: kept until folded
         if with_ids:
             self._pending_requests.append(self._batch)
-        self._pending_ids = with_ids
         if len(self._pending) >= self._max_dwell:
             self._fold()
         self._k_counts[self._last_k if step_k is None else step_k] += 1
