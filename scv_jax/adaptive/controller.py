@@ -36,9 +36,10 @@ The cost model charges k = 0 steps accordingly (0 or 1 draft forwards). Drafters
 (``draft_model=False``, e.g. n-gram prompt lookup) cost no draft forwards at all.
 
 Call ``next_k(batch_size)`` before each step and ``update(...)`` with the step's per-request counts after.
-Both are cheap enough for every step: ``update`` checks and keeps the counts, and the estimates fold
-the kept steps in when a decision reads them (a few vectorised numpy operations for all of them, no
-Python loop over requests; ``benchmarks/bench_controller.py``). Per-request counts live in one store
+Both are cheap enough for every step: ``update`` checks and keeps the counts and queues the step's
+timing, and the estimates fold the kept steps in when a decision reads them (a few vectorised numpy
+operations for all of them, no Python loop over requests; the cost table's code once for several
+timings; ``benchmarks/bench_controller.py``). Per-request counts live in one store
 indexed by request slot, so a batch that changes (continuous batching) costs its new requests' slots
 and a fold step by step, not a fold at every change.
 """
@@ -65,6 +66,7 @@ _EXPLORE_VARIANCE = 0.04
 _KNOWN = 2.0               # expected accepted drafts of a request before its own scale speaks for it
 _CHANGED_SHARE = 0.25      # requests joined or left since the last decision, over the batch: decided at once
 _PAST_SCALES = 256         # the latest requests whose scales are the prior of a batch's unknown requests
+_FIRST_REACHED = 12        # draft positions a request reaches in its first steps, which describe a new request
 _AFTER_CHANGE = 2          # steps after a decision forced by a new batch to the next decision
 _PROBE_FLOOR = 0.7         # a never-timed k is tried if its extrapolated objective is within 30% of the best
 _PROBES = 2                # tries of a k never timed at a batch size (a try may go untimed: a compile)
@@ -215,10 +217,11 @@ class AdaptiveController:
                                     tuple(self._forwards(k) for k in self._allowed_list),
                                     draft_model=cfg.draft_model, decay=cfg.cost_decay)
         self._rng = random.Random(cfg.seed)
-        # per request (slot = id % max_tracked_requests): its id, decayed accepted drafts and their
-        # expectation under the shared estimate
+        # per request (slot = id % max_tracked_requests): its id; its decayed accepted drafts and their
+        # expectation under the shared estimate; the same undecayed over its first steps, and the
+        # draft positions it reached in them (its first steps: until that reaches ``_FIRST_REACHED``)
         self._request_owner = np.full(cfg.max_tracked_requests, -1, np.int64)
-        self._request_counts = np.zeros((2, cfg.max_tracked_requests))
+        self._request_counts = np.zeros((5, cfg.max_tracked_requests))
         # the request ids of the last update (the caller's object: the same object is the same batch),
         # and them as int64[B] with their slots; a request mixture's reach until the next fold
         self._ids: Any = None
@@ -239,12 +242,14 @@ class AdaptiveController:
         self._decisions = self._decided_count = 0
         self._decision_objective: list[float] | None = None  # what the last "goodput" decision maximised
         self._probes: dict[tuple[int, int], int] = {}       # (batch size, column) -> tries while never timed
+        # ((batch size, decisions) when last asked, the columns a probe may still try then)
+        self._probe_candidates: tuple[tuple[int, int], list[int]] = ((0, -1), [])
         self._past: tuple[Any, np.ndarray] = (None, np.zeros(0))    # (for which ids, ``_past_scales``)
         self._accepted_per_step = 1.0                       # a request's accepted drafts per drafting step
         self._num_explored = 0
         self._k_counts = [0] * (cfg.k_max + 1)
         self._packed_means: dict[int, float] = {}   # step k -> moving mean of its target tokens per row - 1
-        self._totals = [0.0, 0.0, 0.0, 0.0]  # drafted, accepted, emitted, timed seconds
+        self._totals = [0.0, 0.0, 0.0, 0.0]  # drafted, accepted, emitted, timed seconds outside the cost table
         # int64[2, B] (drafts, accepted) of the steps not yet folded into the estimates (all with
         # per-request ids, then each one's (ids, slots) too, or all without), folded when an estimate is
         # read; the weight of each of n pending steps in the fold (decay ** age)
@@ -296,6 +301,7 @@ class AdaptiveController:
         """Predicted seconds of a step with k drafts per request at batch B (a dense step)."""
         column = self._table.columns.get(k)
         if column is None:
+            self._table.flush()
             drafts = batch_size * k
             return self._table.load * self._model.predict_one(batch_size, drafts, self._forwards(k),
                                                                drafts * self.config.draft_model)
@@ -331,9 +337,9 @@ class AdaptiveController:
         if self._pending:
             self._fold()
         if ids is self._ids:            # the last update's requests: they hold their slots
-            return self._request_counts[:, self._batch[1]]
+            return self._request_counts[:2, self._batch[1]]
         slots = ids % self.config.max_tracked_requests
-        return np.where(self._request_owner[slots] == ids, self._request_counts[:, slots], 0.0)
+        return np.where(self._request_owner[slots] == ids, self._request_counts[:2, slots], 0.0)
 
     def _claim(self, ids: np.ndarray) -> np.ndarray:
         """int64[B] the slots of requests ``ids``; a request new to its slot starts there from zero counts."""
@@ -346,13 +352,16 @@ class AdaptiveController:
         return slots
 
     def _past_scales(self, request_ids: Any) -> np.ndarray:
-        """float64[n] sorted shrunk scales of the ``_PAST_SCALES`` latest requests with some history, as
-        of the first time a batch (``request_ids``, the caller's object) asks."""
+        """float64[n] sorted shrunk scales over their first steps (``_FIRST_REACHED``) of the
+        ``_PAST_SCALES`` latest requests with some history, as of the first time a batch
+        (``request_ids``, the caller's object) asks: what a new request looks like (acceptance often
+        changes over a request's life, e.g. output that turns repetitive, so its latest scale is not)."""
         if self._past[0] is not request_ids:
-            known = np.flatnonzero(self._request_counts[1] >= _KNOWN)
+            store = self._request_counts
+            known = np.flatnonzero(store[3] >= _KNOWN)
             if known.size > _PAST_SCALES:
                 known = known[np.argpartition(self._request_owner[known], -_PAST_SCALES)[-_PAST_SCALES:]]
-            self._past = (request_ids, np.sort(self._shrunk_scales(self._request_counts[:, known]))
+            self._past = (request_ids, np.sort(self._shrunk_scales(store[2:4, known]))
                           if known.size else np.zeros(0))
         return self._past[1]
 
@@ -396,8 +405,8 @@ class AdaptiveController:
         (V_b: the variance of its tokens per step); the batch finishes with the last of them, taken
         as max_b of mean + z_B std (z_B: the expected largest of B standard normals). Scales are
         shrunk by their noise (``_shrunk_scales``); requests with little history take evenly spaced
-        quantiles of the latest requests' with some (``_past_scales``: the shared estimate is their
-        average, but the request that finishes last is likely one of the poor ones)."""
+        quantiles of the latest requests' over their first steps (``_past_scales``: the request that
+        finishes last is likely one of the poor ones)."""
         counts = self._counts_of(np.asarray(request_ids))
         scales = self._shrunk_scales(counts)
         unknown = np.flatnonzero(counts[1] < _KNOWN)
@@ -457,9 +466,8 @@ class AdaptiveController:
             if self._since_decision >= self._dwell or changed:
                 choice = (self._choose_goodput(int(batch_size), request_ids, remaining_tokens)
                           if cfg.mode == "goodput" else self._choose_target())
-                changed = changed and self._since_decision < self._dwell
                 # a kept k is decided again after twice the steps (up to max_dwell_steps); a switch or a
-                # new batch starts again from min_dwell_steps
+                # new batch (also one whose decision was due anyway) starts again from min_dwell_steps
                 kept = not changed and choice == self._k and self._lead() >= _LEAD
                 self._dwell = min(2 * self._dwell, self._max_dwell) if kept else cfg.min_dwell_steps
                 # a new batch's first choice rests on little of its own history: decide again soon
@@ -495,17 +503,22 @@ class AdaptiveController:
         """An allowed k whose step was never timed at this batch size (its cost there is only
         extrapolated, and a k predicted worse than it is would never be tried) and whose objective is
         within ``_PROBE_FLOOR`` of the best, tried at most ``_PROBES`` times: the first of them in the
-        order of the last decision's objective."""
-        counts = self._table.counts(batch_size)
-        if min(counts) >= 1.0:
+        order of the last decision's objective. Once none is left, asked again only after the next
+        decision (timings only remove candidates, but for a rare reset of the cost model)."""
+        key = (batch_size, self._decisions)
+        if self._probe_candidates[0] == key and not self._probe_candidates[1]:
             return None
+        counts = self._table.counts(batch_size)
         objective = self._decision_objective or [1.0] * len(counts)
         floor = _PROBE_FLOOR * max(objective)
-        for i in sorted(range(len(counts)), key=lambda i: -objective[i]):
-            if counts[i] < 1.0 and objective[i] >= floor and self._probes.get((batch_size, i), 0) < _PROBES:
-                self._probes[batch_size, i] = self._probes.get((batch_size, i), 0) + 1
-                return self._allowed_list[i]
-        return None
+        candidates = [i for i in sorted(range(len(counts)), key=lambda i: -objective[i])
+                      if counts[i] < 1.0 and objective[i] >= floor and self._probes.get((batch_size, i), 0) < _PROBES]
+        self._probe_candidates = (key, candidates)
+        if not candidates:
+            return None
+        i = candidates[0]
+        self._probes[batch_size, i] = self._probes.get((batch_size, i), 0) + 1
+        return self._allowed_list[i]
 
     def _changed_share(self, batch_size: int, request_ids: Any) -> float:
         """How much of the coming step's batch changed since the last decision: 1 for another size (or
@@ -719,11 +732,12 @@ class AdaptiveController:
         reached = np.minimum(drafts, accepted + 1)
         forget = age_weights[0] * cfg.acceptance_decay
         if requests:
-            # each request's accepted drafts and the sum of a_j over the positions it reached, per step
-            # (a_j as last estimated: the expectation before these steps were seen)
-            per_step = np.empty((2, both.shape[1]))
+            # each request's accepted drafts, the sum of a_j over the positions it reached (a_j as last
+            # estimated: the expectation before these steps were seen) and those positions, per step
+            per_step = np.empty((3, both.shape[1]))
             per_step[0] = accepted
             np.take(self._acceptance_sums, reached, out=per_step[1])
+            per_step[2] = reached
             self._fold_requests(requests, per_step, forget, age_weights, same)
         reached_at = np.bincount(reached, weights, minlength=cfg.k_max + 1).tolist()
         accepted_at = np.bincount(accepted, weights, minlength=cfg.k_max + 1).tolist()
@@ -746,16 +760,23 @@ class AdaptiveController:
 
     def _fold_requests(self, requests: list[tuple[np.ndarray, np.ndarray]], per_step: np.ndarray, forget: float,
                        age_weights: np.ndarray, same: bool) -> None:
-        """Folds float64[2, N] (accepted, expected) counts of the pending steps' requests (``requests``:
-        each step's (ids, slots); N: their total) into the per-request counts: a request's counts decay
-        at each step it takes part in. One batch throughout (``same``): one gather and scatter; else
-        step by step, skipping requests whose slot a later id took."""
+        """Folds float64[3, N] (accepted, expected, reached) counts of the pending steps' requests
+        (``requests``: each step's (ids, slots); N: their total) into the per-request counts: a
+        request's (accepted, expected) decay at each step it takes part in, and those of its first
+        steps (``_FIRST_REACHED``) also add up undecayed, with the positions reached. One
+        batch throughout (``same``): one gather and scatter; else step by step, skipping requests whose
+        slot a later id took."""
         owner, store = self._request_owner, self._request_counts
         if same:
-            slots = requests[0][1]
+            slots, steps = requests[0][1], len(requests)
             counts = store[:, slots]
-            counts *= forget
-            counts += np.matmul(age_weights, per_step.reshape(2, len(requests), -1))
+            counts[:2] *= forget
+            per_request = per_step.reshape(3, steps, -1)
+            counts[:2] += np.matmul(age_weights, per_request[:2])
+            if counts[4].min(initial=_FIRST_REACHED) < _FIRST_REACHED:
+                # [steps, B] whether each step is one of a request's first: the positions reached before it
+                first = np.cumsum(per_request[2], axis=0) - per_request[2] + counts[4] < _FIRST_REACHED
+                counts[2:] += (per_request * first).sum(axis=1)
             store[:, slots] = counts
         else:
             decay, start = self.config.acceptance_decay, 0
@@ -766,14 +787,16 @@ class AdaptiveController:
                 if not current.all():
                     slots, step = slots[current], step[:, current]
                 counts = store[:, slots]
-                counts *= decay
-                counts += step
+                counts[:2] *= decay
+                counts[:2] += step[:2]
+                counts[2:] += step * (counts[4] < _FIRST_REACHED)
                 store[:, slots] = counts
                 start = end
 
     def _observe_cost(self, batch: int, drafts: np.ndarray, step_k: int | None, seconds: float,
                       target_tokens: int | None) -> None:
-        """Feeds a timed step to the cost table (which skips outliers)."""
+        """Feeds a timed step to the cost table (queued there; it skips outliers); a packed step the
+        table has no shape for counts its seconds in ``_totals``."""
         if step_k is None:
             k = int(drafts.max(initial=0))
             draft_tokens = int(drafts.sum()) + (batch - drafts.shape[0]) * k
@@ -789,8 +812,7 @@ class AdaptiveController:
             draft_tokens = batch * k
         features = (1.0, float(scored), float(self._forwards(k)), float(draft_tokens * self.config.draft_model))
         shape = k if draft_tokens == batch * k else None       # a dense step of one of the table's shapes
-        if self._table.observe(batch, shape, features, seconds):
-            self._totals[3] += seconds
+        self._table.observe(batch, shape, features, seconds)     # queued: applied at the next read
 
     def _checked_counts(self, num_draft_tokens: Any, num_accepted: Any) -> tuple[np.ndarray, np.ndarray]:
         where = "AdaptiveController.update"
@@ -814,6 +836,7 @@ class AdaptiveController:
     # ----------------------------------------------------------------- reporting
     def state(self) -> dict[str, Any]:
         """A snapshot for per-step logging: last k, held k, estimates and cost model."""
+        self._table.flush()
         return {
             "step": self._steps,
             "mode": self.config.mode,
@@ -831,7 +854,9 @@ class AdaptiveController:
         """Totals since construction: steps, k histogram, acceptance ratio, tokens per step and second."""
         if self._pending:
             self._fold()
-        drafted, accepted, emitted, seconds = self._totals
+        self._table.flush()
+        drafted, accepted, emitted, untabled_seconds = self._totals
+        seconds = untabled_seconds + self._table.timed_seconds
         steps = max(self._steps, 1)
         return {
             "steps": self._steps,

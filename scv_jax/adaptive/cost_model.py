@@ -329,6 +329,7 @@ class StepCostTable:
     _NOISE_PRIOR = 0.01      # log-variance of one measurement before any are repeated (10% noise)
     _MISFIT_PRIOR = 0.0025   # log-variance of the model's misfit before two shapes are measured (5%)
     _WEIGHT_EVERY = 8        # measurements at a batch size between refreshes of the model's worth there
+    _QUEUE_LIMIT = 64        # queued measurements applied without waiting for a read
 
     def __init__(self, model: StepCostModel, k_values: tuple[int, ...], forwards: tuple[int, ...], *,
                  draft_model: bool = True, decay: float = 0.98, load_rate: float = 0.1):
@@ -345,6 +346,8 @@ class StepCostTable:
         # batch -> (its model row, the version, the model's worth there): refreshed every few versions
         self._weights: dict[int, tuple[list[float], int, float]] = {}
         self._versions: dict[int, int] = {}   # batch -> measurements added at that batch size
+        self._queue: list[tuple[int, int | None, tuple[float, float, float, float], float]] = []
+        self.timed_seconds = 0.0     # the seconds of the applied (not outlier) measurements
 
     def _model_row(self, batch_size: int) -> list[float]:
         theta = self.model.theta(batch_size)
@@ -381,6 +384,7 @@ class StepCostTable:
 
     def relative(self, batch_size: int) -> list[float]:
         """The relative cost (seconds at load 1) of a step at ``batch_size`` with each of the k values."""
+        self.flush()
         model = self._model_row(batch_size)
         version = self._versions.get(batch_size, 0)
         cached = self._relative.get(batch_size)
@@ -409,19 +413,41 @@ class StepCostTable:
 
     def counts(self, batch_size: int) -> list[float]:
         """The decayed number of measurements of each shape at ``batch_size``."""
+        self.flush()
         measured = self._measured.get(batch_size)
         return list(measured[0]) if measured is not None else [0.0] * len(self._shapes)
 
     def row(self, batch_size: int) -> list[float]:
         """Predicted seconds of a step at ``batch_size`` with each of the k values, at the current load."""
+        relative = self.relative(batch_size)        # (applies the queue, which moves the load)
         load = self.load
-        return [load * c for c in self.relative(batch_size)]
+        return [load * c for c in relative]
 
     def observe(self, batch_size: int, k: int | None, features: tuple[float, float, float, float],
-                seconds: float) -> bool:
-        """Adds a measured step of shape (batch_size, k) (k None: not one of the shapes, only the linear
-        model learns from it) with the linear model's features; returns False when skipped as an
-        outlier (see ``StepCostModel.is_outlier``)."""
+                seconds: float) -> None:
+        """Queues a measured step of shape (batch_size, k) (k None: not one of the shapes, only the linear
+        model learns from it) with the linear model's features. The queue is applied in order at the
+        next read (``flush``; at the latest after ``_QUEUE_LIMIT`` steps), as if each step had been
+        applied when it came: a decoding step then costs an append, and the table's code runs once for
+        several steps, its caches warm."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"step_seconds must be a positive finite number, got {seconds!r}")
+        self._queue.append((batch_size, k, features, seconds))
+        if len(self._queue) >= self._QUEUE_LIMIT:
+            self.flush()
+
+    def flush(self) -> None:
+        """Applies the queued measurements in order (outliers skipped: ``StepCostModel.is_outlier``);
+        ``timed_seconds`` sums the applied ones' seconds."""
+        if self._queue:
+            queue, self._queue = self._queue, []
+            for batch_size, k, features, seconds in queue:
+                if self._apply(batch_size, k, features, seconds):
+                    self.timed_seconds += seconds
+
+    def _apply(self, batch_size: int, k: int | None, features: tuple[float, float, float, float],
+               seconds: float) -> bool:
+        """Adds one measured step (see ``observe``); False when skipped as an outlier."""
         i = self.columns.get(k)
         measured = self._measured.get(batch_size)
         if i is None:

@@ -380,11 +380,14 @@ def test_requests_joining_and_leaving_fold_as_if_each_step_was_folded_at_once(st
     """Continuous batching: each step runs some of 6 requests (a new ids object when they change, the
     same object while they do not). Folded when read (every few steps, or past the pending limit),
     each request's accepted count equals a loop that decays a request's count at each step it takes
-    part in; a request that left keeps its count."""
+    part in; a request that left keeps its count. Its first steps' accepted drafts and reached
+    positions (the past scales of new requests) add up until it reached ``_FIRST_REACHED`` positions."""
+    from scv_jax.adaptive.controller import _FIRST_REACHED
+
     decay = 0.9
     ctrl = AdaptiveController(k_max=6, acceptance_decay=decay, per_request=True, min_dwell_steps=2, max_dwell_steps=3)
     pool = np.arange(6) + 1000
-    reference, ids = np.zeros(6), None
+    reference, first, ids = np.zeros(6), np.zeros((2, 6)), None
     for i, (present, pairs) in enumerate(steps):
         rows = np.flatnonzero(present)
         if ids is None or not np.array_equal(ids, pool[rows]):
@@ -393,9 +396,12 @@ def test_requests_joining_and_leaving_fold_as_if_each_step_was_folded_at_once(st
         accepted = np.array([min(pairs[r]) for r in rows], np.int64)
         ctrl.update(drafts, accepted, request_ids=ids)
         reference[rows] = decay * reference[rows] + accepted
+        young = rows[first[1, rows] < _FIRST_REACHED]
+        first[:, young] += np.stack([accepted, np.minimum(drafts, accepted + 1)])[:, first[1, rows] < _FIRST_REACHED]
         if i % read_every == 0:
             ctrl.next_k(max(rows.size, 1), ids)
     np.testing.assert_allclose(ctrl._counts_of(pool)[0], reference, rtol=1e-9, atol=1e-9)
+    np.testing.assert_array_equal(ctrl._request_counts[[2, 4]][:, pool % ctrl.config.max_tracked_requests], first)
 
 
 @given(st.integers(0, 2 ** 32 - 1), st.integers(1, 4), st.lists(st.booleans(), min_size=4, max_size=4))
@@ -455,6 +461,32 @@ def test_a_clear_choice_is_decided_again_less_often():
     assert len(decided[backing_off]) < 0.5 * len(decided[every_8])
 
 
+def test_a_new_batch_is_decided_again_soon_also_where_a_decision_was_due():
+    """New requests replace the whole batch (same size) at a step where k was due to be decided anyway:
+    k is decided then and again 2 steps later, on the new requests' first counts, as for any new batch
+    (not only after the held k's full dwell)."""
+    def decisions(switch_at: int | None) -> list[int]:
+        ctrl = AdaptiveController(per_request=True, allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0,
+                                  min_dwell_steps=8, max_dwell_steps=8)
+        decided, choose, step = [], ctrl._choose_goodput, 0
+
+        def spy(*args):
+            decided.append(step)
+            return choose(*args)
+
+        ctrl._choose_goodput = spy
+        ids = np.arange(4)
+        for step in range(60):
+            if step == switch_at:
+                ids = ids + 100
+            k = ctrl.next_k(4, ids)
+            ctrl.update(np.full(4, k), np.full(4, k), 0.01 * (1 + 0.1 * k), 4, ids, step_k=k)
+        return decided
+
+    due = [step for step in decisions(None) if step >= 30][0]     # a regular decision, well after the probes
+    assert due in decisions(due) and due + 2 in decisions(due)
+
+
 def _swap_decisions(batch: int, swaps_from: int, steps: int, *, shrink: bool = False) -> list[int]:
     """Steps at which a per-request controller decided, holding k otherwise (dwell of 1000 steps), while
     from step ``swaps_from`` one request a step makes way for a new one (``shrink``: at that step one
@@ -511,6 +543,23 @@ def test_a_batch_that_runs_until_its_last_request_speculates_for_that_request():
     alike = AdaptiveController(**settings)
     _train(alike, ids, np.ones(8, bool), remaining)              # all alike: the last one gains too
     assert alike.next_k(8, ids, remaining) == 8
+
+
+def test_new_requests_are_expected_to_start_as_past_requests_started():
+    """Requests whose drafts are all rejected in their first steps and all accepted later (output that
+    turns repetitive): a new batch's unknown requests are expected to start as those did (none
+    accepted: no drafting pays for the request that finishes last), not to be as they ended."""
+    ctrl = AdaptiveController(per_request=True, allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0)
+    ids, remaining = np.arange(4), np.full(4, 500)
+    for step in range(60):
+        ctrl.update(np.full(4, 4), np.full(4, 0 if step < 15 else 4), 0.01 * (1 + 0.15 * 4), 4, ids, step_k=4)
+
+    def best_k(request_ids: np.ndarray) -> int:
+        ctrl._choose_goodput(4, request_ids, remaining)
+        return ctrl.config.allowed[int(np.argmax(ctrl._decision_objective))]
+
+    assert best_k(ids) == 8                 # these requests now accept every draft
+    assert best_k(ids + 100) == 0
 
 
 def test_a_plausible_k_never_timed_at_a_batch_size_is_tried_once():
@@ -609,3 +658,25 @@ def test_a_larger_k_timed_cheaper_is_pooled_with_its_neighbours():
     assert all(a <= b for a, b in zip(costs, costs[1:]))
     assert costs[1] == costs[2] and costs[3] == pytest.approx(monotone[3], rel=0.05)
     assert monotone[1] < monotone[2] < monotone[3]
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.integers(1, 40))
+def test_queued_step_timings_apply_in_order_at_the_next_read(seed, steps):
+    """A decoding step only queues its timing (``StepCostTable.observe``); the next read applies the queue
+    in order: the same costs, counts, load and timed seconds as applying each timing when it came, with
+    outliers (a step 50x slower: a compile) skipped alike."""
+    rng = np.random.default_rng(seed)
+    tables = [AdaptiveController(allowed_k=(0, 2, 4, 8), draft_model=False)._table for _ in range(2)]
+    for _ in range(steps):
+        batch, k = int(rng.choice([1, 4])), int(rng.choice([0, 2, 4, 8]))
+        seconds = 0.01 * (1 + 0.1 * k) * rng.uniform(0.8, 1.2) * (50.0 if rng.random() < 0.1 else 1.0)
+        for table in tables:
+            table.observe(batch, k, step_features(batch, batch * k, 0), seconds)
+        tables[0].flush()
+    assert tables[1]._queue and not tables[0]._queue
+    for batch in (1, 4):
+        assert tables[0].relative(batch) == tables[1].relative(batch)
+        assert tables[0].counts(batch) == tables[1].counts(batch)
+    assert tables[0].load == tables[1].load and tables[0].timed_seconds == tables[1].timed_seconds > 0
+    with pytest.raises(ValueError, match="step_seconds"):
+        tables[0].observe(4, 2, step_features(4, 8, 0), float("nan"))
