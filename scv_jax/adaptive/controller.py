@@ -789,7 +789,7 @@ class AdaptiveController:
                 counts = store[:, slots]
                 counts[:2] *= decay
                 counts[:2] += step[:2]
-                counts[2:] += step * (counts[4] < _FIRST_REACHED)
+                np.add(counts[2:], step, out=counts[2:], where=counts[4] < _FIRST_REACHED)
                 store[:, slots] = counts
                 start = end
 
