@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -461,38 +463,13 @@ def test_a_clear_choice_is_decided_again_less_often():
     assert len(decided[backing_off]) < 0.5 * len(decided[every_8])
 
 
-def test_a_new_batch_is_decided_again_soon_also_where_a_decision_was_due():
-    """New requests replace the whole batch (same size) at a step where k was due to be decided anyway:
-    k is decided then and again 2 steps later, on the new requests' first counts, as for any new batch
-    (not only after the held k's full dwell)."""
-    def decisions(switch_at: int | None) -> list[int]:
-        ctrl = AdaptiveController(per_request=True, allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0,
-                                  min_dwell_steps=8, max_dwell_steps=8)
-        decided, choose, step = [], ctrl._choose_goodput, 0
-
-        def spy(*args):
-            decided.append(step)
-            return choose(*args)
-
-        ctrl._choose_goodput = spy
-        ids = np.arange(4)
-        for step in range(60):
-            if step == switch_at:
-                ids = ids + 100
-            k = ctrl.next_k(4, ids)
-            ctrl.update(np.full(4, k), np.full(4, k), 0.01 * (1 + 0.1 * k), 4, ids, step_k=k)
-        return decided
-
-    due = [step for step in decisions(None) if step >= 30][0]     # a regular decision, well after the probes
-    assert due in decisions(due) and due + 2 in decisions(due)
-
-
-def _swap_decisions(batch: int, swaps_from: int, steps: int, *, shrink: bool = False) -> list[int]:
-    """Steps at which a per-request controller decided, holding k otherwise (dwell of 1000 steps), while
-    from step ``swaps_from`` one request a step makes way for a new one (``shrink``: at that step one
-    leaves, none joins; the padded batch size stays)."""
+def _per_request_decisions(batch: int, steps: int, next_ids: Callable[[int, np.ndarray], np.ndarray], *,
+                           dwell: int = 1000) -> list[int]:
+    """Steps at which a per-request controller decided k (otherwise every ``dwell`` steps), each step's
+    requests given by ``next_ids(step, last step's ids)`` (a new ids object when they change; the
+    padded batch size stays ``batch``), every request accepting every draft."""
     ctrl = AdaptiveController(per_request=True, allowed_k=(0, 2, 4, 8), warmup_steps=0, explore_prob=0.0,
-                              min_dwell_steps=1000, max_dwell_steps=1000)
+                              min_dwell_steps=dwell, max_dwell_steps=dwell)
     decided, choose, step = [], ctrl._choose_goodput, 0
 
     def spy(*args):
@@ -502,13 +479,33 @@ def _swap_decisions(batch: int, swaps_from: int, steps: int, *, shrink: bool = F
     ctrl._choose_goodput = spy
     ids = np.arange(batch)
     for step in range(steps):
-        if step >= swaps_from:
-            ids = ids[1:] if shrink else np.append(ids[1:], 1000 + step)      # a new ids object
+        ids = next_ids(step, ids)
         k = ctrl.next_k(batch, ids)
         ctrl.update(np.full(ids.size, k), np.full(ids.size, k), 0.01 * (1 + 0.1 * k), batch, ids, step_k=k)
-        if shrink and step >= swaps_from:
-            break
     return decided
+
+
+def test_a_new_batch_is_decided_again_soon_also_where_a_decision_was_due():
+    """New requests replace the whole batch (same size) at a step where k was due to be decided anyway:
+    k is decided then and again 2 steps later, on the new requests' first counts, as for any new batch
+    (not only after the held k's full dwell)."""
+    def decisions(switch_at: int | None) -> list[int]:
+        return _per_request_decisions(4, 60, lambda step, ids: ids + 100 if step == switch_at else ids, dwell=8)
+
+    due = [step for step in decisions(None) if step >= 30][0]     # a regular decision, well after the probes
+    assert due in decisions(due) and due + 2 in decisions(due)
+
+
+def _swap_decisions(batch: int, swaps_from: int, steps: int, *, shrink: bool = False) -> list[int]:
+    """Steps at which a per-request controller decided, holding k otherwise (dwell of 1000 steps), while
+    from step ``swaps_from`` one request a step makes way for a new one (``shrink``: at that step one
+    leaves, none joins, and the run ends)."""
+    def next_ids(step: int, ids: np.ndarray) -> np.ndarray:
+        if step < swaps_from:
+            return ids
+        return ids[1:] if shrink else np.append(ids[1:], 1000 + step)
+
+    return _per_request_decisions(batch, swaps_from + 1 if shrink else steps, next_ids)
 
 
 def test_continuous_batching_decides_again_once_a_quarter_of_the_batch_changed():
