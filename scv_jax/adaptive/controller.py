@@ -16,7 +16,8 @@ drops k as soon as the repetitive requests finish). Modes:
   that helps the other requests finish early buys nothing while that one runs). k is decided every
   ``min_dwell_steps`` steps (at once when the batch changes: another size, or with ``per_request``
   requests that joined or left since the last decision making up a quarter of it, so at batch 64
-  continuous batching's swaps of a request or two wait for the next decision), switching only for
+  continuous batching's swaps of a request or two wait for the next decision; where half of it or
+  more is new, again 2 steps later, on the new requests' first counts), switching only for
   a ``switch_margin`` gain; a decision that keeps k with a 5% lead over the runner-up doubles the
   steps to the next one, up to ``max_dwell_steps``, so a batch whose best k is clear pays for few
   decisions. A k never timed at a batch size is tried once there (its cost is otherwise only
@@ -68,6 +69,7 @@ _CHANGED_SHARE = 0.25      # requests joined or left since the last decision, ov
 _PAST_SCALES = 256         # the latest requests whose scales are the prior of a batch's unknown requests
 _FIRST_REACHED = 12        # draft positions a request reaches in its first steps, which describe a new request
 _AFTER_CHANGE = 2          # steps after a decision forced by a new batch to the next decision
+_NEW_BATCH_SHARE = 0.5     # ... where requests joined or left since the last decision make up half the batch
 _PROBE_FLOOR = 0.7         # a never-timed k is tried if its extrapolated objective is within 30% of the best
 _PROBES = 2                # tries of a k never timed at a batch size (a try may go untimed: a compile)
 _LEAD = 1.05               # a kept k leading the runner-up by this factor is decided again after twice the steps
@@ -462,7 +464,8 @@ class AdaptiveController:
         elif self._steps < cfg.warmup_steps:
             k = self._k_init if self._steps % 2 == 0 else self._k_probe
         else:
-            changed = self._changed_share(int(batch_size), request_ids) >= _CHANGED_SHARE
+            share = self._changed_share(int(batch_size), request_ids)
+            changed = share >= _CHANGED_SHARE
             if self._since_decision >= self._dwell or changed:
                 choice = (self._choose_goodput(int(batch_size), request_ids, remaining_tokens)
                           if cfg.mode == "goodput" else self._choose_target())
@@ -470,8 +473,10 @@ class AdaptiveController:
                 # new batch (also one whose decision was due anyway) starts again from min_dwell_steps
                 kept = not changed and choice == self._k and self._lead() >= _LEAD
                 self._dwell = min(2 * self._dwell, self._max_dwell) if kept else cfg.min_dwell_steps
-                # a new batch's first choice rests on little of its own history: decide again soon
-                self._k, self._since_decision = choice, max(self._dwell - _AFTER_CHANGE, 0) if changed else 0
+                # a new batch's first choice rests on little of its own history: decide again soon (not
+                # where most of the batch was there before: continuous batching's swaps at batch 64)
+                renewed = share >= _NEW_BATCH_SHARE
+                self._k, self._since_decision = choice, max(self._dwell - _AFTER_CHANGE, 0) if renewed else 0
                 self._decided_for = (int(batch_size), request_ids)
                 self._decisions += 1
                 if cfg.per_request and request_ids is not None:
