@@ -340,12 +340,19 @@ class AdaptiveController:
             self._fold()
         if ids is self._ids:            # the last update's requests: they hold their slots
             return self._request_counts[:2, self._batch[1]]
-        slots = ids % self.config.max_tracked_requests
+        slots = self._slots(ids)
         return np.where(self._request_owner[slots] == ids, self._request_counts[:2, slots], 0.0)
+
+    def _slots(self, request_ids: Any) -> np.ndarray:
+        """int64[B] the store slots of requests ``request_ids`` (the last update's, if they are its ids
+        object)."""
+        if request_ids is self._ids:
+            return self._batch[1]
+        return np.asarray(request_ids) % self.config.max_tracked_requests
 
     def _claim(self, ids: np.ndarray) -> np.ndarray:
         """int64[B] the slots of requests ``ids``; a request new to its slot starts there from zero counts."""
-        slots = ids % self.config.max_tracked_requests
+        slots = self._slots(ids)
         fresh = self._request_owner[slots] != ids
         if fresh.any():
             taken = slots[fresh]
@@ -480,7 +487,7 @@ class AdaptiveController:
                 self._decided_for = (int(batch_size), request_ids)
                 self._decisions += 1
                 if cfg.per_request and request_ids is not None:
-                    slots = np.asarray(request_ids) % cfg.max_tracked_requests
+                    slots = self._slots(request_ids)
                     self._decided_in[slots], self._decided_count = self._decisions, slots.size
             k = self._k
             probe = self._probe(int(batch_size)) if cfg.mode == "goodput" else None
@@ -541,7 +548,7 @@ class AdaptiveController:
             return 1.0
         if request_ids is self._compared[0] and self._compared[1] == self._decisions:    # asked before
             return self._compared[2]
-        slots = np.asarray(request_ids) % self.config.max_tracked_requests
+        slots = self._slots(request_ids)
         joined = np.count_nonzero(self._decided_in[slots] != self._decisions)   # not in the decided batch
         before = self._decided_count
         share = (joined + before - (slots.size - joined)) / max(slots.size, before, 1)
