@@ -24,6 +24,7 @@ myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+autodoc_typehints_description_target = "documented"
 autodoc_default_options = {"exclude-members": "__init__, __new__"}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

@@ -176,7 +176,7 @@ def test_every_public_name_is_in_the_api_reference():
     import scv_jax.models
 
     api = (ROOT / "docs" / "api.md").read_text()
-    documented = set(re.findall(r"^\.\. auto\w+:: (\S+)$", api, re.M))
+    documented = set(re.findall(r"^\.\. (?:auto\w+|py:data):: ([\w.]+)", api, re.M))
     public = {f"scv_jax.{n}" for n in scv_jax.__all__ if n != "models"}
     public |= {f"scv_jax.models.{n}" for n in scv_jax.models.__all__}
     assert public - documented == set(), "add these to docs/api.md"
