@@ -181,3 +181,15 @@ def test_every_public_name_is_in_the_api_reference():
     public |= {f"scv_jax.models.{n}" for n in scv_jax.models.__all__}
     assert public - documented == set(), "add these to docs/api.md"
     assert documented - public == set(), "not public any more: remove from docs/api.md"
+
+
+def test_ci_runs_the_readme_test_command_and_the_docs_build():
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    test_command = "python -m pip install -q -e '.[test]' && python -m pytest -n 2"
+    assert test_command in ci.splitlines() and test_command in readme
+    assert "python -m pip install -q -e '.[docs]'" in ci
+    assert re.search(r"^python -m sphinx -W --keep-going (-q )?-b html docs ", ci, re.M)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    docs_extra = re.search(r"^docs = \[(.*)\]$", pyproject, re.M).group(1)
+    assert "sphinx" in docs_extra and "myst-parser" in docs_extra
