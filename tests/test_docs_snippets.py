@@ -193,3 +193,10 @@ def test_ci_runs_the_readme_test_command_and_the_docs_build():
     pyproject = (ROOT / "pyproject.toml").read_text()
     docs_extra = re.search(r"^docs = \[(.*)\]$", pyproject, re.M).group(1)
     assert "sphinx" in docs_extra and "myst-parser" in docs_extra
+
+
+def test_a_failing_block_fails_the_page(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nx = 1\n```\n\n```python\nx = missing_name\n```\n")
+    result = _run_in_subprocess(page)
+    assert result.returncode != 0 and f'File "{page}", line 6' in result.stderr and "NameError" in result.stderr
