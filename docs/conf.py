@@ -32,3 +32,17 @@ napoleon_use_ivar = True
 
 html_theme = "alabaster"
 html_title = "scv-jax"
+
+
+def _join_shared_attributes(app, what, name, obj, options, lines):
+    """``a, b: text`` in an Attributes section documents both names; napoleon makes it ``:ivar a, b:``,
+    which Sphinx would read as the type ``a,`` of ``b``: write the names as one (``a,b``)."""
+    for i, line in enumerate(lines):
+        head, sep, rest = line.partition(":ivar ")
+        if sep and ", " in rest.split(":", 1)[0]:
+            names, colon, text = rest.partition(":")
+            lines[i] = f"{head}:ivar {names.replace(', ', ',')}{colon}{text}"
+
+
+def setup(app):
+    app.connect("autodoc-process-docstring", _join_shared_attributes, priority=600)  # after napoleon (500)
