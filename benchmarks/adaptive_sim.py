@@ -4,7 +4,7 @@ A scenario fixes, per tick of simulated time, the conditional acceptance a_j of 
 the batch size, plus a true step-cost function. Every policy runs for the same simulated duration on the
 same random draws (common random numbers), so throughputs (emitted tokens / simulated second) differ
 only by the choices of k.
-Shared by tests/test_controller.py and benchmarks/sim_adaptive.py.
+Shared by tests/adaptive/test_controller.py and benchmarks/sim_adaptive.py.
 """
 
 from __future__ import annotations
@@ -146,7 +146,6 @@ def simulate(policy: Policy, scenario: Scenario, seed: int = 0, max_steps: int |
     """
     rng = np.random.default_rng(seed)
     max_batch = int(scenario.batch_size.max())
-    per_request = getattr(getattr(policy, "config", None), "per_request", False)
     columns: list[tuple[float, int, int, float]] = []
     clock, missed = 0.0, 0
     while clock < scenario.duration and (max_steps is None or len(columns) < max_steps):
@@ -158,7 +157,7 @@ def simulate(policy: Policy, scenario: Scenario, seed: int = 0, max_steps: int |
         tick = scenario.tick_at(clock)
         batch = int(scenario.batch_size[tick])
         k = policy.next_k(batch)
-        drafts = np.asarray(policy.request_k(range(batch))) if per_request else np.full(batch, k)
+        drafts = np.full(batch, k)
         accepts = uniforms[n, :batch, :K_MAX] < scenario.step_acceptance(tick)
         leading = np.argmin(np.concatenate([accepts, np.zeros((batch, 1), bool)], axis=1), axis=1)
         accepted = np.minimum(leading, drafts)
@@ -166,9 +165,7 @@ def simulate(policy: Policy, scenario: Scenario, seed: int = 0, max_steps: int |
         missed = missed + 1 if k == 0 else 0
         columns.append((clock, k, int(accepted.sum()) + batch, seconds))
         clock += seconds
-        kwargs = {"request_ids": range(batch)} if per_request else {}
-        policy.update(num_draft_tokens=drafts, num_accepted=accepted, step_seconds=seconds,
-                      batch_size=batch, **kwargs)
+        policy.update(num_draft_tokens=drafts, num_accepted=accepted, step_seconds=seconds, batch_size=batch)
     start, ks, emitted, seconds = (np.array(c) for c in zip(*columns))
     return Trace(start, ks, emitted, seconds)
 

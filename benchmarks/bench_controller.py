@@ -1,9 +1,9 @@
 """Host cost of the adaptive controller per decoding step: ``next_k`` + ``update``, as the decoder calls
-them (per-request estimates, remaining tokens, the step's dense k, a measured step time), at batch 1
-and 64: with the same requests throughout (a static batch, which runs until its last request is done:
-the finishing-time objective), and with per-request estimates also under continuous batching, where
-each request runs ``--request-steps`` steps and a new one takes its place (staggered, so the batch
-changes every few steps; the stream's objective, tokens per second).
+them (request ids, remaining tokens, its k, a measured step time), at batch 1 and 64:
+with the same requests throughout (a static batch, which runs until its last request is done:
+remaining tokens given), and under continuous batching, where each request runs ``--request-steps``
+steps and a new one takes its place (staggered, so the batch changes every few steps; no remaining
+tokens).
 
 The per-step inputs (acceptance draws, step times) are drawn before timing; each step's two calls are
 timed with ``time.perf_counter`` (the simulated step outcome between them is not counted). Prints
@@ -26,13 +26,12 @@ from scv_jax import AdaptiveController, ControllerConfig
 ALLOWED = (0, 2, 4, 6, 8)
 
 
-def step_microseconds(batch: int, steps: int, *, per_request: bool, request_steps: int = 0,
-                      seed: int = 0) -> np.ndarray:
+def step_microseconds(batch: int, steps: int, *, request_steps: int = 0, seed: int = 0) -> np.ndarray:
     """float64[steps] microseconds of next_k + update per step (first 10% of steps dropped as warm-up).
     ``request_steps`` > 0: each request runs that many steps, then a new id takes its row (the rows'
     ages staggered); 0: the same requests throughout."""
     rng = np.random.default_rng(seed)
-    ctrl = AdaptiveController(ControllerConfig(allowed_k=ALLOWED, per_request=per_request))
+    ctrl = AdaptiveController(ControllerConfig(allowed_k=ALLOWED))
     acceptance = rng.uniform(0.3, 0.95, batch)                  # each request's own acceptance
     leading = rng.geometric(1.0 - acceptance[None, :], size=(steps, batch)) - 1
     noise = rng.lognormal(0.0, 0.05, steps)
@@ -45,7 +44,6 @@ def step_microseconds(batch: int, steps: int, *, per_request: bool, request_step
         if request_steps:       # (not timed) new requests in the rows whose request ran its steps
             renewed = np.flatnonzero((i - started) % request_steps == 0)
             if renewed.size:
-                ids = ids.copy()                      # a new batch: a new ids object, as from the decoder
                 ids[renewed] = ids.max() + 1 + np.arange(renewed.size)
                 acceptance[renewed] = rng.uniform(0.3, 0.95, renewed.size)
             leading[i] = rng.geometric(1.0 - acceptance) - 1
@@ -56,7 +54,7 @@ def step_microseconds(batch: int, steps: int, *, per_request: bool, request_step
         accepted = np.minimum(leading[i], drafts)
         seconds = (0.004 + 0.0005 * k) * noise[i]
         observed = time.perf_counter()
-        ctrl.update(drafts, accepted, seconds, batch, ids, step_k=k)
+        ctrl.update(drafts, accepted, seconds, batch, k=k)
         out[i] = chosen - start + time.perf_counter() - observed
     return out[steps // 10:] * 1e6
 
@@ -65,22 +63,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--request-steps", type=int, nargs="*", default=[100, 25],
-                        help="rows with continuous batching: steps each request runs (per-request estimates)")
+                        help="rows with continuous batching: steps each request runs")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = parser.parse_args()
-    rows = ["| batch | per-request | steps per request | median µs | p90 µs | p99 µs | mean µs |",
-            "|---:|---|---|---:|---:|---:|---:|"]
+    rows = ["| batch | steps per request | median µs | p90 µs | p99 µs | mean µs |", "|---:|---|---:|---:|---:|---:|"]
     for batch in (1, 64):
-        for per_request, request_steps in [(False, 0), (True, 0)] + [(True, n) for n in args.request_steps]:
-            us = step_microseconds(batch, args.steps, per_request=per_request, request_steps=request_steps)
-            rows.append(f"| {batch} | {'yes' if per_request else 'no'} | {request_steps or 'all (static)'} | "
+        for request_steps in [0, *args.request_steps]:
+            us = step_microseconds(batch, args.steps, request_steps=request_steps)
+            rows.append(f"| {batch} | {request_steps or 'all (static)'} | "
                         f"{np.median(us):.1f} | {np.percentile(us, 90):.1f} | {np.percentile(us, 99):.1f} | "
                         f"{us.mean():.1f} |")
             print(rows[-1], flush=True)
     load = os.getloadavg()[0]
     publish(__file__, "Adaptive controller cost per step (next_k + update)",
             f"{args.steps} steps per row, allowed k {ALLOWED}, requests of acceptance 0.3-0.95, the decoder's "
-            f"calls (per-request ids and remaining tokens, the step's dense k, a measured step time); steps per "
+            f"calls (request ids and remaining tokens, its k, a measured step time); steps per "
             f"request: a static batch's requests run throughout, else each runs that many steps and a new one "
             f"takes its row (continuous batching: the stream's objective, no remaining tokens); "
             f"µs per step; load average {load:.1f} during the run. ", "\n".join(rows), append=args.append)

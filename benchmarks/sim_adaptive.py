@@ -1,4 +1,4 @@
-"""Speculation-length policies in simulation: fixed k (every k), target mode, goodput mode, oracle.
+"""Speculation-length policies in simulation: fixed k (every k), the adaptive controller, oracle.
 
 Runs the scenarios of ``adaptive_sim.standard_scenarios`` (stationary, per-position decaying,
 drifting, bursty, a load spike, mixed requests; draft/target cost ratio c from 0.02 to 0.3; batch-dependent
@@ -24,11 +24,7 @@ from scv_jax import AdaptiveController
 from adaptive_sim import K_MAX, FixedPolicy, OraclePolicy, Scenario, Trace, simulate, standard_scenarios
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ADAPTIVE = {  # column -> controller factory
-    "target (0.6)": lambda: AdaptiveController(mode="target", target_acceptance=0.6),
-    "goodput": lambda: AdaptiveController(),
-    "goodput + per-request": lambda: AdaptiveController(per_request=True),
-}
+ADAPTIVE = {"adaptive": lambda: AdaptiveController()}  # column -> controller factory
 PLOTTED = ("drifting", "bursty", "load spike")
 
 
@@ -67,7 +63,7 @@ def plot(results: dict[str, dict[str, Trace]], path: str) -> None:
         oracle = traces["oracle"].throughput
         best = max((f"k={k}" for k in range(K_MAX + 1)), key=lambda key: traces[key].throughput)
         bin_seconds = traces["oracle"].seconds.sum() / 40
-        for key, style in (("oracle", "k-"), ("goodput", "C0-"), ("target (0.6)", "C3--"), (best, "C2:")):
+        for key, style in (("oracle", "k-"), ("adaptive", "C0-"), (best, "C2:")):
             trace = traces[key]
             bins = (trace.start // bin_seconds).astype(np.int64)
             mean_k = np.bincount(bins, weights=trace.k) / np.maximum(np.bincount(bins), 1)

@@ -46,7 +46,6 @@ _EXPORTS: dict[str, str] = {
     # adaptive k
     "AdaptiveController": "scv_jax.adaptive.controller",
     "ControllerConfig": "scv_jax.adaptive.controller",
-    "CostPrior": "scv_jax.adaptive.cost_model",
     # decoding
     "DecoderConfig": "scv_jax.decoding.config",
     "GenerateStats": "scv_jax.decoding.stats",

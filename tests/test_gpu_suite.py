@@ -62,7 +62,7 @@ def test_gpu_loop_run_dry_run(tmp_path):
                                                            PYTHON=sys.executable))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for step, table in (("host_step", "| batch | cold caches (MB) | autoregressive |"),
-                        ("controller", "| batch | per-request |"),
+                        ("controller", "| batch | steps per request |"),
                         ("e2e_model", "| stdlib | model | 1 | 0 | adaptive |"),
                         ("e2e_ngram", "| stdlib | ngram | 1 | 0 | adaptive |")):
         log = (tmp_path / f"{step}.log").read_text()

@@ -154,8 +154,7 @@ class SpeculativeDecoder:
         base = cfg.controller or ControllerConfig()
         allowed = cfg.allowed_k
         return AdaptiveController(dataclasses.replace(
-            base, k_min=allowed[0], k_max=allowed[-1], allowed_k=allowed, draft_sync="catch_up",
-            draft_model=self._draft is not None, per_request=True,
+            base, k_min=allowed[0], k_max=allowed[-1], allowed_k=allowed,
             k_init=base.k_init if base.k_init in allowed else allowed[-1]))
 
     # ------------------------------------------------------------------ checks
@@ -382,7 +381,8 @@ class SpeculativeDecoder:
             counts = (np.minimum(caps, step_k), host.num_accepted)
             if call.ngram:
                 counts = self._check_unverified(call, rows, step_k) or counts
-            call.observed = (*counts, None if cold else step_seconds, batch, ids, step_k, scored)
+            # (k as chosen, or as far as the budgets let it draft: a step that ends them costs less)
+            call.observed = (*counts, None if cold else step_seconds, batch, int(caps.max(initial=0)))
         call.tally.add(num_drafts, host.num_accepted, host.num_emitted)
         stats.add_step(batch, step_k, None if cold else step_seconds + time.perf_counter() - fetched,
                        dispatch - step_start + time.perf_counter() - fetched, scored)
@@ -414,8 +414,8 @@ class SpeculativeDecoder:
     def _observe(call: _Call) -> None:
         """Tells the controller about the last step (if not yet told)."""
         if call.observed is not None:
-            drafts, accepted, seconds, batch, ids, step_k, target_tokens = call.observed
-            call.controller.update(drafts, accepted, seconds, batch, ids, step_k=step_k, target_tokens=target_tokens)
+            drafts, accepted, seconds, batch, k = call.observed
+            call.controller.update(drafts, accepted, seconds, batch, k=k)
             call.observed = None
 
     def _catch_up(self, state: RequestBatch, rows: np.ndarray, stats: GenerateStats) -> None:
