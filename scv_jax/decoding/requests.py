@@ -82,17 +82,20 @@ class RequestBatch:
         self.admit(rows if max_running is None else max_running)
 
     def admit(self, count: int) -> np.ndarray:
-        """Moves up to ``count`` waiting requests to the running ones, in order, stopping at one whose data
-        shard already runs ``per_shard`` requests; returns int64[n] their rows."""
-        admitted = self.waiting[:count]
-        if self._per_shard is not None:
-            load = collections.Counter(self.shards[self.active].tolist())
-            for n, shard in enumerate(self.shards[admitted].tolist()):
-                if load[shard] >= self._per_shard:
-                    admitted = admitted[:n]
+        """Moves up to ``count`` waiting requests to the running ones, in order, passing over those whose
+        data shard already runs ``per_shard`` requests; returns int64[n] their rows."""
+        if self._per_shard is None:
+            admitted, self.waiting = self.waiting[:count], self.waiting[count:]
+        else:
+            load, chosen = collections.Counter(self.shards[self.active].tolist()), []
+            for row, shard in zip(self.waiting.tolist(), self.shards[self.waiting].tolist()):
+                if len(chosen) == count:
                     break
-                load[shard] += 1
-        self.waiting = self.waiting[admitted.size:]
+                if load[shard] < self._per_shard:
+                    load[shard] += 1
+                    chosen.append(row)
+            admitted = np.array(chosen, np.int64)
+            self.waiting = self.waiting[~np.isin(self.waiting, admitted)]
         self.active = np.concatenate([self.active, admitted])
         return admitted
 
