@@ -33,8 +33,10 @@ class DecoderConfig:
       cache_dtype: dtype of both caches (any ``PagedKVCache`` dtype name, e.g. "bfloat16", "fp8").
       prefill_chunk: prompt tokens per prefill call.
       batch_buckets: batch sizes steps are padded to (graph mode).
-      context_buckets: block-table widths (in blocks) steps are padded to; None: multiples of 16
-        blocks up to max_seq_len (fewer executables; attention masks the padding).
+      context_buckets: block-table widths (in blocks) steps are padded to (the widest is always
+        max_seq_len's); None: max_seq_len's width and its successive halves down to 16 blocks
+        (``Buckets.halving``: e.g. 17, 34, 68 blocks for 1,088 positions of 16; a request growing to
+        max_seq_len crosses about log2(its width / 16) of them; attention masks the padding).
       backend: "auto", "pallas", "xla" or "interpret" for every op of the step.
       packed_verify: the target scores only each request's own drafts, packed in one row
         (``forward_packed``; single device): a step with ragged drafts (n-gram matches of different
@@ -98,4 +100,4 @@ class DecoderConfig:
         if self.context_buckets is not None:
             return Buckets(tuple(sorted(set(self.context_buckets) | {self.max_blocks_per_seq})))
         most = self.max_blocks_per_seq
-        return Buckets.pow2_then_linear(most, linear_step=16, min_size=min(16, most))
+        return Buckets.halving(most, min_size=min(16, most))

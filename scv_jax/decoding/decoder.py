@@ -19,6 +19,7 @@ spread over a device mesh (``placement``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import sys
 import time
@@ -42,10 +43,18 @@ from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
 from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
+from scv_jax.ops.registry import cuda_available
+
+logger = logging.getLogger(__name__)
 
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
 # the decode step's dynamic arguments that every call gives
 _DECODE_ALWAYS = ("target_params", "target_cache", "block_tables", "rows", "base_key", "temperature")
+
+
+def _base_key(seed: int) -> jax.Array:
+    """uint32[2] the key data of ``seed``'s random stream, on the device (``warmup`` compiles it)."""
+    return jax.random.key_data(jax.random.key(seed))
 
 
 class GenerateOutput(NamedTuple):
@@ -120,6 +129,9 @@ class SpeculativeDecoder:
         elif self.drafter is None and (self.config.adaptive or self.config.k):
             self.config = dataclasses.replace(self.config, k=0, adaptive=False)
         cfg = self.config
+        if cfg.backend == "pallas" and not cuda_available():
+            raise ValueError(f"SpeculativeDecoder: DecoderConfig.backend='pallas' needs a CUDA GPU (JAX's default "
+                             f"backend is {jax.default_backend()!r}); use 'auto', 'xla', or 'interpret' on CPU")
         if cfg.packed_verify and (mesh is not None or not hasattr(target, "forward_packed")):
             raise ValueError("SpeculativeDecoder: DecoderConfig.packed_verify needs one device (no mesh) and a "
                              "target with forward_packed (scv_jax.models.Transformer has it)")
@@ -139,6 +151,8 @@ class SpeculativeDecoder:
         self._prefill, self._decode = step_executables(cfg, self._target, self._draft, self._step_ks, self.placement)
         self._plans: dict[tuple, BucketPlan] = {}
         self._next_request_id = 0
+        self._warmed_up = False
+        self._reported: set[str] = set()      # compilations after warm-up already logged
         # one controller per kind of step: greedy and sampled steps are different executables, with
         # different costs and acceptance
         self.controllers = {"greedy": self._make_controller(), "sampling": self._make_controller()} \
@@ -182,7 +196,9 @@ class SpeculativeDecoder:
         to the pool. ``temperature`` 0 is greedy; otherwise sampling with ``seed`` (same seed, same
         output). ``max_num_seqs``: at most that many requests decode at once (continuous batching: the
         others wait, in order, and each is prefilled and joins the running batch as soon as a running
-        request finishes; None: all at once). ``progress``: report the prefill of long prompts on stderr.
+        request finishes; None: all at once). Either way at most the largest batch bucket run at once
+        (``DecoderConfig.batch_buckets``; on a mesh, its share per data shard): a step never outgrows
+        the compiled executables. ``progress``: report the prefill of long prompts on stderr.
         """
         require_int("generate", "max_new_tokens", max_new_tokens, minimum=1)
         if not (isinstance(temperature, (int, float, np.floating)) and math.isfinite(temperature)
@@ -194,16 +210,19 @@ class SpeculativeDecoder:
         if max_num_seqs is not None:
             require_int("generate", "max_num_seqs", max_num_seqs, minimum=1)
         prompt_ids = check_prompts(prompts, self.vocab_size)
-        pools = self._check_request(prompt_ids, max_new_tokens, max_num_seqs)
+        largest = self._decode.dims["batch"].largest
+        running = largest if max_num_seqs is None else min(max_num_seqs, largest)
+        pools = self._check_request(prompt_ids, max_new_tokens, running)
         cfg = self.config
         state = RequestBatch(prompt_ids, int(max_new_tokens), pools, [self.pool.shard_of(p) for p in pools],
-                             cfg.block_size, cfg.max_blocks_per_seq, self._step_ks[-1], max_num_seqs)
+                             cfg.block_size, cfg.max_blocks_per_seq, self._step_ks[-1], running,
+                             largest // len(self.pool.shards))
         stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_ids))
         first_id, self._next_request_id = self._next_request_id, self._next_request_id + len(prompt_ids)
         start = time.perf_counter()
         with CompileCounter() as compiles:
             try:
-                base_key = jax.random.key_data(jax.random.key(seed))   # before the prefill: no wait on it
+                base_key = _base_key(seed)   # before the prefill: no wait on it
                 call = _Call(state, base_key, jax.device_put(np.float32(max(temperature, 1e-6))), temperature == 0.0,
                              eos_token_id,
                              first_id + np.arange(len(prompt_ids)),
@@ -213,14 +232,24 @@ class SpeculativeDecoder:
                 self._start_running(call, state.active, prompt_ids, progress=progress)
                 while state.active.size:
                     self._step(call, state.active)
-                    if state.waiting.size and state.active.size < max_num_seqs:     # continuous batching
-                        self._start_running(call, state.admit(max_num_seqs - state.active.size), prompt_ids)
+                    if state.waiting.size and state.active.size < running:     # continuous batching
+                        admitted = state.admit(running - state.active.size)
+                        if admitted.size:
+                            self._start_running(call, admitted, prompt_ids)
                 if call.controller:
                     self._observe(call)
             finally:
                 state.release(np.arange(len(prompt_ids)))
         stats.wall_seconds = time.perf_counter() - start
         stats.compile_count = compiles.count
+        # the step executables' compilations are listed by bucket (``_run``) and logged by their cache
+        steps = {self._prefill.jit_name, self._decode.jit_name}
+        others = [name for name in compiles.names if name not in steps]
+        stats.compiled += others
+        for name in others if self._warmed_up else ():
+            if name not in self._reported:
+                self._reported.add(name)
+                logger.warning("generate: compiled %s after warm-up (a computation warm-up did not cover)", name)
         outputs = state.outputs()
         stats.generated_tokens = sum(map(len, outputs))
         stats.tokens_per_second = stats.generated_tokens / max(stats.wall_seconds - stats.compile_seconds, 1e-9)
@@ -279,6 +308,10 @@ class SpeculativeDecoder:
                 plan, [args.get(name) for name in executable.dynamic_argnames])
         if executable.last_call_compiled:
             stats.compile_seconds += time.perf_counter() - start
+            stats.compiled.append(executable.last_call_shape)
+        why = executable.last_call_fallback
+        if why:
+            stats.fallbacks[executable.last_call_shape] = why
         self._caches.put(new_target if use_target else target_cache, new_draft if use_draft else draft_cache)
         return outputs
 
@@ -472,43 +505,72 @@ class SpeculativeDecoder:
         return float(np.median(samples))
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self, batch_sizes: int | Sequence[int], max_len: int, *, greedy: bool = True,
-               progress: bool = False) -> int:
-        """Compiles ahead of time the prefill and step executables for batches of ``batch_sizes``
-        requests (their buckets) of up to ``max_len`` positions (prompt + generated), every k a step
-        may use (and the draft's catch-up prefill when k = 0 can be chosen); returns the number of
-        compilations (with ``packed_verify``, each k's packed steps too). Smaller buckets (a batch
-        shrinking as requests finish) compile on first use."""
+    def warmup(self, batch_sizes: int | Sequence[int], max_len: int, *,
+               temperatures: float | Sequence[float] = 0.0, progress: bool = False) -> int:
+        """Compiles ahead of time every executable that ``generate`` runs for up to ``max(batch_sizes)``
+        requests at once (its ``max_num_seqs``, or its number of prompts) of up to ``max_len`` positions
+        (prompt + max_new_tokens - 1) at ``temperatures`` (0: greedy steps; > 0: sampled ones): the
+        prefill and every k's decode step at every batch bucket and block-table width up to those sizes'
+        (a batch shrinks as requests finish and admits waiting ones in smaller groups; a request's width
+        grows with it), with ``packed_verify`` each k's packed steps, the draft's catch-up prefill when
+        k = 0 can be chosen, and the seed's key. Counts the executables before compiling them (with
+        ``progress``: one line on stderr, then one per executable); returns the XLA compilations.
+        A ``generate`` within these sizes then compiles nothing (``GenerateStats.compiled`` is empty)."""
         cfg = self.config
         sizes = [batch_sizes] if isinstance(batch_sizes, (int, np.integer)) else list(batch_sizes)
-        batch_keep = {self._decode.bucket("batch", b) for b in sizes}
+        temperatures = ([temperatures] if isinstance(temperatures, (int, float, np.floating))
+                        else list(temperatures))
+        if not sizes or not temperatures or not all(
+                isinstance(t, (int, float, np.floating)) and math.isfinite(t) and t >= 0 for t in temperatures):
+            raise ValueError(f"warmup: batch_sizes and temperatures must be non-empty, temperatures finite "
+                             f"floats >= 0; got batch_sizes={batch_sizes!r}, temperatures={temperatures!r}")
+        for size in sizes:
+            require_int("warmup", "batch_sizes", size, minimum=1)
+        require_int("warmup", "max_len", max_len, minimum=1)
+        kinds = sorted({t == 0 for t in temperatures}, reverse=True)     # greedy first
+        # a running batch never exceeds the largest bucket (``generate``)
+        batch_bucket = self._decode.bucket("batch", min(max(sizes), self._decode.dims["batch"].largest))
         block_bucket = self._decode.bucket("blocks", -(-max_len // cfg.block_size))
-        if None in batch_keep or block_bucket is None:
-            raise ValueError(f"warmup: batch sizes {sizes} / max_len {max_len} exceed the buckets "
-                             f"(batch_buckets {cfg.batch_buckets}, max_seq_len {cfg.max_seq_len})")
-        fits = lambda s: s["batch"] in batch_keep and s["blocks"] <= block_bucket  # noqa: E731
+        if block_bucket is None:
+            raise ValueError(f"warmup: max_len {max_len} exceeds DecoderConfig.max_seq_len {cfg.max_seq_len}")
+        fits = lambda s: s["batch"] <= batch_bucket and s["blocks"] <= block_bucket  # noqa: E731
         target_cache, draft_cache = self._caches.take()
         tables = np.zeros((1, 1), np.int32)
         models = dict(target_params=self._target_params, target_cache=target_cache, backend=cfg.backend,
                       **self.placement.warmup_args())
         draft = dict(draft_params=self._draft_params, draft_cache=draft_cache)
-        with CompileCounter() as compiles:
-            prefill = dict(block_tables=tables, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
-                           start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=fits, progress=progress)
-            self._prefill.warmup(**models, **draft, **prefill)
-            if cfg.adaptive and self._draft is not None and 0 in cfg.allowed_k:
-                self._prefill.warmup(**{**models, "target_params": None, "target_cache": None}, **draft, **prefill)
-            no_draft = dict(draft_params=None, draft_cache=None)
+        prefill = dict(block_tables=tables, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
+                       start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=fits)
+        calls = [(self._prefill, {**models, **draft, **prefill})]
+        if cfg.adaptive and self._draft is not None and 0 in cfg.allowed_k:
+            calls.append((self._prefill, {**models, "target_params": None, "target_cache": None, **draft, **prefill}))
+        no_draft = dict(draft_params=None, draft_cache=None)
+        for greedy in kinds:
             for k in self._step_ks:
                 step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
                             base_key=np.zeros(2, np.uint32), temperature=np.float32(1.0), k=k, greedy=greedy,
-                            keep=lambda s, k=k: s["k"] == k and fits(s), progress=progress)
+                            keep=lambda s, k=k: s["k"] == k and fits(s))
                 if self.drafter is not None:
                     step["drafts"] = np.zeros((1, k), np.int32)
                 for packed_k in (0, *(p for p in self._packed_ks if p < k)):
-                    self._decode.warmup(**models, **(draft if self._draft is not None and k else no_draft), **step,
-                                        packed_k=packed_k)
+                    calls.append((self._decode, {**models, **(draft if self._draft is not None and k else no_draft),
+                                                 **step, "packed_k": packed_k}))
+        pending = [len(executable.pending(**args)) for executable, args in calls]
+        if progress:
+            batches = [b for b in self._decode.dims["batch"].sizes if b <= batch_bucket]
+            widths = [w for w in self._decode.dims["blocks"].sizes if w <= block_bucket]
+            decode = sum(n for (executable, _), n in zip(calls, pending) if executable is self._decode)
+            print(f"warm-up: {sum(pending)} executables to compile: {decode} decode steps (k {self._step_ks} x "
+                  f"batch buckets {tuple(batches)} x block-table widths {tuple(widths)} x "
+                  f"{' and '.join('greedy' if greedy else 'sampled' for greedy in kinds)}"
+                  f"{' x packed_k' if self._packed_ks else ''}), {sum(pending) - decode} prefills",
+                  file=sys.stderr, flush=True)
+        with CompileCounter() as compiles:
+            _base_key(0)
+            for executable, args in calls:
+                executable.warmup(**args, progress=progress)
         self._caches.put(target_cache, draft_cache)
+        self._warmed_up = True
         return compiles.count
 
 

@@ -1,6 +1,8 @@
 """The prefill and decode steps in graph mode: one ``ExecutableCache`` each, bucketed by batch size,
 block-table width and (for decode steps) k, with both caches donated, for the placement's devices
-(decode steps are also compiled per ``packed_k``, the packed verify's mean drafts per request)."""
+(decode steps are also compiled per ``packed_k``, the packed verify's mean drafts per request).
+With ``backend="auto"`` a bucket whose kernels fail to compile or run is served by the XLA reference
+(counted in ``GenerateStats.fallbacks``); with "pallas" or "interpret" the failure is raised."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
     sets the batch buckets."""
     dims = {"batch": Buckets(placement.batch_buckets(config.batch_buckets)), "blocks": config.block_buckets()}
     common = dict(dims=dims, donate_argnames=("target_cache", "draft_cache"), masks={"request_mask": "batch"},
-                  fallback={"backend": "xla"})
+                  fallback={"backend": "xla"} if config.backend == "auto" else None)
     prefill = ExecutableCache(
         placement.step(make_prefill_step(target, draft, config.block_size)),
         pads={"block_tables": _TABLE_PADS, "tokens": Pad("batch"), "start": Pad("batch"), "count": Pad("batch")},

@@ -4,6 +4,7 @@ operations instead of a Python loop over requests."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Sequence
 
 import numpy as np
@@ -52,14 +53,16 @@ class RequestBatch:
       length, prompt_len: int64[R]; budget: int64[R] tokens each request may still emit;
       lag: int64[R] tokens the draft cache lacks.
       active: int64[B] rows of the running requests; waiting: int64[W] rows of the requests not yet
-        admitted, in admission order (``admit``; empty unless ``generate`` limits ``max_num_seqs``).
+        admitted, in admission order (``admit``: at most ``max_running`` run at once and at most
+        ``per_shard`` on one data shard, the largest batch bucket's rows there).
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
       blocks: int32[R, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, from the
         request's pool; shards: int64[R] the data shard of each request's pool (0 on one device).
     """
 
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, pools: list[BlockPool], shards: list[int],
-                 block_size: int, max_blocks: int, max_drafts: int, max_running: int | None = None):
+                 block_size: int, max_blocks: int, max_drafts: int, max_running: int | None = None,
+                 per_shard: int | None = None):
         rows = len(prompts)
         self.prompt_len = np.array([len(p) for p in prompts], np.int64)
         self.length = self.prompt_len.copy()
@@ -69,18 +72,30 @@ class RequestBatch:
         for row, prompt in zip(self.tokens, prompts):
             row[:len(prompt)] = prompt
         self.lag = np.ones(rows, np.int64)
-        running = rows if max_running is None else min(rows, max_running)
-        self.active, self.waiting = np.arange(running), np.arange(running, rows)
         self.may_lag = False
         self.blocks = np.full((rows, max_blocks), -1, np.int32)
         self.num_blocks = np.zeros(rows, np.int64)
         self._addressable = np.zeros(rows, np.int64)     # num_blocks * block_size
         self.shards = np.array(shards, np.int64)
-        self._pools, self._block_size = pools, block_size
+        self._pools, self._block_size, self._per_shard = pools, block_size, per_shard
+        self.active, self.waiting = np.zeros(0, np.int64), np.arange(rows)
+        self.admit(rows if max_running is None else max_running)
 
     def admit(self, count: int) -> np.ndarray:
-        """Moves up to ``count`` waiting requests to the running ones; returns int64[n] their rows."""
-        admitted, self.waiting = self.waiting[:count], self.waiting[count:]
+        """Moves up to ``count`` waiting requests to the running ones, in order, passing over those whose
+        data shard already runs ``per_shard`` requests; returns int64[n] their rows."""
+        if self._per_shard is None:
+            admitted, self.waiting = self.waiting[:count], self.waiting[count:]
+        else:
+            load, chosen = collections.Counter(self.shards[self.active].tolist()), []
+            for row, shard in zip(self.waiting.tolist(), self.shards[self.waiting].tolist()):
+                if len(chosen) == count:
+                    break
+                if load[shard] < self._per_shard:
+                    load[shard] += 1
+                    chosen.append(row)
+            admitted = np.array(chosen, np.int64)
+            self.waiting = self.waiting[~np.isin(self.waiting, admitted)]
         self.active = np.concatenate([self.active, admitted])
         return admitted
 

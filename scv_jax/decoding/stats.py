@@ -31,7 +31,13 @@ class GenerateStats:
       catch_up_calls: draft-only prefill calls that brought a lagging draft up to date after k = 0
         steps (``positions``).
       compile_seconds: wall time of the calls that compiled an executable (first use of a shape
-        bucket; 0 after ``warmup``); compile_count: XLA compilations during the call.
+        bucket; 0 after ``warmup``); compile_count: XLA compilations during the call; compiled: what
+        they compiled, one entry each: a step executable's bucket (``"decode_step(batch=4, blocks=16,
+        k=2, greedy=True, backend=auto, packed_k=0)"``), anything else by its jit name (after
+        ``warmup`` of the call's sizes: empty; a compilation there is also logged, once per shape).
+      fallbacks: {step bucket: why} the buckets this call ran on the XLA fallback because their
+        kernels failed to compile or run (``backend="auto"`` only; "pallas" and "interpret" raise
+        instead): their figures are XLA's, not the kernels'. ``check_no_fallbacks`` raises on any.
     """
 
     steps: int = 0
@@ -49,6 +55,15 @@ class GenerateStats:
     step_seconds: dict[tuple[int, int], list] = dataclasses.field(default_factory=dict)
     scored_tokens: int = 0
     catch_up_calls: int = 0
+    compiled: list[str] = dataclasses.field(default_factory=list)
+    fallbacks: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def check_no_fallbacks(self, what: str) -> None:
+        """Raises RuntimeError naming ``what`` (e.g. a benchmark row) when a step ran on the XLA fallback."""
+        if self.fallbacks:
+            shape, why = next(iter(self.fallbacks.items()))
+            raise RuntimeError(f"{what}: {len(self.fallbacks)} step bucket(s) fell back to XLA, so its figures "
+                               f"are not the kernels'; first: {shape}: {why}")
 
     def add_step(self, batch: int, k: int, seconds: float | None, host_seconds: float = 0.0,
                  scored_tokens: int | None = None) -> None:

@@ -73,7 +73,7 @@ def _warm(decoder: SpeculativeDecoder, prompts, batch: int, max_new_tokens: int,
     """Compiles every k for ``batch`` running requests, then one untimed call (compiles what it uses,
     adapts k)."""
     longest = max(map(len, prompts)) + max_new_tokens
-    decoder.warmup(batch, longest, greedy=temperature == 0)
+    decoder.warmup(batch, longest, temperatures=temperature)
     decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=1000,   # a seed the timed runs do not use
                      max_num_seqs=batch)
 

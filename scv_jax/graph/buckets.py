@@ -50,6 +50,20 @@ class Buckets:
         sizes.append(max_size)
         return cls(tuple(sorted(set(sizes))))
 
+    @classmethod
+    def halving(cls, max_size: int, *, min_size: int = 1) -> Buckets:
+        """``max_size`` and its successive halves (rounded up) down to ``min_size``: a geometric series
+        whose largest bucket is exactly ``max_size`` and where padding at most doubles a size (above
+        ``min_size``), e.g. ``halving(68, min_size=16)`` is 17, 34, 68: a size growing from 1 to
+        ``max_size`` crosses only about log2(max_size / min_size) buckets."""
+        if min_size < 1 or max_size < min_size:
+            raise ValueError(f"Buckets.halving: need 1 <= min_size <= max_size, got min_size={min_size}, "
+                             f"max_size={max_size}")
+        sizes = [max_size]
+        while -(-sizes[-1] // 2) >= min_size and sizes[-1] > 1:
+            sizes.append(-(-sizes[-1] // 2))
+        return cls(tuple(reversed(sizes)))
+
     @property
     def largest(self) -> int:
         return self.sizes[-1]

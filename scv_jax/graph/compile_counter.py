@@ -13,16 +13,19 @@ class CompileCounter:
 
     Attributes:
       count: backend compilations; seconds: their summed duration.
+      names: what each compilation compiled, in order (e.g. ``"jit(decode_step)"``).
       traces: jaxpr traces (a jit cache miss traces before it compiles).
     """
 
     def __init__(self):
         self.count, self.seconds, self.traces = 0, 0.0, 0
+        self.names: list[str] = []
 
-    def _listener(self, event: str, duration: float, **_) -> None:
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT:
             self.count += 1
             self.seconds += duration
+            self.names.append(str(kwargs.get("fun_name", "?")))
         elif event == TRACE_EVENT:
             self.traces += 1
 

@@ -97,13 +97,14 @@ class _Entry:
     ran: bool = False        # called at least once
 
 
-def _positional(fn: Callable, dynamic: tuple[str, ...], fixed: frozenset[str] = frozenset()) -> Callable:
+def _positional(fn: Callable, dynamic: tuple[str, ...], name: str, fixed: frozenset[str] = frozenset()) -> Callable:
     """``fn`` taking its dynamic arguments positionally (in ``dynamic``'s order) and its static ones by
-    keyword; arguments in ``fixed`` (bound by a fallback's ``functools.partial``) are dropped."""
+    keyword, called ``name`` (jit names its compilations ``jit(name)``); arguments in ``fixed`` (bound
+    by a fallback's ``functools.partial``) are dropped."""
     def call(*values, **statics):
         named = {**dict(zip(dynamic, values)), **statics}
         return fn(**{a: v for a, v in named.items() if a not in fixed})
-    call.__name__ = getattr(fn, "__name__", "step")
+    call.__name__ = name
     return call
 
 
@@ -216,13 +217,13 @@ class ExecutableCache:
         self._mask_positions = tuple((self._dynamic.index(a), dim) for a, dim in self.masks.items())
         jit_options = dict(static_argnames=self.static_argnames,
                            donate_argnums=tuple(i for i, a in enumerate(self._dynamic) if a in self.donate_argnames))
-        self._jitted = jax.jit(_positional(fn, self._dynamic), **jit_options)
+        self._jitted = jax.jit(_positional(fn, self._dynamic, self.name), **jit_options)
         if isinstance(fallback, Mapping):
             fallback = functools.partial(fn, **fallback)
         self._fallback_jitted = None
         if fallback is not None:
             fixed = frozenset(getattr(fallback, "keywords", None) or ())
-            self._fallback_jitted = jax.jit(_positional(fallback, self._dynamic, fixed), **jit_options)
+            self._fallback_jitted = jax.jit(_positional(fallback, self._dynamic, self.name, fixed), **jit_options)
         if cache_dir is not None:
             enable_persistent_cache(cache_dir)
         self.stats = GraphModeStats()
@@ -230,6 +231,9 @@ class ExecutableCache:
         self._entries: dict[BucketKey, _Entry] = {}
         self._device_masks: dict[tuple[int, int], jax.Array] = {}
         self._last_call_compiled = self._last_call_first_run = False
+        self._last_plan: BucketPlan | None = None
+        self._warmed_up = False               # a compile after a warm-up is logged (a shape it missed)
+        self._oversize_seen: set[tuple] = set()
         self._lock = threading.Lock()
 
     # ----------------------------------------------------------------------------- host-side keys
@@ -331,6 +335,31 @@ class ExecutableCache:
     def last_call_compiled(self) -> bool:
         """Whether the most recent call compiled an executable (a bucket miss)."""
         return self._last_call_compiled
+
+    @property
+    def jit_name(self) -> str:
+        """The name XLA compilations of this cache's executables carry (``CompileCounter.names``)."""
+        return f"jit({self.name})"
+
+    @property
+    def last_call_shape(self) -> str:
+        """The most recent call's bucket, e.g. ``"decode_step(batch=4, blocks=16, k=2, greedy=True)"``
+        (unpadded sizes for an oversize call); "" before any call."""
+        plan = self._last_plan
+        if plan is None:
+            return ""
+        if plan.key is None:
+            sizes = ", ".join(f"{d}={s}" for d, s in plan.real.items())
+            return f"{self.name}(oversize {sizes})"
+        return f"{self.name}({self.describe(plan.key)})"
+
+    @property
+    def last_call_fallback(self) -> str:
+        """Why the most recent call ran on the fallback (its bucket's executable failed to compile or to
+        run: ``failed``), or "" when it ran its own executable."""
+        plan = self._last_plan
+        entry = self._entries.get(plan.key) if plan is not None and plan.key is not None else None
+        return self.failed.get(plan.key, "") if entry is not None and entry.is_fallback else ""
 
     @property
     def last_call_first_run(self) -> bool:
@@ -480,6 +509,21 @@ class ExecutableCache:
                 keys.append((tuple(padded.values()), combo[len(self._grid_dims):]))
         return keys
 
+    def _warmup_keys(self, bound: dict[str, Any], keep: Callable[[dict[str, int]], bool] | None) -> list[BucketKey]:
+        """The buckets a warm-up from example arguments ``bound`` considers."""
+        example_plan = self._plan(bound)
+        other_statics = tuple(example_plan.statics[a] for a in self.static_argnames
+                              if a not in self.bucketed_statics)
+        present = self._present(bound)
+        return [(dims, statics + other_statics, present) for dims, statics in self.all_keys(keep)]
+
+    def pending(self, *example_args, keep: Callable[[dict[str, int]], bool] | None = None,
+                **example_kwargs) -> list[BucketKey]:
+        """The buckets ``warmup`` with these arguments would compile now (those not compiled yet), without
+        compiling anything: what a warm-up costs, before paying it."""
+        keys = self._warmup_keys(self._bind(example_args, example_kwargs), keep)
+        return [k for k in keys if k not in self._entries]
+
     def warmup(self, *example_args, keep: Callable[[dict[str, int]], bool] | None = None,
                max_workers: int = 1, progress: bool = True, **example_kwargs) -> WarmupReport:
         """Compiles every bucket ahead of time from one example call's arguments.
@@ -490,12 +534,9 @@ class ExecutableCache:
         ``max_workers > 1`` compiles in threads (XLA releases the GIL while compiling).
         """
         bound = self._bind(example_args, example_kwargs)
-        example_plan = self._plan(bound)
-        other_statics = tuple(example_plan.statics[a] for a in self.static_argnames
-                              if a not in self.bucketed_statics)
-        present = self._present(bound)
-        keys = [(dims, statics + other_statics, present) for dims, statics in self.all_keys(keep)]
+        keys = self._warmup_keys(bound, keep)
         todo = [k for k in keys if k not in self._entries]
+        self._warmed_up = True
         start, done, compiled = time.perf_counter(), 0, 0
         seconds_before = self.stats.compile_seconds
 
@@ -525,7 +566,8 @@ class ExecutableCache:
         """Runs the step: pads to the bucket and calls its executable (compiling it on a miss).
 
         Returns ``fn``'s outputs at the padded sizes. Sizes beyond the largest bucket run unpadded
-        through plain ``jax.jit`` (counted in ``stats.oversize``).
+        through plain ``jax.jit`` (counted in ``stats.oversize``; it compiles per exact shape, and each
+        new one is logged once).
         """
         bound = self._bind(args, kwargs)
         plan = self._plan(bound)
@@ -555,8 +597,14 @@ class ExecutableCache:
     def _run(self, plan: BucketPlan, dynamic: list[Any]) -> Any:
         """Calls ``plan``'s executable on padded dynamic arguments (plain jit when oversize)."""
         self._last_call_compiled = self._last_call_first_run = False
+        self._last_plan = plan
         if plan.key is None:
             self.stats.oversize += 1
+            shape = (tuple(plan.real.items()), tuple(plan.statics.items()))
+            if shape not in self._oversize_seen:
+                self._oversize_seen.add(shape)
+                logger.warning("%s: a call beyond the largest bucket runs through plain jit at its own size "
+                               "(compiled per exact shape): %s", self.name, self.last_call_shape)
             return self._jitted(*dynamic, **plan.statics)
         for dim, size in plan.real.items():
             self.stats.real_totals[dim] = self.stats.real_totals.get(dim, 0) + size
@@ -564,6 +612,9 @@ class ExecutableCache:
         entry = self._entries.get(plan.key)
         if entry is None:
             self.stats.misses += 1
+            if self._warmed_up:
+                logger.warning("%s: compiling bucket (%s) on first use: a shape the warm-up did not cover",
+                               self.name, self.describe(plan.key))
             entry, _ = self._compile_one(plan.key, self._named(plan, dynamic))
             self._entries[plan.key] = entry
             self._last_call_compiled = True

@@ -108,7 +108,7 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
                                  sharding=ShardingConfig(draft=draft_placement or "replicated"))
     warmup = decoder.warmup(4, CONFIG.max_seq_len)
     if ARGS.sample:
-        warmup += decoder.warmup(4, CONFIG.max_seq_len, greedy=False)
+        warmup += decoder.warmup(4, CONFIG.max_seq_len, temperatures=1.0)
     with CompileCounter() as compiles:
         outputs = _generate(decoder, prompts)
     target_cache, draft_cache = decoder._caches.take()

@@ -44,7 +44,7 @@ def test_greedy_output_does_not_depend_on_max_num_seqs(target, partial_draft, au
         sizes.clear()
         out = decoder.generate(batch_prompts, MAX_NEW, eos_token_id=eos, max_num_seqs=limit)
         assert out.tokens == expected
-        assert max(sizes) == limit and out.stats.generated_tokens == sum(map(len, expected))
+        assert max(sizes) == min(limit, 4) and out.stats.generated_tokens   # 4: the largest batch bucket == sum(map(len, expected))
         assert decoder.pool.num_free == SMALL.num_blocks
 
 
@@ -64,7 +64,8 @@ def test_a_stream_larger_than_the_cache_runs_a_few_at_a_time(target):
     config = DecoderConfig(**{**vars(SMALL), "num_blocks": 8})       # 2 requests of <= 4 blocks each
     decoder = SpeculativeDecoder(target, "ngram", config=DecoderConfig(**{**vars(config), "k": 2}))
     batch_prompts = [[1, 2, 3] * 6] * 5
-    with pytest.raises(ValueError, match="needs up to 20 KV blocks .* lower generate's max_num_seqs"):
+    # 4 of them run at once (the largest batch bucket), 16 blocks
+    with pytest.raises(ValueError, match="needs up to 16 KV blocks .* lower generate's max_num_seqs"):
         decoder.generate(batch_prompts, MAX_NEW)
     with pytest.raises(ValueError, match="needs up to 12 KV blocks"):
         decoder.generate(batch_prompts, MAX_NEW, max_num_seqs=3)
