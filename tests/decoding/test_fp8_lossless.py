@@ -2,7 +2,8 @@
 for both fp8 dtypes, every scale mode, the demo draft model (k = 1, 4) and n-gram drafting (k = 4).
 
 Holds because every forward reads in-flight K/V as the commit will store them (``as_stored``); before,
-the demo prompt's outputs diverged from token 14 (e4m3, draft model) or 17 (e5m2, draft model, k = 4).
+the demo prompt's outputs diverged from token 14 (e4m3, draft model) or 17 (e5m2, draft model, k = 4),
+and every case here diverged within 96 tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from scv_jax import DecoderConfig, NgramDrafter, PagedKVCache, SpeculativeDecode
 from scv_jax.decoding import placement
 from scv_jax.models import load_demo
 
-PROMPT = list(b"import sys\n\n\ndef ")          # the CLI demo's default prompt
+# the CLI demo's default prompt, and one on which e5m2 with tensor and token-head scales diverged too
+PROMPTS = [list(b"import sys\n\n\ndef "), list(b"    for i in range(")]
 MAX_NEW = 96
 CONFIG = DecoderConfig(block_size=16, num_blocks=16, max_seq_len=128, prefill_chunk=32, batch_buckets=(1,),
                        context_buckets=(8,))
@@ -41,13 +43,13 @@ def scaled_cache_factory(scale_mode: str | None, created: list):
     return factory
 
 
-def generate(target, draft, dtype: str, scale_mode: str | None, k: int) -> list[int]:
+def generate(target, draft, dtype: str, scale_mode: str | None, k: int) -> list[list[int]]:
     created = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(placement, "single_device_cache", scaled_cache_factory(scale_mode, created))
         decoder = SpeculativeDecoder(target, draft, config=DecoderConfig(**{**vars(CONFIG), "k": k,
                                                                             "cache_dtype": dtype}))
-        tokens = decoder.generate([PROMPT], MAX_NEW).tokens[0]
+        tokens = decoder.generate(PROMPTS, MAX_NEW, max_num_seqs=1).tokens
     assert created and set(created) == {scale_mode}
     return tokens
 
@@ -62,7 +64,7 @@ def autoregressive(demo):
     """Autoregressive output per (dtype, scale mode), computed once."""
     outputs = {}
 
-    def get(dtype: str, scale_mode: str | None) -> list[int]:
+    def get(dtype: str, scale_mode: str | None) -> list[list[int]]:
         if (dtype, scale_mode) not in outputs:
             outputs[dtype, scale_mode] = generate(demo[0], None, dtype, scale_mode, 0)
         return outputs[dtype, scale_mode]
@@ -70,6 +72,7 @@ def autoregressive(demo):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter, k", [("model", 1), ("model", 4), ("ngram", 4)])
 @pytest.mark.parametrize("scale_mode", SCALE_MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -78,6 +81,6 @@ def test_greedy_speculative_equals_autoregressive_with_fp8_cache(demo, autoregre
     target, draft = demo
     expected = autoregressive(dtype, scale_mode)
     got = generate(target, draft if drafter == "model" else NgramDrafter(1, 3), dtype, scale_mode, k)
-    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
-    assert first is None, f"first divergence at token {first}"
-    assert len(got) == MAX_NEW
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(got, expected)]
+    assert first == [None] * len(PROMPTS), f"first divergence at tokens {first}"
+    assert [len(x) for x in got] == [MAX_NEW] * len(PROMPTS)
