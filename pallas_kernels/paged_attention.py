@@ -180,6 +180,13 @@ class Plan:
         return max(main, ROWS * d * 4)   # the float32 output staging buffer reuses the main loop's
 
 
+def precise_products(q_dtype, cache_dtype, extra_dtypes: tuple) -> bool:
+    """Whether a launch splits its operands into bf16 hi + lo parts: when q, the cache or the staged
+    or new K/V are float16 or float32 (otherwise every operand is bf16, or fp8 dequantised to bf16)."""
+    return any(np.dtype(d).itemsize > 2 or np.dtype(d) == np.dtype(jnp.float16)
+               for d in (q_dtype, cache_dtype, *extra_dtypes))
+
+
 def make_plan(*, layout: str, scale_mode: str | None, cache_dtype, num_layers: int, num_blocks: int,
               block_size: int, max_blocks: int, batch: int, kv_heads: int, group: int, head_dim: int,
               tokens: int, staged_capacity: int, q_dtype, extra_dtypes: tuple,
@@ -187,8 +194,7 @@ def make_plan(*, layout: str, scale_mode: str | None, cache_dtype, num_layers: i
     """The launch plan for these static facts (see the module docstring); ``num_splits`` overrides the
     split-K factor (clamped to the number of tiles)."""
     cache_dtype = np.dtype(cache_dtype)
-    precise = any(np.dtype(d).itemsize > 2 or np.dtype(d) == np.dtype(jnp.float16)
-                  for d in (q_dtype, cache_dtype, *extra_dtypes))
+    precise = precise_products(q_dtype, cache_dtype, extra_dtypes)
     q_terms = bf16_terms(q_dtype, precise)
     if cache_dtype == BF16:
         cache_terms = 0

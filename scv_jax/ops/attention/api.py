@@ -34,7 +34,13 @@ def _kernel_unsupported(**facts: Any) -> str:
 
 def _attention_kernel(q, cache: PagedKVCache, layer, block_tables, context_lens, staged_keys, staged_values,
                       staged_lens, new_keys, new_values, *, sliding_window: int | None, interpret: bool) -> jax.Array:
-    from pallas_kernels.paged_attention import paged_attention_kernel
+    from pallas_kernels.paged_attention import paged_attention_kernel, precise_products
+    extra = (staged_keys, staged_values, new_keys, new_values)
+    precise = precise_products(q.dtype, cache.dtype, tuple(x.dtype for x in extra if x is not None))
+    extra = reference.in_flight_kv(cache, *extra)
+    if not precise:   # bf16 operands: the kernel rounds the (float32) dequantised values to bf16 anyway
+        extra = tuple(None if x is None else x.astype(jnp.bfloat16) for x in extra)
+    staged_keys, staged_values, new_keys, new_values = extra
     k_scale, v_scale = cache.k_scale, cache.v_scale
     if cache.scale_mode == "tensor":
         k_scale, v_scale = k_scale.reshape(1), v_scale.reshape(1)

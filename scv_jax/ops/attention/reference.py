@@ -16,6 +16,7 @@ from jax import lax
 
 from pallas_kernels.fp8 import dequantize, is_fp8
 from scv_jax.ops.commit.kv_cache import PagedKVCache
+from scv_jax.ops.commit.reference import as_stored
 
 NEG = -1e30                 # finite floor of the running max: a fully masked chunk leaves (0, 0)
 CHUNK_BYTES = 256 << 20     # float32 K + V bytes of one chunk (bounds the loop's temporaries)
@@ -52,6 +53,18 @@ def _read_chunk(pages: jax.Array, scale: jax.Array | None, cache: PagedKVCache, 
     elif cache.scale_mode == "token_head":
         scale = scale[layer, blocks].reshape(batch, columns * block_size, heads, 1)
     return dequantize(values, scale)
+
+
+def in_flight_kv(cache: PagedKVCache, staged_keys: jax.Array | None, staged_values: jax.Array | None,
+                 new_keys: jax.Array, new_values: jax.Array) -> tuple:
+    """(staged_keys, staged_values, new_keys, new_values) as the cache will hold them once committed
+    (``as_stored`` with the cache's K and V scales; staged None stays None): every attention path reads
+    in-flight tokens this way, so a query sees a key the same before and after its commit."""
+    def stored(x, scale):
+        return None if x is None else as_stored(x, cache, scale)
+
+    return (stored(staged_keys, cache.k_scale), stored(staged_values, cache.v_scale),
+            stored(new_keys, cache.k_scale), stored(new_values, cache.v_scale))
 
 
 def _visible(query_positions: jax.Array, key_positions: jax.Array, key_valid: jax.Array,
@@ -96,8 +109,11 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
     ``sliding_window`` (see ``scv_jax.ops.attention.api.paged_attention``). Lengths are clamped into
     range, block ids into [0, num_blocks), ``layer`` into [0, layers). Chunks wholly outside every
     query's window are skipped. ``chunk_tokens`` (a multiple of block_size) overrides the positions
-    read per loop step. Returns [B, T, heads, D] in q's dtype.
+    read per loop step. Staged and new K/V are read as the cache will hold them (``as_stored``).
+    Returns [B, T, heads, D] in q's dtype.
     """
+    staged_keys, staged_values, new_keys, new_values = in_flight_kv(cache, staged_keys, staged_values,
+                                                                    new_keys, new_values)
     batch, tokens, heads, head_dim = q.shape
     kv_heads, block_size = cache.num_kv_heads, cache.block_size
     group = heads // kv_heads

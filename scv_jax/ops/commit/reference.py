@@ -8,6 +8,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pallas_kernels.fp8 import dequantize, dynamic_scale, finite_magnitudes, is_fp8, quantize
@@ -33,8 +34,8 @@ def _block_and_offset(slots: jax.Array, cache: PagedKVCache) -> tuple[jax.Array,
 
 
 def quantize_tokens(x: jax.Array, cache: PagedKVCache, scale: jax.Array | None):
-    """[layers, T, kv_heads, head_dim] input -> (cache-dtype values, float32 [layers, T, kv_heads]
-    dynamic scales or None). Non-finite inputs follow ``pallas_kernels.fp8``'s policy."""
+    """[..., kv_heads, head_dim] input -> (cache-dtype values, float32 [..., kv_heads] dynamic
+    scales or None). Non-finite inputs follow ``pallas_kernels.fp8``'s policy."""
     x = x.astype(jnp.float32)
     if cache.scale_mode == "token_head":
         token_scale = dynamic_scale(jnp.max(finite_magnitudes(x), axis=-1), cache.dtype)
@@ -42,6 +43,27 @@ def quantize_tokens(x: jax.Array, cache: PagedKVCache, scale: jax.Array | None):
     if cache.scale_mode == "head":
         scale = scale[:, None]
     return quantize(x, cache.dtype, scale), None
+
+
+def as_stored(x: jax.Array, cache: PagedKVCache, scale: jax.Array | None) -> jax.Array:
+    """K or V ``[..., kv_heads, head_dim]`` as a commit stores them and a read gives them back: quantised
+    as ``quantize_tokens`` does (``scale``: the cache's k_scale or v_scale; "token_head" takes each
+    vector's own dynamic scale, the one its commit computes), then dequantised as ``gather_reference``
+    does. Attention reads in-flight K/V through this, so that a token's K/V look the same before and
+    after their commit.
+
+    Returns float32 for a scaled cache, else values exact in x's dtype promoted with the cache's
+    (x's own dtype for fp8); ``x`` itself, untouched and untraced, when the cache holds x exactly (a
+    float32 cache, or a cache of x's dtype).
+    """
+    if not is_fp8(cache.dtype) and cache.dtype in (np.dtype(jnp.float32), np.dtype(x.dtype)):
+        return x
+    q, token_scale = quantize_tokens(x, cache, scale)
+    if cache.scale_mode is None:
+        return q.astype(x.dtype if is_fp8(cache.dtype) else jnp.promote_types(x.dtype, cache.dtype))
+    if cache.scale_mode == "token_head":
+        scale = token_scale
+    return dequantize(q, scale if cache.scale_mode == "tensor" else scale[..., None])
 
 
 def scatter_tokens(pages: jax.Array, values: jax.Array, slots: jax.Array, cache: PagedKVCache) -> jax.Array:

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import scv_jax
 from scv_jax.ops import registry
-from scv_jax.ops.attention.reference import paged_attention_reference
+from scv_jax.ops.attention.reference import in_flight_kv, paged_attention_reference
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.registry import cuda_available
 
@@ -87,9 +87,25 @@ def make_inputs(case: Case) -> dict:
     return inputs
 
 
+def stored(cache: PagedKVCache, x, which: str) -> np.ndarray:
+    """float64 K (``which`` "k") or V ("v") ``[..., kv_heads, head_dim]`` as the cache holds them: committed
+    with ``commit_draft_kv`` into a scratch cache of ``cache``'s dtype, layout and scales, read back
+    with ``gather_kv``."""
+    x = jnp.asarray(x)
+    tokens = x.reshape(1, -1, *x.shape[-2:])
+    num_blocks = max(-(-tokens.shape[1] // cache.block_size), 1)
+    scales = {} if cache.scale_mode in (None, "token_head") else dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
+    scratch = PagedKVCache.create(1, num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim,
+                                  dtype=cache.dtype, layout=cache.layout, scale_mode=cache.scale_mode, **scales)
+    slots = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    keys, values = scv_jax.gather_kv(scv_jax.commit_draft_kv(scratch, tokens, tokens, slots, backend="xla"), slots)
+    return np.asarray(keys if which == "k" else values, np.float64).reshape(x.shape)
+
+
 def oracle(inputs: dict) -> np.ndarray:
     """float64 dense attention over ``gather_kv`` reads of each request's context, the staged entries
-    and the causal new tokens, within the sliding window; lengths clamped like the op documents."""
+    and the causal new tokens (those two as the cache will hold them, ``stored``), within the sliding
+    window; lengths clamped like the op documents."""
     cache, layer = inputs["cache"], int(inputs["layer"])
     q = np.asarray(inputs["q"], np.float64)
     b, t, heads, d = q.shape
@@ -101,8 +117,8 @@ def oracle(inputs: dict) -> np.ndarray:
     slots = jnp.asarray((blocks * cache.block_size + positions % cache.block_size).reshape(-1), jnp.int32)
     table_keys, table_values = (np.asarray(x[layer], np.float64).reshape(b, capacity, cache.num_kv_heads, d)
                                 for x in scv_jax.gather_kv(cache, slots))
-    host = {k: np.asarray(inputs[k], np.float64) for k in ("staged_keys", "staged_values", "new_keys", "new_values")
-            if k in inputs}
+    host = {k: stored(cache, inputs[k], "k" if k.endswith("keys") else "v")
+            for k in ("staged_keys", "staged_values", "new_keys", "new_values") if k in inputs}
     out = np.zeros(q.shape)
     for r in range(b):
         context = int(np.clip(inputs["context_lens"][r], 0, capacity))
@@ -227,16 +243,19 @@ def test_kernel_cases(backend, case):
 
 @with_kernel
 def test_kernel_split_k_matches_oracle(backend):
-    """Split-K partials (including empty splits of short requests) combine to the one-split result."""
+    """Split-K partials (including empty splits of short requests) combine to the one-split result (the
+    kernel itself takes in-flight K/V as they are: the op rounds them first, ``in_flight_kv``)."""
     from pallas_kernels.paged_attention import paged_attention_kernel
     for window in (None, 100):
         case = Case("NHD", "float8_e4m3fn", "token_head", 16, 1, 4, 64, batch=2, tokens=2, staged=2, max_blocks=12,
                     q_dtype="float32", window=window)
         inputs = make_inputs(case)
         cache, layer = inputs["cache"], inputs["layer"]
+        staged_keys, staged_values, new_keys, new_values = in_flight_kv(
+            cache, inputs["staged_keys"][layer], inputs["staged_values"][layer], inputs["new_keys"], inputs["new_values"])
         args = (inputs["q"], cache.k_pages, cache.v_pages, cache.k_scale, cache.v_scale, jnp.int32(layer),
-                inputs["block_tables"], inputs["context_lens"], inputs["staged_keys"][layer],
-                inputs["staged_values"][layer], inputs["staged_lens"], inputs["new_keys"], inputs["new_values"])
+                inputs["block_tables"], inputs["context_lens"], staged_keys, staged_values, inputs["staged_lens"],
+                new_keys, new_values)
         split = paged_attention_kernel(*args, layout=case.layout, scale_mode=case.scale_mode, sliding_window=window,
                                        num_splits=3, interpret=backend == "interpret")
         np.testing.assert_allclose(np.asarray(split), oracle(inputs), atol=1e-4)
@@ -282,11 +301,12 @@ def test_bad_data_is_clamped_and_finite(backend):
 
 @pytest.mark.parametrize("backend", ["xla", KERNEL])
 def test_padded_request_attends_to_itself(backend):
-    """Context 0, no staged entries, one token: the output is the token's own value, for every head."""
+    """Context 0, no staged entries, one token: the output is the token's own value as the (bf16) cache
+    will hold it, for every head."""
     case = Case(batch=1, tokens=1, staged=None, q_dtype="float32")
     inputs = make_inputs(case)
     got = scv_jax.paged_attention(**inputs, backend=backend)
-    want = jnp.repeat(inputs["new_values"], case.group, axis=2)
+    want = np.repeat(stored(inputs["cache"], inputs["new_values"], "v"), case.group, axis=2)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
