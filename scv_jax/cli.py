@@ -10,7 +10,7 @@ import math
 import os
 import shlex
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 from scv_jax.demo import WORKLOADS
 
@@ -46,6 +46,16 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2 ** 32:
+        raise argparse.ArgumentTypeError(f"must be an int in [0, 2**32), got {text!r}")
+    return value
+
+
 def _add_ngram_sizes(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-min", type=_int_at_least(1), default=1, help="shortest n-gram matched (--ngram)")
     parser.add_argument("--ngram-max", type=_int_at_least(1), default=3, help="longest n-gram matched (--ngram)")
@@ -74,9 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (bytes)")
     demo.add_argument("--max-new-tokens", type=_int_at_least(1), default=192, help="tokens to generate")
     demo.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the sampling draws")
+    demo.add_argument("--seed", type=_seed, default=0, help="seed of the sampling draws, in [0, 2**32)")
     mode = demo.add_mutually_exclusive_group()
-    mode.add_argument("--k", type=_int_at_least(0), default=6, help="fixed drafts per step (0 = no speculation)")
+    mode.add_argument("--k", type=_int_at_least(0), default=6,
+                      help="fixed drafts per step (0 = no speculation; at most max-new-tokens - 1)")
     mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
     demo.add_argument("--ngram", action="store_true",
                       help="draft by prompt lookup (n-gram matches in the text so far) instead of the draft model")
@@ -92,13 +103,14 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", required=True, help="text to continue")
     generate.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens to generate")
     generate.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
-    generate.add_argument("--seed", type=int, default=0, help="seed of the sampling draws")
+    generate.add_argument("--seed", type=_seed, default=0, help="seed of the sampling draws, in [0, 2**32)")
     generate.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                           help="parameter, activation and KV-cache dtype")
     generate.add_argument("--compare", action="store_true",
                           help="also run the target alone and report the speedup")
     generate_mode = generate.add_mutually_exclusive_group()
-    generate_mode.add_argument("--k", type=_int_at_least(0), default=4, help="fixed drafts per step")
+    generate_mode.add_argument("--k", type=_int_at_least(0), default=4,
+                               help="fixed drafts per step (with --draft or --ngram; at most max-new-tokens - 1)")
     generate_mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
     _add_ngram_sizes(generate)
     _add_packed_verify(generate)
@@ -126,9 +138,29 @@ def _text(tokens: list[int]) -> str:
     return bytes(tokens).decode("utf-8", errors="replace")
 
 
+def _utf8(prompt: str) -> str:
+    """``--prompt`` checked to be text (a command line that is not UTF-8 arrives with lone surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"--prompt is not valid UTF-8 (at character {e.start}): pass text in the "
+                         "terminal's UTF-8 encoding") from None
+    return prompt
+
+
 def _ratio(value: float, fmt: str) -> str:
     """``value`` formatted, or "-" when it is undefined (nan: no drafts were proposed)."""
     return "-" if math.isnan(value) else format(value, fmt)
+
+
+def _clamp_k(args: argparse.Namespace) -> None:
+    """``--k`` above what a step can use (a step drafts at most max-new-tokens - 1 tokens) is lowered to
+    that, with a note on stderr: its drafts would be computed and never verified."""
+    most = args.max_new_tokens - 1
+    if not args.adaptive and args.k > most:
+        print(f"note: --k {args.k} lowered to {most} (a step drafts at most --max-new-tokens - 1 = {most} tokens)",
+              file=sys.stderr)
+        args.k = most
 
 
 def _decoder_config(args: argparse.Namespace, prompt_len: int, **fields):
@@ -142,22 +174,86 @@ def _decoder_config(args: argparse.Namespace, prompt_len: int, **fields):
                                num_blocks=max(config.num_blocks, -(-needed // config.block_size)))
 
 
-def _timed_generations(decoders: list, prompt: list[int], args: argparse.Namespace, eos_token_id: int | None):
-    """Each decoder's output for ``prompt``, timed after an untimed call that compiles what it uses."""
+def _memory_bytes() -> tuple[int, str]:
+    """(bytes, where): the default device's memory limit, or the host's physical memory (CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"free on {jax.devices()[0].device_kind}"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of host memory"
+
+
+def _check_memory(config, models: Sequence) -> None:
+    """Raises ValueError (naming --max-new-tokens) before the caches are allocated when they would not
+    fit the memory: K and V, every layer of each model, ``config.num_blocks`` blocks."""
+    from scv_jax.ops.commit.kv_cache import parse_cache_dtype
+
+    per_position = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim for m in models)
+    needed = config.num_blocks * config.block_size * per_position * parse_cache_dtype(config.cache_dtype).itemsize
+    available, where = _memory_bytes()
+    if needed > available:
+        raise ValueError(f"--max-new-tokens: the KV caches for {config.max_seq_len} positions need "
+                         f"{needed / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB {where}; "
+                         f"lower --max-new-tokens or shorten --prompt")
+
+
+class _TextStream:
+    """Prints the text of one request's tokens as ``generate`` emits them (its ``on_tokens``), on stdout.
+
+    ``decode``: token ids -> text. The text is decoded whole and its new end printed, held back while
+    it ends in U+FFFD (a character whose bytes are still arriving); after a newline decoding restarts
+    from the next token, so a long output costs no more than its lines."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode, self._ids, self._printed = decode, [], ""
+
+    def __call__(self, index: int, tokens: list[int]) -> None:
+        self._ids += tokens
+        text = self._decode(self._ids)
+        if not text.endswith("\ufffd"):
+            self._emit(text)
+
+    def _emit(self, text: str) -> None:
+        print(text[len(self._printed):], end="", flush=True)
+        self._printed = text
+        if text.endswith("\n"):
+            self._ids, self._printed = [], ""
+
+    def close(self) -> None:
+        """Prints what is held back, then ends the line."""
+        self._emit(self._decode(self._ids))
+        print(flush=True)
+
+
+def _run_decoders(decoders: list, prompt: list[int], args: argparse.Namespace, eos_token_id: list[int] | None,
+                  prompt_text: str, decode: Callable[[list[int]], str]):
+    """Each decoder's output for ``prompt``, after a warm-up that compiles what it uses (progress on
+    stderr); the first decoder's text streams to stdout (after ``prompt_text``) as it is generated."""
     print("compiling (one time) ...", file=sys.stderr, flush=True)
     for decoder in decoders:
-        decoder.generate([prompt], args.max_new_tokens, temperature=args.temperature, seed=args.seed + 1,
-                         eos_token_id=eos_token_id, progress=True)
-    return [decoder.generate([prompt], args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                             eos_token_id=eos_token_id) for decoder in decoders]
+        decoder.warmup(1, len(prompt) + args.max_new_tokens, greedy=args.temperature == 0, progress=True)
+    print(prompt_text, end="", flush=True)
+    stream = _TextStream(decode)
+    outputs = []
+    for decoder in decoders:
+        outputs.append(decoder.generate([prompt], args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                                        eos_token_id=eos_token_id, progress=True,
+                                        on_tokens=None if outputs else stream))
+        if len(outputs) == 1:
+            stream.close()
+            print()
+    return outputs
 
 
-def _print_stats(args: argparse.Namespace, spec, base=None) -> None:
-    """The stats table of a speculative run, against an autoregressive one when given."""
+def _print_stats(args: argparse.Namespace, spec, base=None, *, drafting: bool = True) -> None:
+    """The stats table of a speculative run (``drafting``: a drafter was given), against an autoregressive
+    one when given."""
     s = spec.stats
     mode = ("adaptive k" if args.adaptive else f"k={args.k}") + (", n-gram" if args.ngram else "")
+    label = f"speculative ({mode})" if drafting else "target only (no drafter)"
     per_position = " ".join(_ratio(a, ".2f") for a in s.acceptance_per_position) or "-"
-    rows = [(f"speculative ({mode})", f"{s.tokens_per_second:8.1f} tokens/s", f"{s.wall_seconds:.2f} s")]
+    rows = [(label, f"{s.tokens_per_second:8.1f} tokens/s", f"{s.wall_seconds:.2f} s")]
     if base is not None:
         b = base.stats
         same = ("yes" if spec.tokens == base.tokens else "NO") if args.temperature == 0 else \
@@ -176,16 +272,17 @@ def run_demo(args: argparse.Namespace) -> int:
     from scv_jax.decoding.decoder import SpeculativeDecoder
     from scv_jax.models import load_demo
 
-    prompt = list(args.prompt.encode("utf-8"))
+    prompt = list(_utf8(args.prompt).encode("utf-8"))
     if not prompt:
         raise ValueError("--prompt must not be empty")
     ngram = _ngram_drafter(args)     # checks the n-gram sizes before the weights load
+    _clamp_k(args)
     target, draft = load_demo()
     config = _decoder_config(args, len(prompt))
-    spec, base = _timed_generations([SpeculativeDecoder(target, ngram if args.ngram else draft, config=config),
-                                     SpeculativeDecoder(target, None, config=config)], prompt, args, None)
-    print(_text(prompt + spec.tokens[0]))
-    print()
+    _check_memory(config, [target, target] if args.ngram else [target, draft, target])   # two decoders' caches
+    spec, base = _run_decoders([SpeculativeDecoder(target, ngram if args.ngram else draft, config=config),
+                                SpeculativeDecoder(target, None, config=config)], prompt, args, None,
+                               _text(prompt), _text)
     _print_stats(args, spec, base)
     return 0 if args.temperature or spec.tokens == base.tokens else 1
 
@@ -196,24 +293,30 @@ def run_generate(args: argparse.Namespace) -> int:
     from scv_jax.models.hf import eos_token_ids
 
     ngram = _ngram_drafter(args)
+    _clamp_k(args)
     tokenizer = load_tokenizer(args.model)
-    prompt = tokenizer.encode(args.prompt)
+    prompt = tokenizer.encode(_utf8(args.prompt))
     if not prompt:
         raise ValueError("--prompt encodes to no tokens")
     target = load_hf(args.model, dtype=args.dtype)
     draft = load_hf(args.draft, dtype=args.dtype) if args.draft else (ngram if args.ngram else None)
+    models = [target, draft] if args.draft else [target]
     if args.draft and draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"--draft {args.draft} has vocab_size {draft.config.vocab_size}, the target "
                          f"{args.model} has {target.config.vocab_size}: they must share the vocabulary")
+    for path, model in zip((args.model, args.draft), models):
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and len(prompt) + args.max_new_tokens > limit:
+            raise ValueError(f"--prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceed "
+                             f"the model's max_position_embeddings {limit} ({path}/config.json)")
     eos = eos_token_ids(args.model)
     config = _decoder_config(args, len(prompt), cache_dtype=args.dtype)
+    _check_memory(config, models + [target] * args.compare)
     decoders = [SpeculativeDecoder(target, draft, config=config)]
     if args.compare:
         decoders.append(SpeculativeDecoder(target, None, config=config))
-    spec, *base = _timed_generations(decoders, prompt, args, eos[0] if eos else None)
-    print(args.prompt + tokenizer.decode(spec.tokens[0]))
-    print()
-    _print_stats(args, spec, *base)
+    spec, *base = _run_decoders(decoders, prompt, args, eos or None, args.prompt, tokenizer.decode)
+    _print_stats(args, spec, *base, drafting=draft is not None)
     return 0
 
 
@@ -251,9 +354,12 @@ def main(argv: list[str] | None = None, *, command_line: str | None = None) -> i
     args.command_line = command_line or shlex.join(["scv-jax", *argv])
     try:
         return {"demo": run_demo, "generate": run_generate, "bench": run_bench}[args.command](args)
-    except (ValueError, FileNotFoundError) as error:     # a user's mistake: one line, no traceback
+    except (ValueError, OSError) as error:     # a user's mistake (or a file it names): one line, no traceback
         print(f"scv-jax {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:                  # Ctrl-C: one line, the shell's status for SIGINT
+        print(f"\nscv-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""The ``scv-jax`` command (demo and bench), on tiny byte-level models for speed."""
+"""The ``scv-jax`` command (demo, generate and bench), on tiny models for speed."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from scv_jax import cli
-from scv_jax.models import TransformerConfig
+from scv_jax.models import TransformerConfig, load_tokenizer
 from tests.models.fixtures import tiny_model
 
 BYTE_TARGET = TransformerConfig(vocab_size=256, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
@@ -127,3 +130,91 @@ def test_generate_mistakes_are_one_line_errors(capsys, monkeypatch, tmp_path):
     assert cli.main(["generate", "--model", FIXTURE, "--draft", "other", "--prompt", "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--draft other has vocab_size 300" in err and "must share the vocabulary" in err
+
+
+def _recording_generate(monkeypatch, capsys):
+    """Records every ``SpeculativeDecoder.generate`` call's tokens and what stdout held when it returned."""
+    from scv_jax.decoding.decoder import SpeculativeDecoder
+
+    calls, generate = [], SpeculativeDecoder.generate
+
+    def recorded(self, *args, **kwargs):
+        out = generate(self, *args, **kwargs)
+        calls.append((out.tokens[0], capsys.readouterr().out))
+        return out
+    monkeypatch.setattr(SpeculativeDecoder, "generate", recorded)
+    return calls
+
+
+def test_generate_streams_once_and_stops_at_every_eos(tmp_path, monkeypatch, capsys):
+    """One generation per decoder (a warm-up compiles, none runs twice), its text on stdout as it is made,
+    every EOS id of generation_config.json honoured, a target-only run labelled as such."""
+    model = tmp_path / "model"
+    shutil.copytree(FIXTURE, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": []}))
+    calls = _recording_generate(monkeypatch, capsys)
+    argv = ["generate", "--model", str(model), "--prompt", "hello", "--max-new-tokens", "12", "--dtype", "float32"]
+    assert cli.main(argv) == 0
+    (tokens, streamed), = calls
+    text = load_tokenizer(model).decode(tokens)
+    assert len(tokens) == 12 and text and streamed == "hello" + text     # printed before generate returned
+    table = capsys.readouterr().out
+    assert "target only (no drafter)" in table and "speculative" not in table and "12 steps" in table
+    stop = next(i for i in range(2, 12) if tokens.index(tokens[i]) == i)
+    never = next(i for i in range(96) if i not in tokens)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [never, tokens[stop]]}))
+    calls.clear()
+    assert cli.main(argv) == 0
+    assert [tokens for tokens, _ in calls] == [tokens[:stop + 1]]
+
+
+def test_k_above_the_budget_is_lowered(tiny_demo, capsys):
+    assert cli.main(["demo", "--max-new-tokens", "5", "--k", "1000"]) == 0
+    captured = capsys.readouterr()
+    assert "--k 1000 lowered to 4" in captured.err and "speculative (k=4)" in captured.out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", FIXTURE, "--prompt", "caf\udce9"], "--prompt is not valid UTF-8 (at character 3)"),
+    (["demo", "--prompt", "\udcff"], "--prompt is not valid UTF-8"),
+    (["generate", "--model", FIXTURE, "--prompt", "x " * 500, "--max-new-tokens", "100"],
+     "exceed the model's max_position_embeddings 512"),
+    (["demo", "--max-new-tokens", "1000000000"], "--max-new-tokens: the KV caches for 1000000017 positions need"),
+    (["demo", "--seed", str(2 ** 32)], "argument --seed: must be an int in [0, 2**32)"),
+])
+def test_run_mistakes_are_one_line_errors(tiny_demo, argv, message, capsys):
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit:     # argparse's own errors
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("broken", ["config", "weights"])
+def test_broken_checkpoints_are_one_line_errors(tmp_path, capsys, broken):
+    model = tmp_path / "model"
+    shutil.copytree(FIXTURE, model)
+    if broken == "config":
+        (model / "config.json").write_text("[]")
+    else:
+        (model / "model.safetensors").write_bytes(b"\0" * 5)
+    assert cli.main(["generate", "--model", str(model), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    name = "config.json: must hold a JSON object" if broken == "config" else "model.safetensors is not a readable"
+    assert err.count("\n") == 1 and name in err, err
+
+
+def test_interrupt_is_one_line_with_status_130():
+    """Ctrl-C (SIGINT) while the command works: one line on stderr, exit status 130, no traceback."""
+    process = subprocess.Popen([sys.executable, "-m", "scv_jax", "generate", "--model", FIXTURE, "--prompt", "hello",
+                                "--max-new-tokens", "500", "--dtype", "float32"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr.readline().startswith("compiling")       # the model is loaded: it works now
+        process.send_signal(signal.SIGINT)
+        err = process.stderr.read()
+        assert process.wait(timeout=120) == 130
+    finally:
+        process.kill()
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "scv-jax generate: interrupted", err

@@ -77,8 +77,9 @@ class DecoderConfig:
                 fail(name, "a non-empty tuple of ints >= 1" + (" or None" if name == "context_buckets" else ""))
         if self.controller is not None and not isinstance(self.controller, ControllerConfig):
             fail("controller", "a ControllerConfig or None")
-        if not isinstance(self.packed_verify, bool):
-            fail("packed_verify", "a bool")
+        for name in ("adaptive", "packed_verify"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a bool")
         if self.backend not in BACKENDS:
             fail("backend", f"one of {BACKENDS}")
         try:

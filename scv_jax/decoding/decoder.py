@@ -23,7 +23,7 @@ import logging
 import math
 import sys
 import time
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -38,7 +38,7 @@ from scv_jax.decoding.executables import step_executables
 from scv_jax.decoding.ngram import NgramDrafter, NgramIndex, UnverifiedProposals, draft_grid, propose_batch
 from scv_jax.decoding.placement import BatchRows, OnMesh, ShardingConfig, SingleDevice
 from scv_jax.decoding.positions import catch_up_rows
-from scv_jax.decoding.requests import RequestBatch, check_prompts
+from scv_jax.decoding.requests import RequestBatch, check_eos, check_prompts, check_seed
 from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
 from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
 from scv_jax.graph.compile_counter import CompileCounter
@@ -74,6 +74,13 @@ def _vocab_size(model: Any, name: str) -> int:
     return config.vocab_size
 
 
+def _max_positions(*models: Any) -> int | None:
+    """The fewest ``config.max_position_embeddings`` (positions a model was trained for) of ``models``
+    that declare one; None when none does."""
+    limits = [getattr(getattr(m, "config", None), "max_position_embeddings", None) for m in models]
+    return min((n for n in limits if n is not None), default=None)
+
+
 @dataclasses.dataclass
 class _Call:
     """What one ``generate`` call's steps share."""
@@ -82,7 +89,8 @@ class _Call:
     base_key: jax.Array                   # uint32[2] on the device
     temperature: jax.Array                # float32 scalar on the device
     greedy: bool
-    eos_token_id: int | None
+    eos_token_id: tuple[int, ...]        # () for none
+    on_tokens: Callable[[int, list[int]], None] | None
     request_ids: np.ndarray               # int64[R] the controller's ids of the requests (unique per decoder)
     ngram: list[NgramIndex | None] | None  # each request's n-gram index, built when it starts running
     controller: AdaptiveController | None
@@ -114,6 +122,7 @@ class SpeculativeDecoder:
                  sharding: ShardingConfig | None = None):
         self.config = config or DecoderConfig()
         self.vocab_size = _vocab_size(target, "target")
+        self.max_position_embeddings = _max_positions(target, draft)
         if isinstance(draft, str):
             if draft != "ngram":
                 raise ValueError(f'SpeculativeDecoder: draft must be a model, an NgramDrafter or "ngram", '
@@ -179,6 +188,11 @@ class SpeculativeDecoder:
         budget, so a request writes at most prompt + max_new_tokens - 1 cache positions."""
         cfg = self.config
         longest = max(len(p) for p in prompts) + max_new_tokens - 1
+        limit = self.max_position_embeddings
+        if limit is not None and longest + 1 > limit:
+            row = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+            raise ValueError(f"generate: prompt {row} ({len(prompts[row])} tokens) + max_new_tokens {max_new_tokens} "
+                             f"= {longest + 1} positions exceed the model's max_position_embeddings {limit}")
         if longest > cfg.max_seq_len:
             raise ValueError(f"generate: a request needs up to {longest} cache positions (prompt "
                              f"{max(len(p) for p in prompts)} + max_new_tokens {max_new_tokens} - 1) but "
@@ -188,25 +202,31 @@ class SpeculativeDecoder:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-                 seed: int = 0, eos_token_id: int | None = None, *, max_num_seqs: int | None = None,
-                 progress: bool = False) -> GenerateOutput:
+                 seed: int = 0, eos_token_id: int | Sequence[int] | None = None, *,
+                 max_num_seqs: int | None = None, progress: bool = False,
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerateOutput:
         """Generates up to ``max_new_tokens`` tokens for each prompt (a batch of any lengths).
 
-        A request stops at ``max_new_tokens`` or after emitting ``eos_token_id``; its KV blocks go back
-        to the pool. ``temperature`` 0 is greedy; otherwise sampling with ``seed`` (same seed, same
-        output). ``max_num_seqs``: at most that many requests decode at once (continuous batching: the
-        others wait, in order, and each is prefilled and joins the running batch as soon as a running
-        request finishes; None: all at once). Either way at most the largest batch bucket run at once
-        (``DecoderConfig.batch_buckets``; on a mesh, its share per data shard): a step never outgrows
-        the compiled executables. ``progress``: report the prefill of long prompts on stderr.
+        A request stops at ``max_new_tokens`` or after emitting an ``eos_token_id`` (one id or a
+        sequence of ids, e.g. Llama-3-Instruct's three); its KV blocks go back to the pool. A prompt
+        plus ``max_new_tokens`` may not exceed the models' ``config.max_position_embeddings`` (where
+        they declare one). ``temperature`` 0 is greedy; otherwise sampling with ``seed``, an int in
+        [0, 2**32) (same seed, same output). ``max_num_seqs``: at most that many requests decode at
+        once (continuous batching: the others wait, in order, and each is prefilled and joins the
+        running batch as soon as a running request finishes; None: all at once). Either way at most
+        the largest batch bucket run at once (``DecoderConfig.batch_buckets``; on a mesh, its share
+        per data shard): a step never outgrows the compiled executables. ``progress``: report the
+        prefill of long prompts on stderr. ``on_tokens(prompt_index, new_tokens)``: called after
+        each step for each request that emitted tokens (streaming; the tokens of
+        ``GenerateOutput.tokens``, in order; an exception it raises stops the call).
         """
         require_int("generate", "max_new_tokens", max_new_tokens, minimum=1)
         if not (isinstance(temperature, (int, float, np.floating)) and math.isfinite(temperature)
                 and temperature >= 0):
             raise ValueError(f"generate: temperature must be a finite float >= 0, got {temperature!r}")
-        if eos_token_id is not None and not 0 <= eos_token_id < self.vocab_size:
-            raise ValueError(f"generate: eos_token_id must be in [0, vocab_size={self.vocab_size}) or None, "
-                             f"got {eos_token_id!r}")
+        eos_token_id, seed = check_eos(eos_token_id, self.vocab_size), check_seed(seed)
+        if on_tokens is not None and not callable(on_tokens):
+            raise ValueError(f"generate: on_tokens must be None or a callable(prompt_index, tokens), got {on_tokens!r}")
         if max_num_seqs is not None:
             require_int("generate", "max_num_seqs", max_num_seqs, minimum=1)
         prompt_ids = check_prompts(prompts, self.vocab_size)
@@ -224,7 +244,7 @@ class SpeculativeDecoder:
             try:
                 base_key = _base_key(seed)   # before the prefill: no wait on it
                 call = _Call(state, base_key, jax.device_put(np.float32(max(temperature, 1e-6))), temperature == 0.0,
-                             eos_token_id,
+                             eos_token_id, on_tokens,
                              first_id + np.arange(len(prompt_ids)),
                              [None] * len(prompt_ids) if self.drafter else None,
                              self.controllers.get("greedy" if temperature == 0 else "sampling"), stats,
@@ -405,9 +425,13 @@ class SpeculativeDecoder:
         step_seconds = fetched - step_start
         appended = state.advance(rows, host.output_token_ids, host.num_emitted, host.num_accepted, step_k,
                                  call.eos_token_id)
-        if call.ngram:
+        if call.ngram or call.on_tokens:
             for row, count in zip(rows.tolist(), appended.tolist()):
-                call.ngram[row].extend(state.tokens[row, state.length[row] - count:state.length[row]].tolist())
+                new = state.tokens[row, state.length[row] - count:state.length[row]].tolist()
+                if call.ngram:
+                    call.ngram[row].extend(new)
+                if call.on_tokens and new:
+                    call.on_tokens(row, new)
         if controller:   # a compile or an executable's first run is no step cost: leave that step untimed
             # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
             # a short one) as a rejection at that position: E(k) is then what a step of k really emits
@@ -575,7 +599,8 @@ class SpeculativeDecoder:
 
 
 def generate_autoregressive(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                            temperature: float = 0.0, seed: int = 0, eos_token_id: int | None = None,
+                            temperature: float = 0.0, seed: int = 0,
+                            eos_token_id: int | Sequence[int] | None = None,
                             *, config: DecoderConfig | None = None) -> GenerateOutput:
     """Plain decoding of ``model`` through the same paged-cache code (the baseline).
 

@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from scv_jax.arguments import is_int
 from scv_jax.decoding.block_pool import BlockPool
 from scv_jax.decoding.positions import lag_after_step
 
@@ -42,6 +43,30 @@ def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
                              f"[0, vocab_size={vocab_size})")
         checked.append(ids.astype(np.int64).tolist())
     return checked
+
+
+def check_eos(eos_token_id: Any, vocab_size: int) -> tuple[int, ...]:
+    """``eos_token_id`` (None, an int or a sequence of ints, each in [0, vocab_size)) as a tuple of ints
+    (() for None); raises a one-line ValueError naming ``eos_token_id`` otherwise."""
+    if eos_token_id is None:
+        return ()
+    many = isinstance(eos_token_id, (list, tuple, range)) or (isinstance(eos_token_id, np.ndarray)
+                                                             and eos_token_id.ndim == 1)
+    ids = list(eos_token_id) if many else [eos_token_id]
+    if not all(is_int(i, 0) and i < vocab_size for i in ids):
+        raise ValueError(f"generate: eos_token_id must be None, an int or a sequence of ints in "
+                         f"[0, vocab_size={vocab_size}), got {eos_token_id!r}")
+    return tuple(int(i) for i in ids)
+
+
+SEED_RANGE = 2 ** 32
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` as a Python int in [0, 2**32); raises a one-line ValueError naming ``seed`` otherwise."""
+    if not (is_int(seed, 0) and seed < SEED_RANGE):
+        raise ValueError(f"generate: seed must be an int in [0, 2**32), got {seed!r}")
+    return int(seed)
 
 
 class RequestBatch:
@@ -125,14 +150,16 @@ class RequestBatch:
                 self.num_blocks[row] = self._addressable[row] = 0
 
     def advance(self, rows: np.ndarray, emitted: np.ndarray, num_emitted: np.ndarray, num_accepted: np.ndarray,
-                k: int, eos_token_id: int | None) -> np.ndarray:
+                k: int, eos_token_id: int | Sequence[int] | None) -> np.ndarray:
         """Appends each request's emitted tokens (int32[B, K + 1], ``num_emitted`` of them), trimmed to
-        its budget and after ``eos_token_id``; moves its draft lag by a step with static ``k``; finishes
-        and releases requests that are done. Returns int64[B] the tokens appended per row."""
+        its budget and after the first of ``eos_token_id`` (None, one id or a sequence of ids); moves its
+        draft lag by a step with static ``k``; finishes and releases requests that are done. Returns
+        int64[B] the tokens appended per row."""
         budget = self.budget[rows]
         count = np.minimum(num_emitted, budget)
-        if eos_token_id is not None:
-            hit = (emitted == eos_token_id) & (np.arange(emitted.shape[1]) < count[:, None])
+        eos = np.asarray(() if eos_token_id is None else eos_token_id, np.int64).reshape(-1)
+        if eos.size:
+            hit = np.isin(emitted, eos) & (np.arange(emitted.shape[1]) < count[:, None])
             stopped = hit.any(axis=1)
             count = np.where(stopped, np.argmax(hit, axis=1) + 1, count)
             budget = np.where(stopped, 0, budget - count)

@@ -119,17 +119,25 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
                                                 **(dict(adaptive=True) if mode == "adaptive" else dict(k=int(mode))))
     drafting = draft if drafter == "model" else "ngram"
     rows, start = [], time.perf_counter()
-    for workload, batch, temperature in cases:
+
+    def report(case: str, message: str) -> None:     # a progress line on stderr
+        if progress:
+            print(f"{case} {message}  ({time.perf_counter() - start:.0f}s)", file=sys.stderr, flush=True)
+
+    for number, (workload, batch, temperature) in enumerate(cases, 1):
+        case = f"[e2e {drafter} {workload}] batch {batch} T={temperature:g}"
         # fresh decoders per case: a case's executables (and the memory XLA:CPU maps for them) go with it
         decoders = {name: SpeculativeDecoder(target, None if name == "autoregressive" else drafting, config=config)
                     for name, config in configs.items()}
         prompts = (benchmark_prompts(batch) if workload == "stdlib"
                    else mixed_prompts(STREAM_REQUESTS if workload == "stream" else batch))
-        for decoder in decoders.values():
+        for i, (name, decoder) in enumerate(decoders.items(), 1):
+            report(case, f"case {number}/{len(cases)}: compiling and warming up {name} ({i}/{len(decoders)}) ...")
             _warm(decoder, prompts, batch, max_new_tokens, temperature)
         runs: dict[str, list[GenerateOutput]] = {name: [] for name in decoders}
         hosts: dict[str, list[tuple[float, float]]] = {name: [] for name in decoders}
         for seed in range(repeats):          # round r: every mode with seed r (sampled texts differ by seed)
+            report(case, f"timed round {seed + 1}/{repeats} ({len(decoders)} modes) ...")
             for name, decoder in decoders.items():
                 out = decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, max_num_seqs=batch)
                 runs[name].append(out)
@@ -146,12 +154,9 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
                                (min(speeds), max(speeds)), float(np.median(speeds)) / reference,
                                s.mean_accepted_length, s.acceptance_rate, same,
                                *(float(x) for x in np.median(hosts[name], axis=0)), tuple(speeds)))
-            if progress:
-                print(f"[e2e {drafter} {workload}] batch {batch} T={temperature:g} {name:14s} "
-                      f"{rows[-1].tokens_per_second:8.1f} tok/s  x{rows[-1].speedup:.2f}  host "
-                      f"{rows[-1].host_us_per_step:.0f} us/step, wall - device {rows[-1].wall_minus_device_us:.0f} "
-                      f"us/step, k histogram {s.k_histogram}  ({time.perf_counter() - start:.0f}s)",
-                      file=sys.stderr, flush=True)
+            report(case, f"{name:14s} {rows[-1].tokens_per_second:8.1f} tok/s  x{rows[-1].speedup:.2f}  host "
+                         f"{rows[-1].host_us_per_step:.0f} us/step, wall - device {rows[-1].wall_minus_device_us:.0f} "
+                         f"us/step, k histogram {s.k_histogram}")
     return rows
 
 

@@ -6,6 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from scv_jax.arguments import is_int
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -55,7 +57,8 @@ class TransformerConfig:
     it is. ``qkv_bias``: biases on the q/k/v projections (Qwen2). ``rope_scaling``: None or
     ``Llama3RopeScaling``. ``sliding_window``: None (full causal attention) or W, a query at position
     i sees keys at positions i - W < j <= i (Mistral). ``tie_embeddings``: the LM head is the
-    embedding matrix.
+    embedding matrix. ``max_position_embeddings``: None or the most positions (prompt + generated) the
+    model was trained for (Hugging Face's field of that name); ``generate`` refuses longer requests.
     """
 
     vocab_size: int = 256
@@ -72,12 +75,13 @@ class TransformerConfig:
     qkv_bias: bool = False
     rope_scaling: Llama3RopeScaling | None = None
     sliding_window: int | None = None
+    max_position_embeddings: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
                      "ffn_dim"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"TransformerConfig.{name} must be >= 1, got {getattr(self, name)}")
+            if not is_int(getattr(self, name), 1):
+                raise ValueError(f"TransformerConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"TransformerConfig: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -87,10 +91,9 @@ class TransformerConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise ValueError(f"TransformerConfig.rope_scaling must be None or a Llama3RopeScaling, got "
                              f"{self.rope_scaling!r}")
-        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
-                                                or int(self.sliding_window) < 1):
-            raise ValueError(f"TransformerConfig.sliding_window must be None or >= 1, got "
-                             f"{self.sliding_window!r}")
+        for name in ("sliding_window", "max_position_embeddings"):
+            if getattr(self, name) is not None and not is_int(getattr(self, name), 1):
+                raise ValueError(f"TransformerConfig.{name} must be None or an int >= 1, got {getattr(self, name)!r}")
 
     @property
     def jnp_dtype(self) -> jnp.dtype:

@@ -101,38 +101,63 @@ def _required(hf: dict, field: str) -> int:
     return value
 
 
+def _optional(hf: dict, field: str, default: int | None) -> int | None:
+    """``hf[field]``, an int >= 1, or ``default`` where it is absent or null."""
+    return default if hf.get(field) is None else _required(hf, field)
+
+
+def _number(hf: dict, field: str, default: float) -> float:
+    value = hf.get(field, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{field} must be a number, got {value!r}")
+    return float(value)
+
+
 def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
     """The ``TransformerConfig`` of a Hugging Face ``config.json`` (as a dict), in ``dtype``.
 
     Raises ValueError naming the field for an unsupported architecture or setting.
     """
+    if not isinstance(hf, dict):
+        raise ValueError(f"must hold a JSON object (the model's config), got {type(hf).__name__}")
     architectures = hf.get("architectures")
     if not isinstance(architectures, list) or len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
         raise ValueError(f"architectures {architectures!r} is not supported (supported: one of {ARCHITECTURES})")
     architecture = architectures[0]
     _reject_unsupported(hf, architecture)
     hidden, heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
-    head_dim = hf.get("head_dim") or hidden // heads
     # Mistral attends within a sliding window (MistralConfig's default is 4096); Qwen2 only with
     # use_sliding_window (rejected above); Llama never.
-    window = hf.get("sliding_window", 4096) if architecture == "MistralForCausalLM" else None
+    window = _optional({"sliding_window": 4096, **hf}, "sliding_window", None) \
+        if architecture == "MistralForCausalLM" else None
     return TransformerConfig(
         vocab_size=_required(hf, "vocab_size"), num_layers=_required(hf, "num_hidden_layers"), d_model=hidden,
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
-        ffn_dim=_required(hf, "intermediate_size"), rope_theta=float(hf.get("rope_theta", 10000.0)),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dtype=dtype, qkv_bias=architecture == "Qwen2ForCausalLM",
-        rope_scaling=_rope_scaling(hf.get("rope_scaling")), sliding_window=window)
+        num_heads=heads, num_kv_heads=_optional(hf, "num_key_value_heads", heads),
+        head_dim=_optional(hf, "head_dim", hidden // heads), ffn_dim=_required(hf, "intermediate_size"),
+        rope_theta=_number(hf, "rope_theta", 10000.0), norm_eps=_number(hf, "rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
+        qkv_bias=architecture == "Qwen2ForCausalLM", rope_scaling=_rope_scaling(hf.get("rope_scaling")),
+        sliding_window=window, max_position_embeddings=_optional(hf, "max_position_embeddings", None))
 
 
 # ---------------------------------------------------------------------------------------- tensors
+def _open(file: pathlib.Path):
+    """``safe_open`` of a weights file; a file it cannot read (empty, truncated, not safetensors) raises
+    a ValueError naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(file, framework="numpy")
+    except SafetensorError as e:
+        raise ValueError(f"load_hf: {file} is not a readable safetensors file ({e}): re-download it") from None
+
+
 def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     """{tensor name: safetensors file holding it}, from the index file or the single file's header."""
-    from safetensors import safe_open
-
     index = directory / INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        data = _read_json(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f"load_hf: {index} has no 'weight_map' object")
         files = {name: directory / file for name, file in weight_map.items()}
@@ -143,7 +168,7 @@ def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     single = directory / SINGLE_FILE
     if not single.exists():
         raise FileNotFoundError(f"load_hf: {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(single, framework="numpy") as f:
+    with _open(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -193,20 +218,19 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16") -> Transformer
       ValueError: an unsupported architecture or config field, a missing, unexpected or misshapen
         tensor (the message names it).
     """
-    from safetensors import safe_open
-
     dtype = canonical_dtype(dtype, "load_hf: dtype")
     directory = pathlib.Path(path)
     config_file = directory / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"load_hf: {config_file} not found")
+    hf = _read_json(config_file)
     try:
-        config = config_from_hf(json.loads(config_file.read_text()), dtype=dtype)
+        config = config_from_hf(hf, dtype=dtype)
     except ValueError as e:
         raise ValueError(f"load_hf: {config_file}: {e}") from None
     files = _weight_files(directory)
     with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(file, framework="numpy")) for file in set(files.values())}
+        handles = {file: stack.enter_context(_open(file)) for file in sorted(set(files.values()))}
         _check_tensors(directory, _expected_shapes(config), files, handles, config)
 
         def read(name: str, layer: int | None) -> tuple[np.ndarray, str]:
@@ -217,14 +241,27 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16") -> Transformer
         return assemble_transformer(config, read)
 
 
+def _read_json(file: pathlib.Path) -> Any:
+    """The JSON value in ``file``; ValueError naming the file when it is not UTF-8 JSON."""
+    try:
+        return json.loads(file.read_bytes())
+    except ValueError as e:      # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"load_hf: {file} is not valid JSON ({e})") from None
+
+
 def eos_token_ids(path: str | pathlib.Path) -> list[int]:
     """The end-of-sequence ids a model directory declares (``generation_config.json``, else
-    ``config.json``; ``eos_token_id`` may be one id or a list); [] when it declares none."""
+    ``config.json``; ``eos_token_id`` may be one id or a list, e.g. Llama-3-Instruct's three); []
+    when it declares none. Raises ValueError naming the file for ids that are not ints >= 0."""
     directory = pathlib.Path(path)
     for name in ("generation_config.json", "config.json"):
         file = directory / name
         if file.is_file():
-            eos = json.loads(file.read_text()).get("eos_token_id")
+            data = _read_json(file)
+            eos = data.get("eos_token_id") if isinstance(data, dict) else None
             if eos is not None:
-                return [int(i) for i in (eos if isinstance(eos, list) else [eos])]
+                ids = eos if isinstance(eos, list) else [eos]
+                if not all(is_int(i, 0) for i in ids):
+                    raise ValueError(f"{file}: eos_token_id must be an int or a list of ints >= 0, got {eos!r}")
+                return [int(i) for i in ids]
     return []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -147,7 +149,8 @@ def test_bad_models_and_temperature(target):
 
 
 @pytest.mark.parametrize("field, value", [("cache_dtype", "int8"), ("backend", "cuda"), ("k", -1),
-                                          ("batch_buckets", (0, 2)), ("k_values", ()), ("block_size", 0)])
+                                          ("batch_buckets", (0, 2)), ("k_values", ()), ("block_size", 0),
+                                          ("adaptive", "no"), ("adaptive", 1)])
 def test_config_rejects_bad_fields_at_construction(field, value):
     with pytest.raises(ValueError, match=f"DecoderConfig.{field}"):
         DecoderConfig(**{field: value})
@@ -196,3 +199,55 @@ def test_greedy_is_lossless_with_every_kernel_interpreted():
     out = SpeculativeDecoder(target, draft, config=DecoderConfig(k=2, backend="interpret", **geometry)).generate(
         prompts, 6)
     assert out.tokens == want.tokens and 0 < out.stats.acceptance_rate < 1
+
+
+def test_eos_may_be_several_ids_and_tokens_stream(target, partial_draft, autoregressive):
+    """A request stops at the first of several EOS ids (Llama-3-Instruct lists three), in generate and
+    generate_autoregressive; on_tokens sees each step's new tokens, which add up to the output."""
+    prompts = _prompts(11, 4)
+    free = autoregressive.generate(prompts, MAX_NEW).tokens
+    first, second = free[0][3], free[1][2]           # request 0 stops at index 3 (or before), request 1 at 2
+    cut = [t[:min([t.index(e) + 1 for e in (first, second) if e in t] or [len(t)])] for t in free]
+    assert len(cut[0]) <= 4 and len(cut[1]) <= 3
+    decoder = SpeculativeDecoder(target, partial_draft, config=DecoderConfig(**{**vars(SMALL), "k": 3}))
+    streamed = [[] for _ in prompts]
+    calls = []
+
+    def on_tokens(index, tokens):
+        calls.append(len(tokens))
+        streamed[index].extend(tokens)
+
+    out = decoder.generate(prompts, MAX_NEW, eos_token_id=[first, second], on_tokens=on_tokens)
+    assert out.tokens == cut and streamed == cut
+    assert 0 not in calls and len(calls) > len(prompts)          # per step and request, never empty
+    assert generate_autoregressive(target, prompts, MAX_NEW, eos_token_id=(first, second), config=SMALL).tokens == cut
+    assert autoregressive.generate(prompts, MAX_NEW, eos_token_id=np.array([first, second])).tokens == cut
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(eos_token_id=10.5), "eos_token_id must be None, an int or a sequence of ints in \\[0, vocab_size=16\\)"),
+    (dict(eos_token_id=[1, 16]), "eos_token_id must be"),
+    (dict(eos_token_id="2"), "eos_token_id must be"),
+    (dict(eos_token_id=True), "eos_token_id must be"),
+    (dict(seed=None), "seed must be an int in \\[0, 2\\*\\*32\\), got None"),
+    (dict(seed=1.5), "seed must be an int in"),
+    (dict(seed=2 ** 70), "seed must be an int in"),
+    (dict(seed=-1), "seed must be an int in"),
+    (dict(on_tokens="print"), "on_tokens must be None or a callable"),
+])
+def test_generate_argument_errors_name_the_argument(autoregressive, kwargs, match):
+    with pytest.raises(ValueError, match=match) as error:
+        autoregressive.generate([[1, 2]], 3, **kwargs)
+    assert "\n" not in str(error.value)
+
+
+def test_requests_beyond_the_models_context_are_refused(target):
+    """A model's config.max_position_embeddings (load_hf reads it) bounds prompt + max_new_tokens."""
+    short = tiny_model(dataclasses.replace(TINY, max_position_embeddings=12), seed=0)
+    decoder = SpeculativeDecoder(short, None, config=SMALL)
+    with pytest.raises(ValueError, match="prompt 1 \\(10 tokens\\) \\+ max_new_tokens 3 = 13 positions exceed the "
+                                         "model's max_position_embeddings 12"):
+        decoder.generate([[1], [2] * 10], 3)
+    with pytest.raises(ValueError, match="max_position_embeddings 12"):      # a draft's limit counts too
+        SpeculativeDecoder(target, short, config=SMALL).generate([[1] * 12], 1)
+    assert decoder.max_position_embeddings == 12 and decoder.pool.num_free == SMALL.num_blocks

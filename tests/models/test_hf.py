@@ -231,11 +231,59 @@ def _broken_copy(tmp_path: pathlib.Path, name: str, **config_changes) -> pathlib
                                          "config.json implies \\[32, 48\\]"),
     ("qwen2", dict(tie_word_embeddings=False), "tensor lm_head.weight is missing"),
     ("llama", dict(num_hidden_layers=1), "tensor model.layers.1.input_layernorm.weight in .* is not used"),
+    ("llama", dict(head_dim="8"), "head_dim must be an int >= 1, got '8'"),
+    ("llama", dict(num_key_value_heads=2.0), "num_key_value_heads must be an int >= 1, got 2.0"),
+    ("llama", dict(rope_theta="1e4"), "rope_theta must be a number, got '1e4'"),
+    ("llama", dict(max_position_embeddings=0), "max_position_embeddings must be an int >= 1, got 0"),
+    ("mistral", dict(sliding_window="12"), "sliding_window must be an int >= 1, got '12'"),
 ])
 def test_config_errors_name_the_field(tmp_path, name, changes, match):
     with pytest.raises(ValueError, match=match) as error:
         load_hf(_broken_copy(tmp_path, name, **changes), dtype="float32")
     assert "\n" not in str(error.value)
+
+
+def test_max_position_embeddings_is_read():
+    assert model("llama").config.max_position_embeddings == 512
+    assert SpeculativeDecoder(model("qwen2"), None, config=DECODE).max_position_embeddings == 512
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"[1, 2]", "config.json: must hold a JSON object \\(the model's config\\), got list"),
+    (b'{"architectures": ', "config.json is not valid JSON"),
+    (b"\xff\xfe", "config.json is not valid JSON"),
+])
+def test_config_file_that_is_not_a_config(tmp_path, content, match):
+    directory = _broken_copy(tmp_path, "qwen2")
+    (directory / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=match) as error:
+        load_hf(directory)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("cut", [0, 3, 100, "half"], ids=["empty", "tiny", "header", "truncated"])
+def test_unreadable_weights_file_is_named(tmp_path, cut):
+    directory = _broken_copy(tmp_path, "qwen2")
+    weights = directory / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2 if cut == "half" else cut])
+    with pytest.raises(ValueError, match="load_hf: .*model.safetensors is not a readable safetensors file") as error:
+        load_hf(directory)
+    assert "\n" not in str(error.value)
+    sharded = _broken_copy(tmp_path, "llama")
+    (sharded / "model-00002-of-00003.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="model-00002-of-00003.safetensors is not a readable safetensors file"):
+        load_hf(sharded)
+
+
+def test_eos_token_ids(tmp_path):
+    directory = _broken_copy(tmp_path, "qwen2")
+    assert scv_jax.models.hf.eos_token_ids(directory) == [2]          # config.json's, none in generation_config
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [64, 6]}))
+    assert scv_jax.models.hf.eos_token_ids(directory) == [64, 6]
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [64, 6.5]}))
+    with pytest.raises(ValueError, match="generation_config.json: eos_token_id must be an int or a list of ints"):
+        scv_jax.models.hf.eos_token_ids(directory)
 
 
 def test_tied_config_ignores_a_stored_head(tmp_path):

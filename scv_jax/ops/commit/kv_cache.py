@@ -153,8 +153,10 @@ class PagedKVCache:
                                                                                check_values=True)
 
     def replace(self, **fields: Any) -> "PagedKVCache":
-        """A new cache with ``fields`` replaced (checked against layout, dtype and scale mode)."""
-        return dataclasses.replace(self, **fields).validated("PagedKVCache.replace")
+        """A new cache with ``fields`` replaced (checked against layout, dtype and scale mode; new concrete
+        scales, as in ``create``, must be positive and finite)."""
+        return dataclasses.replace(self, **fields).validated(
+            "PagedKVCache.replace", check_values="k_scale" in fields or "v_scale" in fields)
 
     def validated(self, op: str, *, check_values: bool = False) -> "PagedKVCache":
         """Checks static facts (ranks, shapes, dtypes, scale shapes), and with ``check_values`` that

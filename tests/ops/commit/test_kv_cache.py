@@ -101,6 +101,9 @@ def test_replace_and_its_checks():
         cache.replace(v_scale=jnp.ones(H + 1))
     with pytest.raises(ValueError, match="unsupported KV cache dtype"):
         cache.replace(k_pages=pages.astype(jnp.int8), v_pages=pages.astype(jnp.int8))
+    for bad in (0.0, np.nan, -1.0, np.inf):            # as create: concrete scales must be positive and finite
+        with pytest.raises(ValueError, match="k_scale must hold positive finite scales"):
+            cache.replace(k_scale=jnp.full((H,), bad))
 
 
 def test_cache_is_a_pytree_with_static_metadata():
