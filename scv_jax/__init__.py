@@ -26,6 +26,13 @@ _EXPORTS: dict[str, str] = {
     "slots_from_block_table": "scv_jax.ops.commit.api",
     "check_slot_mapping": "scv_jax.ops.commit.host_checks",
     "paged_attention": "scv_jax.ops.attention.api",
+    "filtered_probs": "scv_jax.ops.sampling.api",
+    "token_logprobs": "scv_jax.ops.sampling.api",
+    "TokenLogprobs": "scv_jax.ops.sampling.api",
+    # per-request sampling parameters (no jax)
+    "SamplingParams": "scv_jax.sampling_params",
+    "SamplingArrays": "scv_jax.sampling_params",
+    "batch_sampling_arrays": "scv_jax.sampling_params",
     # graph mode
     "Buckets": "scv_jax.graph.buckets",
     "Pad": "scv_jax.graph.buckets",

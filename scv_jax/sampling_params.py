@@ -1,0 +1,147 @@
+"""Per-request sampling parameters (vLLM's names and meanings), checked on construction, free of jax.
+
+``SamplingParams`` describes one request; ``batch_sampling_arrays`` stacks a batch's into the numpy
+arrays that ``scv_jax.ops.sampling.filtered_probs`` takes as device arrays, so that a batch's mix of
+greedy and sampled requests is data, not a static argument (changing it compiles nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from scv_jax.arguments import is_int
+
+GREEDY_EPSILON = 1e-5   # vLLM's _SAMPLING_EPS: a temperature below it means greedy decoding
+MAX_LOGPROBS = 20       # the most top log-probabilities a request may ask for (as vLLM's default)
+MAX_SEED = 2 ** 63      # seeds are ints in [0, 2**63)
+INT32_MAX = 2 ** 31 - 1  # a larger top_k is stored as this (it keeps every token either way)
+
+
+def _fail(name: str, expected: str, value: Any, error: type[Exception] = ValueError) -> None:
+    raise error(f"SamplingParams.{name} must be {expected}, got {value!r}")
+
+
+def _real(name: str, value: Any, expected: str) -> float:
+    """``value`` as a finite Python float (ints and numpy reals count, bools and strings do not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        _fail(name, expected, value, TypeError)
+    if not math.isfinite(float(value)):
+        _fail(name, expected, value)
+    return float(value)
+
+
+def _integer(name: str, value: Any, expected: str, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as a Python int in [minimum, maximum) (bools and floats are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        _fail(name, expected, value, TypeError)
+    if not is_int(value, minimum) or (maximum is not None and value >= maximum):
+        _fail(name, expected, value)
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen (vLLM's ``SamplingParams`` fields and meanings).
+
+    Attributes:
+      temperature: >= 0; the logits are divided by it. Below ``GREEDY_EPSILON`` (1e-5, as vLLM) the
+        request is greedy: its token is the argmax and top_k / top_p / min_p do not apply.
+      top_k: keep the k most likely tokens (ties with the k-th kept); 0 or -1 = off.
+      top_p: in (0, 1]; keep the smallest set of most likely tokens whose probability reaches top_p
+        (ties with its last token kept); 1 = off.
+      min_p: in [0, 1]; keep tokens with probability >= min_p * the most likely token's; 0 = off.
+      seed: an int in [0, 2**63) for this request's random numbers, or None (the engine's stream).
+      max_tokens: >= 1, the most tokens to generate.
+      stop_token_ids: token ids (ints >= 0) that end the request (any sequence; stored as a tuple).
+      ignore_eos: keep generating after the end-of-sequence token.
+      logprobs: None, or how many top log-probabilities to return per token, 0 <= n <= 20
+        (``scv_jax.ops.sampling.token_logprobs``; the emitted token's own is always returned).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        temperature = _real("temperature", self.temperature, "a finite float >= 0")
+        if temperature < 0:
+            _fail("temperature", "a finite float >= 0", self.temperature)
+        set_("temperature", temperature)
+        top_k = _integer("top_k", self.top_k, "an int >= 1, or 0 / -1 (off)", -1)
+        set_("top_k", top_k)
+        top_p = _real("top_p", self.top_p, "a float in (0, 1]")
+        if not 0 < top_p <= 1:
+            _fail("top_p", "a float in (0, 1]", self.top_p)
+        set_("top_p", top_p)
+        min_p = _real("min_p", self.min_p, "a float in [0, 1]")
+        if not 0 <= min_p <= 1:
+            _fail("min_p", "a float in [0, 1]", self.min_p)
+        set_("min_p", min_p)
+        if self.seed is not None:
+            set_("seed", _integer("seed", self.seed, "None or an int in [0, 2**63)", 0, MAX_SEED))
+        set_("max_tokens", _integer("max_tokens", self.max_tokens, "an int >= 1", 1))
+        stop = self.stop_token_ids
+        if isinstance(stop, (str, bytes)) or not isinstance(stop, (Sequence, np.ndarray)):
+            _fail("stop_token_ids", "a sequence of ints >= 0", stop, TypeError)
+        set_("stop_token_ids", tuple(_integer("stop_token_ids", t, "a sequence of ints >= 0", 0) for t in stop))
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            _fail("ignore_eos", "a bool", self.ignore_eos, TypeError)
+        set_("ignore_eos", bool(self.ignore_eos))
+        if self.logprobs is not None:
+            set_("logprobs", _integer("logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]", 0,
+                                      MAX_LOGPROBS + 1))
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the request takes the argmax (temperature below ``GREEDY_EPSILON``)."""
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def filters(self) -> bool:
+        """Whether a sampled request truncates its distribution (top-k, top-p or min-p on)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+class SamplingArrays(NamedTuple):
+    """A batch's filter parameters, one entry per request row: ``filtered_probs``'s inputs.
+
+    temperature: float32[B] (0 for greedy rows); top_k: int32[B] (0 = off); top_p: float32[B]
+    (1 = off); min_p: float32[B] (0 = off).
+    """
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+
+
+GREEDY = SamplingParams()
+
+
+def batch_sampling_arrays(params: Sequence[SamplingParams], rows: int | None = None) -> SamplingArrays:
+    """``params`` stacked into ``SamplingArrays`` of ``rows`` entries (default ``len(params)``); the
+    rows past ``len(params)`` (padding) are greedy. Greedy requests get temperature 0 and their filters
+    switched off, so that only the filters of sampled requests count (e.g. in ``filters`` tests)."""
+    rows = len(params) if rows is None else rows
+    if not is_int(rows, len(params)):
+        raise ValueError(f"batch_sampling_arrays: rows must be an int >= len(params) = {len(params)}, got {rows!r}")
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise TypeError("batch_sampling_arrays: params must be SamplingParams")
+    padded = list(params) + [GREEDY] * (rows - len(params))
+    sampled = [not p.greedy for p in padded]
+    return SamplingArrays(
+        temperature=np.array([p.temperature if s else 0.0 for p, s in zip(padded, sampled)], np.float32),
+        top_k=np.array([min(max(p.top_k, 0), INT32_MAX) if s else 0 for p, s in zip(padded, sampled)], np.int32),
+        top_p=np.array([p.top_p if s else 1.0 for p, s in zip(padded, sampled)], np.float32),
+        min_p=np.array([p.min_p if s else 0.0 for p, s in zip(padded, sampled)], np.float32))
