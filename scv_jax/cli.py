@@ -203,7 +203,8 @@ class _TextStream:
 
     ``decode``: token ids -> text. The text is decoded whole and its new end printed, held back while
     it ends in U+FFFD (a character whose bytes are still arriving); after a newline decoding restarts
-    from the next token, so a long output costs no more than its lines."""
+    from the token that ended the line (so a long output costs no more than its lines, and a tokenizer
+    that drops the leading space of a text's first token drops nothing printed)."""
 
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode, self._ids, self._printed = decode, [], ""
@@ -218,7 +219,8 @@ class _TextStream:
         print(text[len(self._printed):], end="", flush=True)
         self._printed = text
         if text.endswith("\n"):
-            self._ids, self._printed = [], ""
+            self._ids = self._ids[-1:]
+            self._printed = self._decode(self._ids)
 
     def close(self) -> None:
         """Prints what is held back, then ends the line."""
@@ -232,7 +234,7 @@ def _run_decoders(decoders: list, prompt: list[int], args: argparse.Namespace, e
     stderr); the first decoder's text streams to stdout (after ``prompt_text``) as it is generated."""
     print("compiling (one time) ...", file=sys.stderr, flush=True)
     for decoder in decoders:
-        decoder.warmup(1, len(prompt) + args.max_new_tokens, greedy=args.temperature == 0, progress=True)
+        decoder.warmup(1, len(prompt) + args.max_new_tokens, temperatures=args.temperature, progress=True)
     print(prompt_text, end="", flush=True)
     stream = _TextStream(decode)
     outputs = []

@@ -45,7 +45,9 @@ def test_bench_appends_table(tiny_demo, capsys, tmp_path, monkeypatch):
     argv = ["bench", "--batch-sizes", "2", "--temperatures", "0", "--modes", "2", "adaptive", "--max-new-tokens", "5",
             "--packed", "--workloads", "stdlib", "stream", "--append", str(results)]
     assert cli.main(argv) == 0
-    table = capsys.readouterr().out
+    table, err = capsys.readouterr()
+    assert "stdlib] batch 2 T=0 case 1/2: compiling and warming up autoregressive (1/" in err   # progress
+    assert "stdlib] batch 2 T=0 timed round 1/3" in err
     assert "| 2 | 0 | autoregressive |" in table and "| 2 | 0 | k=2 |" in table and "| 2 | 0 | k=2 packed |" in table
     assert "| stream | model | 8 | 0 | k=2 packed |" in table      # 32 requests, 8 running at once
     written = results.read_text()
@@ -211,10 +213,30 @@ def test_interrupt_is_one_line_with_status_130():
                                 "--max-new-tokens", "500", "--dtype", "float32"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert process.stderr.readline().startswith("compiling")       # the model is loaded: it works now
+        while not process.stderr.readline().startswith("compiling"):    # the model is loaded: it works now
+            assert process.poll() is None
         process.send_signal(signal.SIGINT)
         err = process.stderr.read()
         assert process.wait(timeout=120) == 130
     finally:
         process.kill()
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "scv-jax generate: interrupted", err
+
+
+def test_text_stream_prints_whole_characters_and_lines(capsys):
+    """Streamed text equals the text decoded at the end: a UTF-8 character split over tokens waits for
+    its last byte, and a decoder that strips its text's leading space loses nothing after a newline."""
+    text = "héllo\n wörld €\n\n end"
+    stream, printed = cli._TextStream(cli._text), ""
+    for byte in text.encode():
+        stream(0, [byte])
+        printed += capsys.readouterr().out
+        assert "\ufffd" not in printed and text.startswith(printed)
+    stream.close()
+    assert printed + capsys.readouterr().out == text + "\n"
+    pieces = ["a", "\n", " b", "\n", " c"]               # SentencePiece-like: a text's first space is dropped
+    stream = cli._TextStream(lambda ids: "".join(pieces[i] for i in ids).lstrip(" "))
+    for i in range(len(pieces)):
+        stream(0, [i])
+    stream.close()
+    assert capsys.readouterr().out == "a\n b\n c\n"

@@ -69,11 +69,12 @@ def mixed_prompts(batch: int = MIXED_BATCH, seed: int = 3) -> list[list[int]]:
     return [p for pair in zip(free, rulers) for p in pair] + free[len(rulers):]
 
 
-def _warm(decoder: SpeculativeDecoder, prompts, batch: int, max_new_tokens: int, temperature: float) -> None:
-    """Compiles every k for ``batch`` running requests, then one untimed call (compiles what it uses,
-    adapts k)."""
+def _warm(decoder: SpeculativeDecoder, prompts, batch: int, max_new_tokens: int, temperature: float,
+          progress: bool) -> None:
+    """Compiles every k for ``batch`` running requests (``progress``: a line per executable on stderr),
+    then one untimed call (compiles what it uses, adapts k)."""
     longest = max(map(len, prompts)) + max_new_tokens
-    decoder.warmup(batch, longest, temperatures=temperature)
+    decoder.warmup(batch, longest, temperatures=temperature, progress=progress)
     decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=1000,   # a seed the timed runs do not use
                      max_num_seqs=batch)
 
@@ -133,7 +134,7 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
                    else mixed_prompts(STREAM_REQUESTS if workload == "stream" else batch))
         for i, (name, decoder) in enumerate(decoders.items(), 1):
             report(case, f"case {number}/{len(cases)}: compiling and warming up {name} ({i}/{len(decoders)}) ...")
-            _warm(decoder, prompts, batch, max_new_tokens, temperature)
+            _warm(decoder, prompts, batch, max_new_tokens, temperature, progress)
         runs: dict[str, list[GenerateOutput]] = {name: [] for name in decoders}
         hosts: dict[str, list[tuple[float, float]]] = {name: [] for name in decoders}
         for seed in range(repeats):          # round r: every mode with seed r (sampled texts differ by seed)
