@@ -41,7 +41,8 @@ Design (Hopper, tensor cores, one warpgroup per CTA):
     window; tiles wholly before the earliest query's window are not read) get probability 0, so the
     rows of an empty split stay (acc 0, l 0, m -1e30) and never produce NaN. V rows past the context
     are zeroed before the PV product, so stale non-finite bytes in a partly used page stay out.
-  * **Staged and new K/V.** The wrapper packs the valid staged entries (zeros past ``staged_lens``)
+  * **Staged and new K/V.** They arrive already rounded as the cache will hold them (the caller's
+    job: ``scv_jax.paged_attention`` rounds them in one XLA fusion before the launch). The wrapper packs the valid staged entries (zeros past ``staged_lens``)
     and the new tokens of each (request, kv head) into bf16 tiles ``[B, kv_heads, terms, E, head_dim]``,
     E = S + T rounded up to 64 (one small XLA fusion, as is the packing of Q into row blocks). The last
     split of each (request, kv head, row block) attends to them after its pages, with the causal mask

@@ -87,6 +87,9 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
     ``staged_lens[b]`` (staged entry s is at position ``context_lens[b] + s``) and the new tokens <= t,
     and with ``sliding_window`` W only to keys at positions > its own position - W. Scores are scaled
     by ``head_dim ** -0.5``, softmax is float32, and query head h uses kv head ``h // (heads // kv_heads)``.
+    Staged and new K/V are read as the cache will hold them once committed (quantised with the scale
+    their commit uses, then dequantised: ``scv_jax.ops.commit.reference.as_stored``), so a token's key
+    looks the same to every query before and after its commit (fp8 caches stay lossless).
 
     Args:
       q: [B, T, heads, head_dim] float32/float16/bfloat16; heads a multiple of the cache's kv_heads.

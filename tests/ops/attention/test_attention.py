@@ -454,3 +454,38 @@ def test_kernel_error_for_bfloat16_inputs_is_a_few_bf16_ulps(backend):
     want = np.asarray(scv_jax.paged_attention(**inputs, backend="xla"), np.float32)
     ulp = np.abs(want).max() * 2.0 ** -8
     assert np.abs(got - want).max() <= 4 * ulp
+
+
+@pytest.mark.parametrize("backend, cache_dtype, scale_mode", [
+    *[("xla", dtype, mode) for dtype in FP8 for mode in (None, "tensor", "head", "token_head")],
+    (KERNEL, "float8_e4m3fn", "token_head"), (KERNEL, "float8_e5m2", "tensor")])
+def test_in_flight_tokens_read_as_after_their_commit(backend, cache_dtype, scale_mode):
+    """fp8 verification == autoregressive decoding: query t of a call with staged entries and T new tokens
+    equals a 1-token call after the staged entries and new tokens 0..t-1 were committed to the cache
+    (float32: to ~1e-5; reading in-flight K/V unrounded is off by ~1e-2)."""
+    case = Case("NHD", cache_dtype, scale_mode, 16, 2, 2, 64, batch=2, tokens=4, staged=2, max_blocks=3,
+                q_dtype="float32")
+    inputs = make_inputs(case)
+    cache, layer = inputs["cache"], inputs["layer"]
+    context = jnp.asarray([5, 20], jnp.int32)                   # room for the staged and new tokens
+    tables = jnp.asarray([[0, 1, 2], [3, 4, 5]], jnp.int32)
+    staged_lens = jnp.asarray([2, 1], jnp.int32)
+    inputs.update(block_tables=tables, context_lens=context, staged_lens=staged_lens)
+    full = np.asarray(scv_jax.paged_attention(**inputs, backend=backend))
+    rng = np.random.default_rng(1)
+    other = lambda: jnp.asarray(rng.standard_normal((case.num_layers, case.batch, case.tokens, case.kv_heads,  # noqa: E731
+                                                      case.head_dim)), jnp.float32)
+    new = {n: other().at[layer].set(inputs[f"new_{n}"]) for n in ("keys", "values")}   # all layers' new K/V
+    for t in range(case.tokens):
+        rows = {n: jnp.concatenate([inputs[f"staged_{n}"], new[n][:, :, :t]], axis=2) for n in ("keys", "values")}
+        count = staged_lens + t
+        valid = jnp.arange(rows["keys"].shape[2])[None] < staged_lens[:, None]
+        valid |= jnp.arange(rows["keys"].shape[2])[None] >= case.staged   # new tokens < t
+        positions = jnp.where(valid, context[:, None] + jnp.cumsum(valid, axis=1) - 1, -1)
+        slots = scv_jax.slots_from_block_table(tables, positions, case.block_size).reshape(-1)
+        flat = {n: x.reshape(case.num_layers, -1, case.kv_heads, case.head_dim) for n, x in rows.items()}
+        committed = scv_jax.commit_draft_kv(cache, flat["keys"], flat["values"], slots, backend="xla")
+        one = scv_jax.paged_attention(
+            q=inputs["q"][:, t:t + 1], cache=committed, layer=layer, block_tables=tables, context_lens=context + count,
+            new_keys=inputs["new_keys"][:, t:t + 1], new_values=inputs["new_values"][:, t:t + 1], backend=backend)
+        np.testing.assert_allclose(np.asarray(one)[:, 0], full[:, t], atol=3e-5, rtol=1e-5)
