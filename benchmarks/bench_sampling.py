@@ -17,7 +17,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import scv_jax
 from harness import median_seconds, publish
