@@ -19,8 +19,7 @@ from scv_jax.checks import as_array, require_floating, require_integer, require_
 from scv_jax.ops import registry
 from scv_jax.ops.sampling import reference
 from scv_jax.ops.sampling.xla import filtered_probs_xla
-
-MAX_NUM_TOP = 20   # the most top log-probabilities per token (SamplingParams.logprobs)
+from scv_jax.sampling_params import MAX_LOGPROBS
 
 registry.register("filtered_probs", registry.Implementation("xla", filtered_probs_xla))
 registry.register("token_logprobs", registry.Implementation("xla", reference.token_logprobs_reference))
@@ -128,8 +127,8 @@ def token_logprobs(logits, token_ids, num_top: int = 0, *, backend: str = "auto"
     require_floating(op, "logits", logits, "float[..., V]")
     require_integer(op, "token_ids", token_ids, "int[...]")
     n = require_int(op, "num_top", num_top, minimum=0, static=True)
-    if n > MAX_NUM_TOP:
-        raise ValueError(f"{op}: num_top must be <= {MAX_NUM_TOP}, got {n}")
+    if n > MAX_LOGPROBS:
+        raise ValueError(f"{op}: num_top must be <= {MAX_LOGPROBS}, got {n}")
     if jnp.ndim(logits) < 1 or jnp.shape(logits)[-1] < max(n, 1) or jnp.shape(logits)[:-1] != jnp.shape(token_ids):
         raise ValueError(f"{op}: logits must be float[..., V] with V >= max(num_top, 1) and token_ids int[...] "
                          f"of its leading shape, got {jnp.shape(logits)} and {jnp.shape(token_ids)}")

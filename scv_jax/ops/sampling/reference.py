@@ -9,11 +9,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sampling_math import argmax_ignoring_nan
+
 
 def greedy_tokens(logits: jax.Array) -> jax.Array:
     """int32[R]: ``jnp.argmax`` of each row with NaN never winning (a row of only NaN / -inf gives 0);
-    equal to ``jnp.argmax(logits, -1)`` whenever the row holds no NaN."""
-    return jnp.argmax(jnp.where(jnp.isnan(logits), -jnp.inf, logits), axis=-1).astype(jnp.int32)
+    equal to ``jnp.argmax(logits, -1)`` whenever the row holds no NaN. (``argmax_ignoring_nan``, the
+    greedy acceptance ops' argmax: ~15x faster than ``jnp.argmax`` on XLA:CPU.)"""
+    return argmax_ignoring_nan(logits)
 
 
 def scaled_logits(logits: jax.Array, temperature: jax.Array) -> jax.Array:

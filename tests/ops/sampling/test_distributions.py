@@ -122,7 +122,7 @@ def test_greedy_rows_in_a_sampled_batch_give_exactly_greedy_acceptance():
     accepted = np.asarray(want.num_accepted)[greedy]
     assert accepted.min() < k and accepted.max() > 0                              # matches and mismatches
     for seed in range(4):
-        got = scv_jax.rejection_sample(drafts.reshape(-1), cu, q[:, :k].reshape(-1, v), p[:, :k].reshape(-1, v),
-                                       bonus, key=jax.random.key(seed), max_spec_len=k)
+        got = scv_jax.rejection_sample(drafts.reshape(-1), cu, q.reshape(-1, v), p[:, :k].reshape(-1, v), bonus,
+                                       key=jax.random.key(seed), max_spec_len=k)
         np.testing.assert_array_equal(np.asarray(got.output_token_ids)[greedy], np.asarray(want.output_token_ids)[greedy])
         np.testing.assert_array_equal(np.asarray(got.num_accepted)[greedy], accepted)

@@ -94,6 +94,8 @@ def test_target_and_draft_shapes_and_the_rows_map_agree():
     np.testing.assert_array_equal(np.asarray(scv_jax.filtered_probs(flat, *params, rows=rows)),
                                   target.reshape(-1, v)[[11, 1, 4, 5, 8, 0, 3]])
     np.testing.assert_array_equal(target[0], np.eye(v)[np.asarray(jnp.argmax(logits[0], -1))])
+    inside_jit = jax.jit(lambda x, *p: scv_jax.filtered_probs(x, *p))(logits, *params)   # in a device step
+    np.testing.assert_allclose(np.asarray(inside_jit), target, rtol=1e-6, atol=1e-7)
 
 
 def test_changing_the_greedy_and_sampled_mix_compiles_nothing():
