@@ -63,7 +63,7 @@ class ControllerConfig:
     k_init: int | None = None
     decide_every: int = 4
     switch_margin: float = 0.03
-    probe_every: int = 32
+    probe_every: int = 16
     acceptance_decay: float = 0.97
     prior_acceptance: float = 0.7
     prior_strength: float = 2.0
