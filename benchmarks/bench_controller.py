@@ -54,7 +54,7 @@ def step_microseconds(batch: int, steps: int, *, request_steps: int = 0, seed: i
         accepted = np.minimum(leading[i], drafts)
         seconds = (0.004 + 0.0005 * k) * noise[i]
         observed = time.perf_counter()
-        ctrl.update(drafts, accepted, seconds, batch, k=k)
+        ctrl.update(drafts, accepted, seconds, batch, ids, k=k)
         out[i] = chosen - start + time.perf_counter() - observed
     return out[steps // 10:] * 1e6
 

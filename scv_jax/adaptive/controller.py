@@ -19,6 +19,7 @@ pay again and the costs of other k follow the machine.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from statistics import NormalDist
 from typing import Any, Literal
 
 import numpy as np
@@ -62,7 +63,7 @@ class ControllerConfig:
     k_init: int | None = None
     decide_every: int = 4
     switch_margin: float = 0.03
-    probe_every: int = 32
+    probe_every: int = 16
     acceptance_decay: float = 0.97
     prior_acceptance: float = 0.7
     prior_strength: float = 2.0
@@ -125,6 +126,8 @@ class AdaptiveController:
         self._last_k = self._k
         self._table = StepCostTable(cfg.allowed, cfg.cost_rate)
         self._counts = np.zeros((2, cfg.k_max))   # decayed drafts accepted at / reaching each position
+        # the last update's requests (their ids) and their decayed accepted drafts and expectation under a_j
+        self._requests: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros((2, 0)))
         self._decided_for: tuple[int, np.ndarray | None] = (0, None)   # (bucket, sorted ids) of the last decision
         self._since_decision = self._since_probe = 0
         self._probing = False    # the last k was a never-timed one's: look for the next at once
@@ -142,15 +145,43 @@ class AdaptiveController:
         """float64[len(allowed)] measured seconds of a step of each allowed k at ``batch_size`` (nan: never)."""
         return self._table.seconds(batch_size)
 
-    def rates(self, batch_size: int, remaining_tokens: np.ndarray | None = None) -> np.ndarray:
-        """float64[len(allowed)] expected tokens per request per second of each allowed k (nan: never timed);
-        with int[n] ``remaining_tokens``, each request's E(k) capped by what it has left."""
-        emitted = expected_tokens(self.acceptance())
-        if remaining_tokens is None or not remaining_tokens.size:
-            per_request = emitted[self._allowed]
-        else:
+    def _request_counts(self, ids: np.ndarray) -> np.ndarray:
+        """float64[2, n] the last update's (accepted, expected) counts of requests ``ids`` (0 for others)."""
+        known, counts = self._requests
+        out = np.zeros((2, ids.size))
+        if known.size and ids.size:
+            order = np.argsort(known)
+            at = order[np.minimum(np.searchsorted(known, ids, sorter=order), known.size - 1)]
+            found = known[at] == ids
+            out[:, found] = counts[:, at[found]]
+        return out
+
+    def rates(self, batch_size: int, request_ids: np.ndarray | None = None,
+              remaining_tokens: np.ndarray | None = None) -> np.ndarray:
+        """float64[len(allowed)] expected tokens per request per second of each allowed k (nan: never timed).
+        With int[n] ``request_ids`` each request's a_j are the shared ones times its own scale (its accepted
+        over its expected drafts, shrunk by ``prior_strength``); with int[n] ``remaining_tokens`` too, the
+        tokens per request per second until the request that finishes last is done."""
+        a = self.acceptance()[None, :]
+        if request_ids is not None and request_ids.size:
+            counts = self._request_counts(request_ids) + self.config.prior_strength
+            a = np.minimum(np.outer(counts[0] / counts[1], a), _MAX_ACCEPTANCE)
+        elif remaining_tokens is not None and remaining_tokens.size:
+            a = np.broadcast_to(a, (remaining_tokens.size, a.shape[1]))
+        # accepted drafts L of a request with k drafts: E[L] = sum_{j<=k} reach_j, E[L^2] = sum (2j - 1) reach_j
+        reach = np.concatenate([np.zeros((a.shape[0], 1)), np.cumprod(a, axis=1)], axis=1)
+        mean = np.cumsum(reach, axis=1)
+        if remaining_tokens is None or not remaining_tokens.size or a.shape[0] != remaining_tokens.size:
+            per_request = 1.0 + mean[:, self._allowed].mean(axis=0)
+        else:   # request b needs r_b / E_b steps, give or take its spread; the batch ends with the last
+            left = remaining_tokens[:, None].astype(np.float64)
             caps = np.minimum(self._allowed[None, :], np.maximum(remaining_tokens[:, None] - 1, 0))
-            per_request = emitted[caps].mean(axis=0)
+            square = np.take_along_axis(np.cumsum(reach * (2.0 * np.arange(a.shape[1] + 1) - 1.0), axis=1), caps, 1)
+            accepted = np.take_along_axis(mean, caps, axis=1)
+            emitted = 1.0 + accepted
+            spread = np.sqrt(np.maximum(square - accepted ** 2, 0.0) * left / emitted ** 3)
+            z = NormalDist().inv_cdf((left.size - 0.375) / (left.size + 0.25)) if left.size > 1 else 0.0
+            per_request = left.mean() / (left / emitted + z * spread).max(axis=0)
         return per_request / self._table.seconds(batch_size)
 
     def next_k(self, batch_size: int, request_ids: Any = None, remaining_tokens: Any = None) -> int:
@@ -181,12 +212,12 @@ class AdaptiveController:
             if self._probing:                                 # a k never timed here: time it
                 k = int(self._allowed[np.flatnonzero(untimed)[-1]])
             else:
-                rates = self.rates(batch_size, remaining)
+                rates = self.rates(batch_size, ids, remaining)
                 self._decide(rates)
                 self._decided_for, self._since_decision, k = (bucket, ids), 0, self._k
         if not self._probing:
             if cfg.probe_every and self._since_probe >= cfg.probe_every:   # the runner-up, for one step
-                rates = self.rates(batch_size, remaining) if rates is None else rates
+                rates = self.rates(batch_size, ids, remaining) if rates is None else rates
                 order = np.argsort(-np.nan_to_num(rates, nan=-1.0))
                 if len(order) > 1 and not np.isnan(rates[order[1]]):
                     k = int(self._allowed[order[0] if self._allowed[order[0]] != self._k else order[1]])
@@ -204,7 +235,7 @@ class AdaptiveController:
             self._k = int(self._allowed[best])
 
     def update(self, num_draft_tokens: Any, num_accepted: Any, step_seconds: float | None = None,
-               batch_size: int | None = None, *, k: int | None = None) -> None:
+               batch_size: int | None = None, request_ids: Any = None, *, k: int | None = None) -> None:
         """Records one step.
 
         Args:
@@ -213,6 +244,7 @@ class AdaptiveController:
           num_accepted: int[B] drafts accepted per request (<= num_draft_tokens).
           step_seconds: the step's wall time, or None if not timed (a compile).
           batch_size: rows the step computed (B plus padding); default B.
+          request_ids: int[B] the requests' ids, for their own acceptance scales (kept while they run).
           k: the ``next_k`` answer the step ran with (its cost is what choosing k costs: with n-gram
             drafts or budgets ending, the step may compute fewer); default the last ``next_k``.
         """
@@ -235,6 +267,13 @@ class AdaptiveController:
         width = cfg.k_max + 1
         stops = np.bincount(np.concatenate([accepted, np.minimum(drafts, accepted + 1) + width]),
                             minlength=2 * width).reshape(2, width)
+        if request_ids is not None:
+            ids = _int_vector(where, "request_ids", request_ids, drafts.size)
+            if ids.size != drafts.size:
+                raise ValueError(f"{where}: request_ids must have one id per request ({drafts.size}), got {ids.size}")
+            expected = np.concatenate([[0.0], np.cumsum(self.acceptance())])[np.minimum(drafts, accepted + 1)]
+            counts = self._request_counts(ids) * cfg.acceptance_decay + np.stack([accepted, expected])
+            self._requests = (ids, counts)
         self._counts *= cfg.acceptance_decay
         self._counts += np.cumsum(stops[:, ::-1], axis=1)[:, -2::-1]
         self._table.observe(batch, self._last_k if k is None else k,

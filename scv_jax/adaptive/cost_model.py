@@ -28,6 +28,7 @@ class StepCostTable:
         self._rate = rate
         self._means: dict[int, np.ndarray] = {}    # bucket -> float64[len(k_values)] seconds, nan: never timed
         self._tries: dict[int, np.ndarray] = {}    # bucket -> int64[len(k_values)] untimed-or-timed steps run
+        self._timed: dict[int, np.ndarray] = {}    # bucket -> int64[len(k_values)] timed steps
 
     def _row(self, table: dict[int, np.ndarray], batch_size: int, fill: float, dtype) -> np.ndarray:
         bucket = batch_bucket(batch_size)
@@ -45,12 +46,13 @@ class StepCostTable:
             return
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"StepCostTable.observe: seconds must be a positive finite number, got {seconds!r}")
-        means = self._row(self._means, batch_size, math.nan, np.float64)
+        means, timed = self._row(self._means, batch_size, math.nan, np.float64), self._row(self._timed, batch_size, 0, np.int64)
+        timed[column] += 1
         mean = means[column]
         if math.isnan(mean):
             means[column] = seconds
-        else:
-            means[column] = mean + self._rate * (min(seconds, _OUTLIER * mean) - mean)
+        else:   # a plain mean of a shape's first 1 / rate steps, then a moving one
+            means[column] = mean + max(self._rate, 1.0 / timed[column]) * (min(seconds, _OUTLIER * mean) - mean)
 
     def seconds(self, batch_size: int) -> np.ndarray:
         """float64[len(k_values)] predicted seconds of a step with each k at ``batch_size`` (nan: never timed)."""

@@ -42,8 +42,8 @@ class DecoderConfig:
         (``forward_packed``; single device): a step with ragged drafts (n-gram matches of different
         lengths, budgets) costs the tokens it verifies, B * (m + 1) with m their mean per request
         rounded up to a power of two, or with ``adaptive`` to 1 or one of ``k_values`` (one more
-        executable per such m < k); an adaptive decoder's controller costs each k by the packed
-        steps it leads to.
+        executable per such m < k); an adaptive decoder's controller times each k by the steps
+        it leads to.
     """
 
     k: int = 4

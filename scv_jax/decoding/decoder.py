@@ -439,7 +439,7 @@ class SpeculativeDecoder:
             if call.ngram:
                 counts = self._check_unverified(call, rows, step_k) or counts
             # (k as chosen, or as far as the budgets let it draft: a step that ends them costs less)
-            call.observed = (*counts, None if cold else step_seconds, batch, int(caps.max(initial=0)))
+            call.observed = (*counts, None if cold else step_seconds, batch, ids, int(caps.max(initial=0)))
         call.tally.add(num_drafts, host.num_accepted, host.num_emitted)
         stats.add_step(batch, step_k, None if cold else step_seconds + time.perf_counter() - fetched,
                        dispatch - step_start + time.perf_counter() - fetched, scored)
@@ -471,8 +471,8 @@ class SpeculativeDecoder:
     def _observe(call: _Call) -> None:
         """Tells the controller about the last step (if not yet told)."""
         if call.observed is not None:
-            drafts, accepted, seconds, batch, k = call.observed
-            call.controller.update(drafts, accepted, seconds, batch, k=k)
+            drafts, accepted, seconds, batch, ids, k = call.observed
+            call.controller.update(drafts, accepted, seconds, batch, ids, k=k)
             call.observed = None
 
     def _catch_up(self, state: RequestBatch, rows: np.ndarray, stats: GenerateStats) -> None:

@@ -100,7 +100,7 @@ def test_it_adapts_when_acceptance_shifts_and_leaves_k0_when_drafting_pays_again
     assert _steps(ctrl, True, 60)[-1] == 8               # every draft accepted: the largest k
     assert _steps(ctrl, False, 80)[-10:] == [0] * 10     # none accepted: no drafts
     back = _steps(ctrl, True, 60)                        # a probe out of k = 0 sees drafts accepted again
-    assert back.index(8) < 40 and back[-10:].count(8) >= 9   # (the runner-up runs a step every 32)
+    assert back.index(8) < 40 and back[-10:].count(8) >= 9   # (the runner-up runs a step every 16)
 
 
 def test_it_follows_bursty_acceptance_better_than_any_fixed_k():

@@ -42,10 +42,10 @@ class Spy(AdaptiveController):
         self.asked.append((batch_size, np.array(request_ids), k, np.array(remaining_tokens)))
         return k
 
-    def update(self, num_draft_tokens, num_accepted, step_seconds=None, batch_size=None, *, k=None):
+    def update(self, num_draft_tokens, num_accepted, step_seconds=None, batch_size=None, request_ids=None, *, k=None):
         self.told.append(dict(drafts=np.array(num_draft_tokens), accepted=np.array(num_accepted),
-                              seconds=step_seconds, batch=batch_size, k=k))
-        super().update(num_draft_tokens, num_accepted, step_seconds, batch_size, k=k)
+                              seconds=step_seconds, batch=batch_size, ids=np.array(request_ids), k=k))
+        super().update(num_draft_tokens, num_accepted, step_seconds, batch_size, request_ids, k=k)
 
 
 @pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 3}), ADAPTIVE], ids=["k=3", "adaptive"])
