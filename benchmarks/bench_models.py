@@ -109,6 +109,8 @@ def measure(decoder: SpeculativeDecoder, prompts: list[list[int]], new_tokens: i
     compile_seconds = time.perf_counter() - start
     decoder.generate(prompts, new_tokens, seed=1)
     runs = [decoder.generate(prompts, new_tokens, seed=seed).stats for seed in range(TIMED_CALLS)]
+    for stats in runs:
+        stats.check_no_fallbacks(f"bench_models batch {len(prompts)} k {decoder.config.allowed_k}")
     step_seconds = [(s.wall_seconds - s.prefill_seconds - s.compile_seconds) / s.steps for s in runs]
     median = runs[int(np.argsort(step_seconds)[len(runs) // 2])]
     seconds = float(np.median(step_seconds))

@@ -141,6 +141,7 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
             report(case, f"timed round {seed + 1}/{repeats} ({len(decoders)} modes) ...")
             for name, decoder in decoders.items():
                 out = decoder.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, max_num_seqs=batch)
+                out.stats.check_no_fallbacks(f"e2e row {workload} batch {batch} T={temperature} {name}")
                 runs[name].append(out)
                 own = sum(v[2] for v in out.stats.step_seconds.values()) / max(out.stats.steps, 1) * 1e6
                 hosts[name].append((own, wall_minus_device_us(decoder, out.stats, temperature == 0,
