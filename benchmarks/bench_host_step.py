@@ -121,11 +121,11 @@ def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
     for _ in range(repeats):
         stub.seconds = stub.cpu_seconds = clock.cpu_seconds = controllers.seconds = 0.0
         stats = decoder.generate(prompts, max_new_tokens).stats
-        steps = sum(v[0] for v in stats.step_seconds.values())
+        steps = sum(v[0] for v in stats.step_seconds.values())   # timed steps (the controller runs in all)
         seconds = sum(v[1] for v in stats.step_seconds.values())
         outside = sum(v[2] for v in stats.step_seconds.values())
         samples.append(((seconds - stub.seconds) / steps * 1e6, (clock.cpu_seconds - stub.cpu_seconds) / steps * 1e6,
-                        outside / steps * 1e6, controllers.seconds / steps * 1e6))
+                        outside / steps * 1e6, controllers.seconds / stats.steps * 1e6))
     return tuple(float(x) for x in np.median(samples, axis=0))
 
 
