@@ -74,6 +74,16 @@ def test_demo_without_speculation_prints_dashes(tiny_demo, capsys):
     assert "nan" not in acceptance and acceptance.split() == ["acceptance", "-", "per", "position:", "-"]
 
 
+def _assert_one_line_error(argv: list[str], message: str, capsys) -> None:
+    """``scv-jax ARGV`` exits 2 with ``message`` on one line of stderr (argparse's errors included)."""
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit:     # argparse's own errors
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["demo", "--max-new-tokens", "0"], "argument --max-new-tokens: must be an int >= 1, got 0"),
     (["demo", "--k", "-1"], "argument --k: must be an int >= 0, got -1"),
@@ -89,12 +99,7 @@ def test_user_mistakes_are_one_line_errors_before_loading_weights(argv, message,
     def no_weights():
         raise AssertionError("weights loaded before the arguments were checked")
     monkeypatch.setattr("scv_jax.models.load_demo", no_weights)
-    try:
-        code = cli.main(argv)
-    except SystemExit as exit:     # argparse's own errors
-        code = exit.code
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and message in err, err
+    _assert_one_line_error(argv, message, capsys)
 
 
 def test_help_shows_every_default():
@@ -185,12 +190,7 @@ def test_k_above_the_budget_is_lowered(tiny_demo, capsys):
     (["demo", "--seed", str(2 ** 32)], "argument --seed: must be an int in [0, 2**32)"),
 ])
 def test_run_mistakes_are_one_line_errors(tiny_demo, argv, message, capsys):
-    try:
-        code = cli.main(argv)
-    except SystemExit as exit:     # argparse's own errors
-        code = exit.code
-    err = capsys.readouterr().err
-    assert code == 2 and err.count("\n") == 1 and message in err, err
+    _assert_one_line_error(argv, message, capsys)
 
 
 @pytest.mark.parametrize("broken", ["config", "weights"])
