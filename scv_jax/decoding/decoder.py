@@ -74,6 +74,11 @@ def _vocab_size(model: Any, name: str) -> int:
     return config.vocab_size
 
 
+def _is_temperature(value: Any) -> bool:
+    """Whether ``value`` is a sampling temperature: a finite real number >= 0 (0 = greedy)."""
+    return isinstance(value, (int, float, np.floating)) and math.isfinite(value) and value >= 0
+
+
 def _max_positions(*models: Any) -> int | None:
     """The fewest ``config.max_position_embeddings`` (positions a model was trained for) of ``models``
     that declare one; None when none does."""
@@ -221,8 +226,7 @@ class SpeculativeDecoder:
         ``GenerateOutput.tokens``, in order; an exception it raises stops the call).
         """
         require_int("generate", "max_new_tokens", max_new_tokens, minimum=1)
-        if not (isinstance(temperature, (int, float, np.floating)) and math.isfinite(temperature)
-                and temperature >= 0):
+        if not _is_temperature(temperature):
             raise ValueError(f"generate: temperature must be a finite float >= 0, got {temperature!r}")
         eos_token_id, seed = check_eos(eos_token_id, self.vocab_size), check_seed(seed)
         if on_tokens is not None and not callable(on_tokens):
@@ -544,8 +548,7 @@ class SpeculativeDecoder:
         sizes = [batch_sizes] if isinstance(batch_sizes, (int, np.integer)) else list(batch_sizes)
         temperatures = ([temperatures] if isinstance(temperatures, (int, float, np.floating))
                         else list(temperatures))
-        if not sizes or not temperatures or not all(
-                isinstance(t, (int, float, np.floating)) and math.isfinite(t) and t >= 0 for t in temperatures):
+        if not sizes or not temperatures or not all(map(_is_temperature, temperatures)):
             raise ValueError(f"warmup: batch_sizes and temperatures must be non-empty, temperatures finite "
                              f"floats >= 0; got batch_sizes={batch_sizes!r}, temperatures={temperatures!r}")
         for size in sizes:
