@@ -379,7 +379,7 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           k: drafts computed per request (static); greedy: every request greedy (static: the argmax
             fused into the acceptance; False verifies each request against its filtered distribution).
           logprobs: also return the log-probabilities of the emitted tokens and the top MAX_LOGPROBS
-            (static; dense steps only).
+            (at most V; static; dense steps only).
           packed_k: 0 (a dense [B, k + 1] target forward) or in [1, k): the target scores B *
             (packed_k + 1) tokens packed (``score_packed``), at most B * packed_k drafts in all (static;
             the last requests' ``num_drafts`` are cut to fit).
@@ -427,7 +427,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
                                        after=result.summary.packed)
         if logprobs:
             emitted = result.summary.packed[:, :k + 1]
-            return target_cache, draft_cache, result.summary, token_logprobs(scored.logits, emitted, MAX_LOGPROBS)
+            num_top = min(MAX_LOGPROBS, scored.logits.shape[-1])
+            return target_cache, draft_cache, result.summary, token_logprobs(scored.logits, emitted, num_top)
         return target_cache, draft_cache, result.summary
 
     return decode_step

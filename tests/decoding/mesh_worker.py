@@ -98,6 +98,12 @@ def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> dict[str
            "streamed": decoder.generate(prompts, MAX_NEW, max_num_seqs=2)}    # continuous batching
     if ARGS.sample:
         out["sampled"] = decoder.generate(prompts, MAX_NEW, temperature=1.0, seed=7)
+        # the engine's per-request parameters: greedy and filtered rows in one batch
+        from scv_jax import SamplingParams
+        mix = [SamplingParams(max_tokens=MAX_NEW), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3,
+                                                                  max_tokens=MAX_NEW),
+               SamplingParams(temperature=1.2, min_p=0.1, seed=4, max_tokens=MAX_NEW - 3)]
+        out["mixed"] = decoder.generate(prompts, sampling=(mix * len(prompts))[:len(prompts)])
     return out
 
 
