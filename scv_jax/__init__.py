@@ -29,6 +29,10 @@ _EXPORTS: dict[str, str] = {
     "filtered_probs": "scv_jax.ops.sampling.api",
     "token_logprobs": "scv_jax.ops.sampling.api",
     "TokenLogprobs": "scv_jax.ops.sampling.api",
+    "TreeAcceptResult": "scv_jax.ops.tree.result",
+    "accept_tree_greedy": "scv_jax.ops.tree.api",
+    "tree_rejection_sample": "scv_jax.ops.tree.api",
+    "accepted_path_slots": "scv_jax.ops.tree.commit_path",
     # per-request sampling parameters (no jax)
     "SamplingParams": "scv_jax.sampling_params",
     "SamplingArrays": "scv_jax.sampling_params",
