@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "slots_from_block_table": "scv_jax.ops.commit.api",
     "check_slot_mapping": "scv_jax.ops.commit.host_checks",
     "paged_attention": "scv_jax.ops.attention.api",
+    "tree_depths": "scv_jax.ops.attention.api",
     "filtered_probs": "scv_jax.ops.sampling.api",
     "token_logprobs": "scv_jax.ops.sampling.api",
     "TokenLogprobs": "scv_jax.ops.sampling.api",
