@@ -130,8 +130,8 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
     staged_lens = (jnp.zeros_like(context_lens) if staged_keys is None
                    else jnp.clip(staged_lens.astype(jnp.int32), 0, capacity))
     ancestors = None if new_token_parents is None else ancestor_mask(new_token_parents)      # [B, T, T]
-    offsets = jnp.arange(tokens, dtype=jnp.int32) if ancestors is None else depths(ancestors)
-    query_positions = (context_lens + staged_lens)[:, None] + offsets                         # [B, T]
+    base = (context_lens + staged_lens)[:, None]
+    query_positions = base + (jnp.arange(tokens, dtype=jnp.int32) if ancestors is None else depths(ancestors))  # [B, T]
     queries = q.reshape(batch, tokens, kv_heads, group, head_dim)
     carry = (jnp.zeros((batch, kv_heads, group, tokens, head_dim), jnp.float32),
              jnp.full((batch, kv_heads, group, tokens), NEG, jnp.float32),
