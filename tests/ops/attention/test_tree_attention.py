@@ -130,8 +130,9 @@ def test_tree_depths():
     assert depth.tolist() == scv_jax.tree_depths(parents).tolist()
 
 
-def test_kernel_with_a_tree_lowers_for_cuda():
-    case = Case("NHD", "bfloat16", None, 16, 8, 4, 128, batch=2, tokens=17, staged=4)
+@pytest.mark.parametrize("tokens", [17, 40])   # one and two bitmask words (40 * G = 160 rows: 3 row blocks)
+def test_kernel_with_a_tree_lowers_for_cuda(tokens):
+    case = Case("NHD", "bfloat16", None, 16, 8, 4, 128, batch=2, tokens=tokens, staged=4)
     inputs = make_inputs(case)
     layer = jnp.int32(inputs["layer"])
     kernel = registry.implementation("paged_attention", "pallas")
@@ -139,7 +140,7 @@ def test_kernel_with_a_tree_lowers_for_cuda():
     args = (inputs["q"], inputs["cache"], layer, inputs["block_tables"], inputs["context_lens"],
             inputs["staged_keys"][layer], inputs["staged_values"][layer], inputs["staged_lens"], inputs["new_keys"],
             inputs["new_values"])
-    parents = jnp.asarray(random_parents(np.random.default_rng(0), 2, 17))
+    parents = jnp.asarray(random_parents(np.random.default_rng(0), 2, tokens))
     text = jax.jit(lambda *a: fn(*a, new_token_parents=parents)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
