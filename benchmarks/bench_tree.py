@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         accept = acceptance_rows((1, 8, 64), ((16, 6), (32, 8), (64, 10)), 32000, max_sampling_batch=8, repeats=5,
                                  iterations=10)
-        attend = attention_rows(LLAMA_8B, (1, 8), (1024,), (9, 17, 33), repeats=3, iterations=4)
+        attend = attention_rows(LLAMA_8B, (1, 8), (1024,), (9, 17, 33), repeats=5, iterations=8)
     body = "\n".join(["Tree acceptance vs the chain at the same number of verified tokens (XLA):", "", *accept,
                       "", "Paged attention (XLA), the tree mask vs the chain on the same inputs:", "", *attend])
     publish(__file__, "bench_tree: tree acceptance and the tree attention mask",

@@ -17,9 +17,8 @@ from jax import lax
 from pallas_kernels.sampling_math import argmax_ignoring_nan, race_scores, race_weights
 from scv_jax.ops.tree.result import TreeAcceptResult
 
-# (current node int32[B], its valid children bool[B, N], depth) -> (accepted child int32[B] (N: none),
-# the token emitted when no child is accepted int32[B])
-Rule = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+# (current node int32[B], its valid children bool[B, N]) -> the accepted child int32[B] (N: none)
+Rule = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def valid_nodes(tree_parents: jax.Array, num_nodes: jax.Array) -> jax.Array:
@@ -37,28 +36,43 @@ def first_true(mask: jax.Array) -> jax.Array:
 
 
 def walk(rule: Rule, tree_token_ids: jax.Array, tree_parents: jax.Array, num_nodes: jax.Array, *,
-         max_depth: int) -> TreeAcceptResult:
-    """Walks every request's tree from the root with ``rule``, accepting at most ``max_depth`` nodes
-    (N >= 1 nodes; the op pads an empty tree with one invalid node)."""
+         max_depth: int) -> tuple[TreeAcceptResult, jax.Array, jax.Array]:
+    """Walks every request's tree from the root with ``rule``, accepting at most ``max_depth`` nodes (N >= 1
+    nodes; the op pads an empty tree with one invalid node).
+
+    Returns (the result with the accepted nodes' tokens only, -1 from column ``num_accepted`` on; the last
+    node reached int32[B] (-1 = the root); bool[B, N] the children tried there, i.e. rejected: none when
+    the walk stopped at ``max_depth``). The caller emits its token at column ``num_accepted`` (``finish``).
+    """
     batch, n = tree_token_ids.shape
     valid = valid_nodes(tree_parents, num_nodes)
     rows = jnp.arange(batch)
 
+    def children_of(current):
+        return valid & (tree_parents == current[:, None])
+
     def step(depth, carry):
         current, alive, out, nodes = carry
-        children = valid & (tree_parents == current[:, None]) & (depth < max_depth)
-        child, emitted = rule(current, children, depth)
+        child = rule(current, children_of(current))
         accepted = alive & (child < n)
-        token = jnp.where(accepted, tree_token_ids[rows, jnp.minimum(child, n - 1)], emitted)
-        out = out.at[:, depth].set(jnp.where(alive, token, -1))
-        if max_depth:   # (an empty axis cannot be indexed, even with mode="drop")
-            nodes = nodes.at[:, depth].set(jnp.where(accepted, child, -1), mode="drop")
+        out = out.at[:, depth].set(jnp.where(accepted, tree_token_ids[rows, jnp.minimum(child, n - 1)], -1))
+        nodes = nodes.at[:, depth].set(jnp.where(accepted, child, -1))
         return jnp.where(accepted, child, current), accepted, out, nodes
 
     carry = (jnp.full((batch,), -1, jnp.int32), jnp.ones((batch,), jnp.bool_),
              jnp.full((batch, max_depth + 1), -1, jnp.int32), jnp.full((batch, max_depth), -1, jnp.int32))
-    _, _, out, nodes = lax.fori_loop(0, max_depth + 1, step, carry)
-    return TreeAcceptResult(out, jnp.sum(nodes >= 0, axis=1, dtype=jnp.int32), nodes)
+    if max_depth:   # (an empty axis cannot be indexed, not even in a loop that never runs)
+        carry = lax.fori_loop(0, max_depth, step, carry)
+    final, _, out, nodes = carry
+    num_accepted = jnp.sum(nodes >= 0, axis=1, dtype=jnp.int32)
+    rejected = children_of(final) & (num_accepted < max_depth)[:, None]
+    return TreeAcceptResult(out, num_accepted, nodes), final, rejected
+
+
+def finish(partial: TreeAcceptResult, emitted: jax.Array) -> TreeAcceptResult:
+    """``partial`` with ``emitted`` int32[B] (the token after the last accepted node) at column num_accepted."""
+    rows = jnp.arange(emitted.shape[0])
+    return partial._replace(output_token_ids=partial.output_token_ids.at[rows, partial.num_accepted].set(emitted))
 
 
 def accept_tree_greedy_reference(tree_token_ids: jax.Array, tree_parents: jax.Array, num_nodes: jax.Array,
@@ -67,11 +81,11 @@ def accept_tree_greedy_reference(tree_token_ids: jax.Array, tree_parents: jax.Ar
     (``target_token_ids[b, node + 1]``); stop where none is and emit the target's token there."""
     rows = jnp.arange(tree_token_ids.shape[0])
 
-    def rule(current, children, _):
-        target = target_token_ids[rows, current + 1]
-        return first_true(children & (tree_token_ids == target[:, None])), target
+    def rule(current, children):
+        return first_true(children & (tree_token_ids == target_token_ids[rows, current + 1][:, None]))
 
-    return walk(rule, tree_token_ids, tree_parents, num_nodes, max_depth=max_depth)
+    partial, final, _ = walk(rule, tree_token_ids, tree_parents, num_nodes, max_depth=max_depth)
+    return finish(partial, target_token_ids[rows, final + 1])
 
 
 def tree_rejection_sample_reference(tree_token_ids: jax.Array, tree_parents: jax.Array, num_nodes: jax.Array,
@@ -82,8 +96,9 @@ def tree_rejection_sample_reference(tree_token_ids: jax.Array, tree_parents: jax
     At a node with residual r (initially the target's distribution there, ``target_probs[b, node + 1]``)
     the children are tried in index order: child c is accepted with probability r(c) / sum(r) (uniform
     ``uniforms[b, c]``), else r(c) = 0. When none is accepted, a sample of r / sum(r) is emitted (the
-    exponential race with seed ``seeds[b, depth]``). All children's trials are computed at once: child
-    j sees r with the tokens of the earlier children zeroed, so a repeated token is always rejected.
+    exponential race with seed ``seeds[b, num_accepted]``). All children's trials at a node are computed
+    at once: child j sees r with the tokens of the earlier children zeroed, so a repeated token is always
+    rejected. A step reads one [V] row per request (its sum); only the last node's row is raced.
 
     Args:
       target_probs: float[B, N + 1, V] (negative and NaN entries read as 0).
@@ -96,21 +111,26 @@ def tree_rejection_sample_reference(tree_token_ids: jax.Array, tree_parents: jax
     safe_ids = jnp.clip(tree_token_ids, 0, vocab_size - 1)
     earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]                    # [j, k]: k < j
     same_token = tree_token_ids[:, :, None] == tree_token_ids[:, None, :]        # [B, j, k]
-    token_ids = jnp.arange(vocab_size, dtype=jnp.int32)[None, :]
 
-    def rule(current, children, depth):
-        p = target_probs[rows, current + 1].astype(jnp.float32)
-        p = jnp.where(p > 0, p, 0.0)                                              # NaN and negatives: 0
+    def probs_at(node, token_ids):
+        """float32 target probabilities after ``node`` int32[B] of ``token_ids`` int32[B, M] (NaN, < 0: 0)."""
+        p = target_probs[rows[:, None], (node + 1)[:, None], token_ids].astype(jnp.float32)
+        return jnp.where(p > 0, p, 0.0)
+
+    def rule(current, children):
         tried = children & in_vocab
-        p_child = jnp.where(tried, jnp.take_along_axis(p, safe_ids, axis=1), 0.0)
+        p_child = jnp.where(tried, probs_at(current, safe_ids), 0.0)
         repeated = jnp.any(tried[:, None, :] & same_token & earlier[None], axis=2)
         first = tried & ~repeated
         removed_before = jnp.cumsum(jnp.where(first, p_child, 0.0), axis=1) - jnp.where(first, p_child, 0.0)
-        remaining = jnp.sum(p, axis=1, keepdims=True) - removed_before
-        accepted = first & (uniforms * remaining < p_child)
-        hit = jnp.zeros(p.shape, jnp.bool_).at[rows[:, None], safe_ids].max(tried)
-        weights = race_weights(p, jnp.where(hit, p, 0.0))          # r with the children's tokens zeroed
-        emitted = argmax_ignoring_nan(race_scores(weights, seeds[rows, depth][:, None], token_ids))
-        return first_true(accepted), emitted
+        row = target_probs[rows, current + 1].astype(jnp.float32)
+        remaining = jnp.sum(jnp.where(row > 0, row, 0.0), axis=1, keepdims=True) - removed_before
+        return first_true(first & (uniforms * remaining < p_child))
 
-    return walk(rule, tree_token_ids, tree_parents, num_nodes, max_depth=max_depth)
+    partial, final, rejected = walk(rule, tree_token_ids, tree_parents, num_nodes, max_depth=max_depth)
+    token_ids = jnp.arange(vocab_size, dtype=jnp.int32)[None, :]
+    p = probs_at(final, jnp.broadcast_to(token_ids, (batch, vocab_size)))
+    hit = jnp.zeros(p.shape, jnp.bool_).at[rows[:, None], safe_ids].max(rejected & in_vocab)
+    weights = race_weights(p, jnp.where(hit, p, 0.0))                 # r with the rejected children's tokens zeroed
+    return finish(partial, argmax_ignoring_nan(race_scores(weights, seeds[rows, partial.num_accepted][:, None],
+                                                           token_ids)))
