@@ -187,9 +187,8 @@ def _paged_attention(q, cache, layer, block_tables, context_lens, staged_keys, s
     if staged_keys is not None and staged_keys.ndim == 5:   # this layer's entries (fused into their consumer)
         staged_keys, staged_values = (lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
                                       for x in (staged_keys, staged_values))
-    tree = {} if new_token_parents is None else {"new_token_parents": new_token_parents}   # None: the chain, as before
     return impl(q, cache, layer, block_tables, context_lens, staged_keys, staged_values, staged_lens, new_keys,
-                new_values, sliding_window=sliding_window, **tree)
+                new_values, sliding_window=sliding_window, new_token_parents=new_token_parents)
 
 
 def tree_depths(new_token_parents) -> jax.Array:
