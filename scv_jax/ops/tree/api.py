@@ -78,7 +78,8 @@ def accept_tree_greedy(tree_token_ids, tree_parents, num_nodes, target_token_ids
 
     From the root, accept the first child (in index order) whose token equals the target's token there
     and move to it; stop at the first node where no child matches and emit the target's token there
-    (after a leaf, or after ``max_depth`` accepted nodes: its bonus token).
+    (after a leaf, or after ``max_depth`` accepted nodes: its bonus token). Emitted tokens are the
+    target's ids as given.
 
     Args:
       tree_token_ids: int32[B, N]; tree_parents: int32[B, N] (-1 = a child of the root; nodes whose parent
