@@ -47,6 +47,12 @@ Design (Hopper, tensor cores, one warpgroup per CTA):
     E = S + T rounded up to 64 (one small XLA fusion, as is the packing of Q into row blocks). The last
     split of each (request, kv head, row block) attends to them after its pages, with the causal mask
     new token n <= query token t, i.e. n * G <= r.
+  * **Trees.** With ``tree_bits`` (a tree over the new tokens) the causal mask of the new tokens is
+    instead bit n of query token t's ancestor bitmask (int32 words, ``tree_mask.ancestor_bits``): the
+    last split loads each row's words once (one scalar load per row and word) into row vectors in the
+    wgmma row layout and tests the bit with a shift per score. Cache and staged tiles are unchanged;
+    the chain (no ``tree_bits``) compiles exactly as before. Not with a sliding window (there the key
+    offsets would be depths). To do once timed: TMA the words instead of scalar loads.
   * **Combine.** One XLA fusion merges the splits' partials (max of m, exp2-weighted sums of l and
     acc), divides and unpacks the rows to ``[B, T, heads, head_dim]`` in q's dtype. The partials hold
     only the real rows (T * G rounded up to 8), staged through SMEM and written with one TMA copy, so
@@ -137,6 +143,7 @@ class Plan:
     splits: int
     tiles_per_split: int
     sliding_window: int | None
+    tree_words: int = 0   # int32 ancestor-bitmask words per query token (0: the chain, causal mask)
 
     @property
     def direct(self) -> bool:
@@ -191,9 +198,9 @@ def precise_products(q_dtype, cache_dtype, extra_dtypes: tuple) -> bool:
 def make_plan(*, layout: str, scale_mode: str | None, cache_dtype, num_layers: int, num_blocks: int,
               block_size: int, max_blocks: int, batch: int, kv_heads: int, group: int, head_dim: int,
               tokens: int, staged_capacity: int, q_dtype, extra_dtypes: tuple,
-              sliding_window: int | None = None, num_splits: int | None = None) -> Plan:
+              sliding_window: int | None = None, num_splits: int | None = None, tree_words: int = 0) -> Plan:
     """The launch plan for these static facts (see the module docstring); ``num_splits`` overrides the
-    split-K factor (clamped to the number of tiles)."""
+    split-K factor (clamped to the number of tiles); ``tree_words`` > 0: a tree mask over the new tokens."""
     cache_dtype = np.dtype(cache_dtype)
     precise = precise_products(q_dtype, cache_dtype, extra_dtypes)
     q_terms = bf16_terms(q_dtype, precise)
@@ -213,7 +220,7 @@ def make_plan(*, layout: str, scale_mode: str | None, cache_dtype, num_layers: i
     min_stages = extra_terms if cache_terms == 0 else 1
     plans = [Plan(layout, scale_mode, cache_dtype, num_layers, num_blocks, block_size, max_blocks, kv_heads, group,
                   head_dim, tokens, staged_capacity, q_terms, cache_terms, extra_terms, p_terms, stages, splits,
-                  tiles_per_split, sliding_window)
+                  tiles_per_split, sliding_window, tree_words)
              for stages in range(MAX_STAGES, min_stages - 1, -1)]
     # The deepest ring that lets two CTAs share an SM, else the deepest that fits one CTA.
     for budget in (SHARED_SMEM_BUDGET, SMEM_BUDGET):
@@ -224,8 +231,11 @@ def make_plan(*, layout: str, scale_mode: str | None, cache_dtype, num_layers: i
 
 
 def unsupported_reason(*, head_dim: int, block_size: int, layout: str, scale_mode: str | None, cache_dtype,
-                       q_dtype, extra_dtypes: tuple, kv_heads: int) -> str:
+                       q_dtype, extra_dtypes: tuple, kv_heads: int, tree: bool = False,
+                       sliding_window: int | None = None) -> str:
     """Why the kernel cannot take these static facts, or "" when it can."""
+    if tree and sliding_window is not None:
+        return "a tree over the new tokens with a sliding window (key offsets are depths, not indices)"
     if head_dim % 64 or not 64 <= head_dim <= 256:
         return (f"head_dim must be 64, 128, 192 or 256 (128-byte swizzled bf16 wgmma operands), "
                 f"got {head_dim}")
@@ -243,10 +253,10 @@ def unsupported_reason(*, head_dim: int, block_size: int, layout: str, scale_mod
 # ---------------------------------------------------------------------------------------- kernel body
 
 
-def _row_vector(values: list[jax.Array]) -> jax.Array:
-    """float32[len(values)] with one traced scalar per tile row, in the wgmma row layout."""
+def _row_vector(values: list[jax.Array], dtype=jnp.float32) -> jax.Array:
+    """[len(values)] of ``dtype`` with one traced scalar per tile row, in the wgmma row layout."""
     rows = plgpu.broadcasted_iota(jnp.int32, (len(values),), 0, layout=plgpu.Layout.WGMMA.reduce(1))
-    out = jnp.full((len(values),), values[-1], jnp.float32)
+    out = jnp.full((len(values),), values[-1], dtype)
     for i, value in enumerate(values[:-1]):
         out = jnp.where(rows == i, value, out)
     return out
@@ -269,6 +279,7 @@ def _products(acc_ref, a_terms: list, b_terms: list) -> jax.Array:
 
 def _attention_body(plan: Plan, layer_ref, tables_ref, context_ref, staged_len_ref, *refs):
     scale_refs = refs[:2] if plan.scale_mode is not None else (None, None)
+    tree_ref = refs[len(refs) - 9] if plan.tree_words else None
     q_ref, k_pages, v_pages, extra_k_ref, extra_v_ref, out_ref, m_ref, l_ref = refs[len(refs) - 8:]
     d = plan.head_dim
     wgmma = plgpu.Layout.WGMMA
@@ -394,6 +405,22 @@ def _attention_body(plan: Plan, layer_ref, tables_ref, context_ref, staged_len_r
         # Staged entries and new tokens: the ring (bf16 caches) or the operand buffers are idle now.
         k_terms = [(k_ring if plan.direct else k_ops).at[t] for t in range(plan.extra_terms)]
         v_terms = [(v_ring if plan.direct else v_ops).at[t] for t in range(plan.extra_terms)]
+        if plan.tree_words:   # each row's ancestor bitmask words (row r is query token r // G)
+            tokens_of_rows = [jnp.minimum(lax.div(row_block * ROWS + r, plan.group), plan.tokens - 1)
+                              for r in range(ROWS)]
+            words = [lax.broadcast_in_dim(_row_vector([tree_ref[b, t, w] for t in tokens_of_rows], jnp.int32),
+                                          (ROWS, TILE), [0]) for w in range(plan.tree_words)]
+
+        def new_token_visible(new_token):
+            """Whether row r's query token sees new token ``new_token`` (in [0, T)): n <= t for the chain,
+            bit n of its ancestor bitmask for a tree."""
+            if not plan.tree_words:
+                return new_token * plan.group <= query_rows
+            word = words[0]
+            for w in range(1, plan.tree_words):
+                word = jnp.where(new_token >= w * 32, words[w], word)
+            bit = lax.shift_right_logical(word, jnp.clip(new_token, 0, plan.tokens - 1) & 31) & 1
+            return bit == 1
 
         def extra_step(j, carry):
             rows = pl.ds(j * TILE, TILE)
@@ -404,8 +431,7 @@ def _attention_body(plan: Plan, layer_ref, tables_ref, context_ref, staged_len_r
             entry = columns + j * TILE
             new_token = entry - plan.staged_capacity
             # staged entry e is at position base + e - staged; new token n at base + n, visible when n <= t
-            valid = (entry < staged) | ((new_token >= 0) & (new_token < plan.tokens)
-                                        & (new_token * plan.group <= query_rows))
+            valid = (entry < staged) | ((new_token >= 0) & (new_token < plan.tokens) & new_token_visible(new_token))
             key_offsets = jnp.where(new_token >= 0, new_token, entry - staged)
             return attend(k_terms, v_terms, windowed(valid, key_offsets), carry)
 
@@ -480,7 +506,8 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            staged_values: jax.Array | None, staged_lens: jax.Array | None,
                            new_keys: jax.Array, new_values: jax.Array, *, layout: str,
                            scale_mode: str | None, sliding_window: int | None = None,
-                           num_splits: int | None = None, interpret: bool = False) -> jax.Array:
+                           tree_bits: jax.Array | None = None, num_splits: int | None = None,
+                           interpret: bool = False) -> jax.Array:
     """Attention of ``q`` over the paged cache, the staged entries and the new tokens (causal).
 
     Args:
@@ -496,6 +523,9 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         position ``context_lens[b] + s``.
       new_keys, new_values: [B, T, kv_heads, head_dim].
       sliding_window: None or W: query t (at position p) attends only to keys at positions > p - W.
+      tree_bits: None (the chain: new token n <= t is visible to query t), or int32[B, T, words]: query
+        t sees new token n iff bit n % 32 of word n // 32 is set (``tree_mask.ancestor_bits``); not with
+        ``sliding_window``.
       num_splits: split-K factor (None: chosen from the shapes, see ``make_plan``).
     Returns:
       [B, T, heads, head_dim] in q's dtype.
@@ -509,7 +539,8 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                      num_blocks=num_blocks, block_size=block_size, max_blocks=max(block_tables.shape[1], 1),
                      batch=batch, kv_heads=kv_heads, group=heads // kv_heads, head_dim=head_dim, tokens=tokens,
                      staged_capacity=staged_capacity, q_dtype=q.dtype, extra_dtypes=extra_dtypes,
-                     sliding_window=sliding_window, num_splits=num_splits)
+                     sliding_window=sliding_window, num_splits=num_splits,
+                     tree_words=0 if tree_bits is None else tree_bits.shape[2])
     if block_tables.shape[1] == 0:   # no pages: a dummy column (every context clamps to 0)
         block_tables = jnp.full((batch, 1), -1, jnp.int32)
         context_lens = jnp.zeros_like(context_lens)
@@ -519,6 +550,7 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     extra_k = _pack_extra(staged_keys, staged_lens, new_keys, plan)
     extra_v = _pack_extra(staged_values, staged_lens, new_values, plan)
     scales = [] if scale_mode is None else [k_scale, v_scale]
+    tree = [] if tree_bits is None else [tree_bits.astype(jnp.int32)]
     partial_rows = plan.row_blocks * plan.rows_out
     out_type = (jax.ShapeDtypeStruct((batch, kv_heads, plan.splits, partial_rows, head_dim), jnp.float32),
                 jax.ShapeDtypeStruct((batch, kv_heads, plan.splits, plan.row_blocks * ROWS), jnp.float32),
@@ -527,6 +559,6 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         functools.partial(_attention_body, plan), out_type=out_type,
         grid=(kv_heads * plan.row_blocks, plan.splits, batch), grid_names=("hr", "s", "b"),
         interpret=interpret_params(interpret),
-    )(layer, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32), staged_lens, *scales,
+    )(layer, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32), staged_lens, *scales, *tree,
       _pack_queries(q, plan), k_pages, v_pages, extra_k, extra_v)
     return _combine(out, m, l, plan, q.dtype)

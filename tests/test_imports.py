@@ -63,13 +63,15 @@ def test_models_load_no_checkpoint_library():
 def test_xla_backend_never_loads_a_kernel():
     result = _fresh("import scv_jax, jax.numpy as jnp\n"
                     "scv_jax.accept_greedy([1], [0, 1], [1], [2], max_spec_len=1, backend='xla')\n"
+                    "scv_jax.accept_tree_greedy([[1]], [[-1]], [1], [[1, 2]], max_depth=1, backend='xla')\n"
                     "cache = scv_jax.PagedKVCache.create(1, 2, 4, 1, 128)\n"
                     "scv_jax.commit_draft_kv(cache, jnp.ones((1, 1, 1, 128)), jnp.ones((1, 1, 1, 128)), [0])\n"
                     "scv_jax.paged_attention(jnp.ones((1, 1, 1, 128)), cache, 0, [[0]], [3], backend='xla',\n"
                     "                        new_keys=jnp.ones((1, 1, 1, 128)), new_values=jnp.ones((1, 1, 1, 128)))\n"
                     "result = sorted(m for m in sys.modules if m.startswith(('pallas_kernels.', 'jax.experimental.pallas')))")
     # only the arithmetic the reference shares with the kernels, never a kernel or Pallas itself
-    assert set(result) <= {"pallas_kernels.fp8", "pallas_kernels.ragged_batch", "pallas_kernels.sampling_math"}, result
+    assert set(result) <= {"pallas_kernels.fp8", "pallas_kernels.ragged_batch", "pallas_kernels.sampling_math",
+                           "pallas_kernels.tree_mask"}, result
 
 
 def test_every_public_name_resolves():

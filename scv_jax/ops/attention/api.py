@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.tree_mask import ancestor_bits, ancestor_mask, depths
 from scv_jax.arguments import require_int
 from scv_jax.checks import (as_array, require_floating, require_int_vector, require_integer,
                             require_rank)
@@ -33,7 +34,8 @@ def _kernel_unsupported(**facts: Any) -> str:
 
 
 def _attention_kernel(q, cache: PagedKVCache, layer, block_tables, context_lens, staged_keys, staged_values,
-                      staged_lens, new_keys, new_values, *, sliding_window: int | None, interpret: bool) -> jax.Array:
+                      staged_lens, new_keys, new_values, *, sliding_window: int | None,
+                      new_token_parents: jax.Array | None = None, interpret: bool) -> jax.Array:
     from pallas_kernels.paged_attention import paged_attention_kernel, precise_products
     extra = (staged_keys, staged_values, new_keys, new_values)
     precise = precise_products(q.dtype, cache.dtype, tuple(x.dtype for x in extra if x is not None))
@@ -47,6 +49,8 @@ def _attention_kernel(q, cache: PagedKVCache, layer, block_tables, context_lens,
     return paged_attention_kernel(q, cache.k_pages, cache.v_pages, k_scale, v_scale, layer, block_tables,
                                   context_lens, staged_keys, staged_values, staged_lens, new_keys, new_values,
                                   layout=cache.layout, scale_mode=cache.scale_mode, sliding_window=sliding_window,
+                                  tree_bits=None if new_token_parents is None else ancestor_bits(
+                                      ancestor_mask(new_token_parents)),
                                   interpret=interpret)
 
 
@@ -79,13 +83,16 @@ def _check_layer(layer: Any, num_layers: int) -> Any:
 
 def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *, staged_keys=None,
                     staged_values=None, staged_lens=None, new_keys, new_values, sliding_window: int | None = None,
-                    backend: str = "auto") -> jax.Array:
+                    new_token_parents=None, backend: str = "auto") -> jax.Array:
     """Attention of one layer's queries over the paged cache, the staged entries and the new tokens.
 
     Query t of request b sits at position ``context_lens[b] + staged_lens[b] + t`` and attends to the
     cache positions < ``context_lens[b]`` (read through ``block_tables[b]``), the staged entries <
     ``staged_lens[b]`` (staged entry s is at position ``context_lens[b] + s``) and the new tokens <= t,
-    and with ``sliding_window`` W only to keys at positions > its own position - W. Scores are scaled
+    and with ``sliding_window`` W only to keys at positions > its own position - W. With
+    ``new_token_parents`` (a tree over the new tokens) query t instead attends to the new tokens that
+    are its ancestors or itself only, and sits at position ``context_lens[b] + staged_lens[b] + depth``
+    (depth = its number of ancestors; ``scv_jax.tree_depths``). Scores are scaled
     by ``head_dim ** -0.5``, softmax is float32, and query head h uses kv head ``h // (heads // kv_heads)``.
     Staged and new K/V are read as the cache will hold them once committed (quantised with the scale
     their commit uses, then dequantised: ``scv_jax.ops.commit.reference.as_stored``), so a token's key
@@ -104,6 +111,10 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
       staged_lens: int32[B] valid staged entries per request (clamped to [0, S]); required with staged K/V.
       new_keys, new_values: [B, T, kv_heads, head_dim], this layer's K/V of the query tokens.
       sliding_window: None, or W >= 1 (static): keys more than W - 1 positions back are not attended.
+      new_token_parents: None (the chain: new token t's parent is t - 1), or int32[B, T]: new token t's
+        parent new token (< t), -1 = none (a child of the prefix); entries outside [-1, t) read as -1.
+        In the decoder's layout the pending token is new token 0 (parent -1) and tree node i is new
+        token i + 1 with parent ``tree_parents[i] + 1``.
       backend: "auto", "pallas", "xla" or "interpret" (``scv_jax.ops.registry``).
     Returns:
       [B, T, heads, head_dim] in q's dtype. Padded requests (context 0, no staged entries, any block
@@ -144,26 +155,52 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
         require_int_vector(OP, "staged_lens", staged_lens, batch, "int32[B]")
     if sliding_window is not None:
         sliding_window = require_int(OP, "sliding_window", sliding_window, minimum=1, static=True)
+    if new_token_parents is not None:
+        new_token_parents = as_array(OP, "new_token_parents", new_token_parents)
+        require_rank(OP, "new_token_parents", new_token_parents, 2, "int32[B, T]")
+        require_integer(OP, "new_token_parents", new_token_parents, "int32[B, T]")
+        if np.shape(new_token_parents) != (batch, tokens):
+            raise ValueError(f"{OP}: new_token_parents must be int32[B, T] = ({batch}, {tokens}), got shape "
+                             f"{tuple(np.shape(new_token_parents))}")
     extra_dtypes = tuple(np.dtype(jnp.result_type(x)) for x in (staged_keys, staged_values, new_keys, new_values)
                          if x is not None)
     impl = registry.select(OP, backend, head_dim=head_dim, block_size=cache.block_size, layout=cache.layout,
                            scale_mode=cache.scale_mode, cache_dtype=cache.dtype, q_dtype=np.dtype(jnp.result_type(q)),
-                           extra_dtypes=extra_dtypes, kv_heads=kv_heads)
+                           extra_dtypes=extra_dtypes, kv_heads=kv_heads, tree=new_token_parents is not None,
+                           sliding_window=sliding_window)
     if batch == 0 or tokens == 0:
         return jnp.zeros(np.shape(q), jnp.result_type(q))
     as_jax = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
     return _paged_attention(jnp.asarray(q), cache, layer, jnp.asarray(block_tables, jnp.int32),
                             jnp.asarray(context_lens, jnp.int32), as_jax(staged_keys), as_jax(staged_values),
                             None if staged_lens is None else jnp.asarray(staged_lens, jnp.int32),
-                            jnp.asarray(new_keys), jnp.asarray(new_values), sliding_window=sliding_window, impl=impl)
+                            jnp.asarray(new_keys), jnp.asarray(new_values),
+                            None if new_token_parents is None else jnp.asarray(new_token_parents, jnp.int32),
+                            sliding_window=sliding_window, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "impl"))
 def _paged_attention(q, cache, layer, block_tables, context_lens, staged_keys, staged_values, staged_lens,
-                     new_keys, new_values, *, sliding_window: int | None, impl: registry.Selected) -> jax.Array:
+                     new_keys, new_values, new_token_parents, *, sliding_window: int | None,
+                     impl: registry.Selected) -> jax.Array:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, cache.num_layers - 1)
     if staged_keys is not None and staged_keys.ndim == 5:   # this layer's entries (fused into their consumer)
         staged_keys, staged_values = (lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
                                       for x in (staged_keys, staged_values))
     return impl(q, cache, layer, block_tables, context_lens, staged_keys, staged_values, staged_lens, new_keys,
-                new_values, sliding_window=sliding_window)
+                new_values, sliding_window=sliding_window, new_token_parents=new_token_parents)
+
+
+def tree_depths(new_token_parents) -> jax.Array:
+    """int32[B, T]: the depth (number of ancestors) of each new token of ``new_token_parents`` int32[B, T]
+    (as ``paged_attention`` reads it): new token t's position is context + staged + depth, e.g. for RoPE."""
+    op = "tree_depths"
+    new_token_parents = as_array(op, "new_token_parents", new_token_parents)
+    require_rank(op, "new_token_parents", new_token_parents, 2, "int32[B, T]")
+    require_integer(op, "new_token_parents", new_token_parents, "int32[B, T]")
+    return _tree_depths(jnp.asarray(new_token_parents, jnp.int32))
+
+
+@jax.jit
+def _tree_depths(new_token_parents: jax.Array) -> jax.Array:
+    return depths(ancestor_mask(new_token_parents))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.fp8 import dequantize, is_fp8
+from pallas_kernels.tree_mask import ancestor_mask, depths
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.commit.reference import as_stored
 
@@ -101,12 +102,15 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
                               context_lens: jax.Array, staged_keys: jax.Array | None,
                               staged_values: jax.Array | None, staged_lens: jax.Array | None,
                               new_keys: jax.Array, new_values: jax.Array, *, sliding_window: int | None = None,
+                              new_token_parents: jax.Array | None = None,
                               chunk_tokens: int | None = None) -> jax.Array:
     """Attention of ``q`` [B, T, heads, D] over the cache, the staged entries and the new tokens.
 
     Query t of request b attends to cache positions < ``context_lens[b]``, staged entries <
     ``staged_lens[b]`` (``staged_keys``: this layer's [B, S, kv_heads, D]) and new tokens <= t, within
-    ``sliding_window`` (see ``scv_jax.ops.attention.api.paged_attention``). Lengths are clamped into
+    ``sliding_window`` (see ``scv_jax.ops.attention.api.paged_attention``); with ``new_token_parents``
+    int32[B, T] (a tree over the new tokens, ``pallas_kernels.tree_mask``) new token t attends to its
+    ancestors and itself only, at position context + staged + its depth. Lengths are clamped into
     range, block ids into [0, num_blocks), ``layer`` into [0, layers). Chunks wholly outside every
     query's window are skipped. ``chunk_tokens`` (a multiple of block_size) overrides the positions
     read per loop step. Staged and new K/V are read as the cache will hold them (``as_stored``).
@@ -125,7 +129,9 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
     capacity = 0 if staged_keys is None else staged_keys.shape[1]
     staged_lens = (jnp.zeros_like(context_lens) if staged_keys is None
                    else jnp.clip(staged_lens.astype(jnp.int32), 0, capacity))
-    query_positions = (context_lens + staged_lens)[:, None] + jnp.arange(tokens, dtype=jnp.int32)   # [B, T]
+    ancestors = None if new_token_parents is None else ancestor_mask(new_token_parents)      # [B, T, T]
+    base = (context_lens + staged_lens)[:, None]
+    query_positions = base + (jnp.arange(tokens, dtype=jnp.int32) if ancestors is None else depths(ancestors))  # [B, T]
     queries = q.reshape(batch, tokens, kv_heads, group, head_dim)
     carry = (jnp.zeros((batch, kv_heads, group, tokens, head_dim), jnp.float32),
              jnp.full((batch, kv_heads, group, tokens), NEG, jnp.float32),
@@ -159,6 +165,8 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
     keys, values, positions, valid = ([source[i] for source in sources] for i in range(4))
     promote = lambda parts: jnp.concatenate([x.astype(jnp.result_type(*parts)) for x in parts], axis=1)  # noqa: E731
     visible = _visible(query_positions, promote(positions), promote(valid), sliding_window)
+    if ancestors is not None:   # the new tokens (the last T keys): ancestors and self only
+        visible = visible.at[:, :, -tokens:].set(visible[:, :, -tokens:] & ancestors)
     acc, _, l = _softmax_step(carry, queries, promote(keys), promote(values), visible)
     out = acc / l[..., None]                          # l >= 1: every query sees its own token
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, tokens, heads, head_dim).astype(q.dtype)
