@@ -41,8 +41,8 @@ class Served:
 
 def make_engine(args: argparse.Namespace) -> Served:
     """The ``Engine`` of ``args`` (not warmed up). Raises ValueError naming the flag for a bad one."""
-    from scv_jax import DecoderConfig, Engine
     from scv_jax.cli import _check_memory, _ngram_drafter
+    from scv_jax.decoding.config import DecoderConfig
     from scv_jax.models import load_hf
     from scv_jax.models.hf import eos_token_ids
 
@@ -70,6 +70,8 @@ def make_engine(args: argparse.Namespace) -> Served:
     if mesh_shape is not None:
         from scv_jax import decoder_mesh
         mesh = decoder_mesh(*mesh_shape)
+    from scv_jax import Engine
+
     engine = Engine(target, draft, config=config, mesh=mesh, eos_token_id=eos_token_ids(args.model) or None)
     return Served(engine, max_model_len, target.config.vocab_size)
 
