@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from tests.serving.checkpoint import write_checkpoint
+from scv_jax.demo.hf_export import write_checkpoint
 
 REQUEST_TIMEOUT = 60.0
 

@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 from scv_jax.models import load_tokenizer
 from scv_jax.serving.detokenize import IncrementalDetokenizer, TextStream
-from tests.serving.checkpoint import write_tokenizer
+from scv_jax.demo.hf_export import write_tokenizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEXT = st.text(st.sampled_from("ab é€𝄞\n_xyzquickbrownfox"), max_size=40)

@@ -1,7 +1,12 @@
-"""A tiny Hugging Face checkpoint for the server tests, written from the demo's byte-level draft model
-(trained on Python source, vocab 256, 1 layer): ``config.json`` (LlamaForCausalLM), ``model.safetensors``,
-a byte-level ``tokenizer.json`` whose id i is byte i (so a multi-byte character spans tokens) and a
-``tokenizer_config.json`` with a chat template. Nothing is committed: the tests write it to a temp dir."""
+"""The demo's byte-level models (trained on Python source, vocab 256) as Hugging Face checkpoints, to
+try ``scv-jax serve`` / ``generate`` without downloading a model (and for the server's tests):
+
+    python -m scv_jax.demo.hf_export /tmp/demo-target --which target
+    python -m scv_jax.demo.hf_export /tmp/demo-draft --which draft
+
+Each directory gets ``config.json`` (LlamaForCausalLM), ``model.safetensors`` (float32), a byte-level
+``tokenizer.json`` whose id i is byte i (so a multi-byte character spans tokens) and a
+``tokenizer_config.json`` with a small chat template (``### role`` headers)."""
 
 from __future__ import annotations
 
@@ -40,8 +45,9 @@ def write_tokenizer(directory: pathlib.Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
 
 
-def write_checkpoint(directory: pathlib.Path, *, chat_template: bool = True) -> pathlib.Path:
-    """The demo draft as a checkpoint in ``directory`` (created); returns it."""
+def write_checkpoint(directory: str | pathlib.Path, *, which: str = "draft", chat_template: bool = True) -> pathlib.Path:
+    """The demo ``which`` model ("target": 6 layers, "draft": 1 layer) as a checkpoint in ``directory``
+    (created); returns it."""
     from flax import nnx
     from safetensors.numpy import save_file
 
@@ -49,8 +55,11 @@ def write_checkpoint(directory: pathlib.Path, *, chat_template: bool = True) -> 
     from scv_jax.models.assemble import LAYER_PREFIX
     from scv_jax.models.hf import _hf_tensor
 
+    if which not in ("target", "draft"):
+        raise ValueError(f"write_checkpoint: which must be 'target' or 'draft', got {which!r}")
+    directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _, model = load_demo()
+    model = load_demo()[which == "draft"]
     c = model.config
     tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
@@ -70,3 +79,17 @@ def write_checkpoint(directory: pathlib.Path, *, chat_template: bool = True) -> 
     if chat_template:
         (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return directory
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m scv_jax.demo.hf_export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", help="where to write the checkpoint")
+    parser.add_argument("--which", choices=("target", "draft"), default="target", help="which demo model")
+    args = parser.parse_args(argv)
+    print(write_checkpoint(args.directory, which=args.which))
+
+
+if __name__ == "__main__":
+    main()
