@@ -158,6 +158,8 @@ def _add_serve(sub, formatter) -> None:
                        help="KV-cache blocks of 16 positions (default: --max-num-seqs full-length requests)")
     serve.add_argument("--served-model-name", metavar="NAME", help="the model name clients use (default: --model)")
     serve.add_argument("--mesh", metavar="DATA,MODEL", help="decode on a device mesh of DATA x MODEL devices")
+    serve.add_argument("--no-warmup", action="store_true",
+                       help="compile each step shape when first needed (a faster start, slower first requests)")
     _add_ngram_sizes(serve)
     _add_packed_verify(serve)
 

@@ -113,9 +113,10 @@ def serve(args: argparse.Namespace) -> int:
     if tokenizer.vocab_size > served.vocab_size:
         raise ValueError(f"--model {args.model}: its tokenizer has {tokenizer.vocab_size} ids, the model's "
                          f"vocab_size is {served.vocab_size}")
-    print(f"compiling (one time): up to {args.max_num_seqs} requests of up to {served.max_model_len} tokens ...",
-          file=sys.stderr, flush=True)
-    served.engine.warmup(args.max_num_seqs, served.max_model_len, progress=True)
+    if not args.no_warmup:
+        print(f"compiling (one time): up to {args.max_num_seqs} requests of up to {served.max_model_len} tokens ...",
+              file=sys.stderr, flush=True)
+        served.engine.warmup(args.max_num_seqs, served.max_model_len, progress=True)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     ctx = ServingContext(engine_loop=EngineLoop(served.engine, metrics.observe_engine), tokenizer=tokenizer,
