@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from scv_jax.sampling_params import SamplingParams
 from scv_jax.serving.chat import ChatTemplate, ChatTemplateError
@@ -67,7 +68,7 @@ class _Run:
         self.stream = TextStream(ctx.tokenizer.decode, prompt, stop)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival, self.first_token_at, self.last_token_at = time.monotonic(), None, None
-        self.num_tokens, self.finish_reason, self.done, self.admitted = 0, None, False, False
+        self.num_tokens, self.finish_reason, self.done, self.admitted, self.closed = 0, None, False, False, False
         self.draft_tokens = self.accepted = self.drafts = 0
         self.accepted_per_pos: tuple[int, ...] = ()
 
@@ -77,7 +78,11 @@ class _Run:
         self.ctx.in_flight += 1
         self.ctx.engine_loop.submit(self.request_id, self.prompt, self.params,
                                     lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event))
-        event = await self.queue.get()
+        try:
+            event = await self.queue.get()
+        except BaseException:      # cancelled (the client left) before the engine answered
+            self.close()
+            raise
         self.admitted = event[0] == "added"
         if not self.admitted:
             self.done = True
@@ -141,8 +146,10 @@ class _Run:
         return {"num_draft_tokens": self.draft_tokens, "num_accepted_tokens": self.accepted}
 
     def close(self) -> None:
-        """Ends the request (aborting it in the engine when unfinished) and records its metrics."""
-        m, ctx = self.ctx.metrics, self.ctx
+        """Ends the request (aborting it in the engine when unfinished) and records its metrics; once."""
+        if self.closed:
+            return
+        m, ctx, self.closed = self.ctx.metrics, self.ctx, True
         ctx.in_flight -= 1
         if not self.done:
             self.done, self.finish_reason = True, "abort"
@@ -256,7 +263,9 @@ def build_app(ctx: ServingContext) -> FastAPI:
         await job.start()
         shape = _ChatShape(ctx, request_id) if kind == "chat" else _CompletionShape(ctx, request_id)
         if stream:
-            return StreamingResponse(_stream(job, shape), media_type="text/event-stream")
+            # the background task closes a stream whose generator never ran (its client left at once)
+            return StreamingResponse(_stream(job, shape), media_type="text/event-stream",
+                                     background=BackgroundTask(job.close))
         try:
             pieces = [piece async for piece in job.pieces(request)]
         finally:
