@@ -132,3 +132,22 @@ def test_ngram_and_adaptive_greedy_outputs_equal_offline_decoding(checkpoint, tm
             assert text == tokenizer.decode(offline(tokenizer.encode(prompt), 32))
     finally:
         assert process.stop(signal.SIGINT) == 0, process.stderr()
+
+
+def test_stop_strings_cut_the_greedy_text(server, offline, tokenizer):
+    prompt = "import os\nimport sys\n"
+    full = tokenizer.decode(offline(tokenizer.encode(prompt), 40))
+    stop = full[12:15]                              # three bytes: three tokens, within or across accepted runs
+    out = client(server.url).completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0, stop=stop)
+    assert out.choices[0].text == full[:full.find(stop)] and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == len(full[:full.find(stop) + 3].encode())
+
+
+def test_greedy_logprobs_rank_the_emitted_token_first(server):
+    out = client(server.url).completions.create(model=NAME, prompt="def main(", max_tokens=6, temperature=0,
+                                                logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 6 and all(v <= 0 for v in lp.token_logprobs)
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        best = max(top, key=top.get)
+        assert best == token and abs(top[best] - value) < 1e-5
