@@ -257,6 +257,10 @@ def build_app(ctx: ServingContext) -> FastAPI:
         return list(prompt)
 
     async def run(request: Request, ids: list[int], params: SamplingParams, stop, kind: str, stream: bool):
+        vocab = ctx.tokenizer.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ApiError(400, f"stop_token_ids must be ids in [0, vocab_size={vocab}), got "
+                                f"{list(params.stop_token_ids)}", "stop_token_ids")
         admit()
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         job = _Run(ctx, request_id, ids, params, stop)
