@@ -19,6 +19,7 @@ GREEDY_EPSILON = 1e-5   # vLLM's _SAMPLING_EPS: a temperature below it means gre
 MAX_LOGPROBS = 20       # the most top log-probabilities a request may ask for (as vLLM's default)
 MAX_SEED = 2 ** 63      # seeds are ints in [0, 2**63)
 INT32_MAX = 2 ** 31 - 1  # a larger top_k is stored as this (it keeps every token either way)
+MAX_STOP_IDS = 16       # the most token ids that may end one request (its stop_token_ids and the model's eos ids)
 
 
 def _fail(name: str, expected: str, value: Any, error: type[Exception] = ValueError) -> None:
@@ -56,7 +57,8 @@ class SamplingParams:
       min_p: in [0, 1]; keep tokens with probability >= min_p * the most likely token's; 0 = off.
       seed: an int in [0, 2**63) for this request's random numbers, or None (the engine's stream).
       max_tokens: >= 1, the most tokens to generate.
-      stop_token_ids: token ids (ints >= 0) that end the request (any sequence; stored as a tuple).
+      stop_token_ids: token ids (ints >= 0) that end the request (any sequence; stored as a tuple; with
+        the model's eos ids at most ``MAX_STOP_IDS`` = 16 in all, checked when the request is added).
       ignore_eos: keep generating after the end-of-sequence token.
       logprobs: None, or how many top log-probabilities to return per token, 0 <= n <= 20
         (``scv_jax.ops.sampling.token_logprobs``; the emitted token's own is always returned).

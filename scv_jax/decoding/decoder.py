@@ -1,6 +1,6 @@
-"""The speculative decoding loop (host side): prefill, then per step choose k and each request's
-drafts, run the device step (propose -> score -> accept -> commit, ``device_step``), fetch its summary
-once, advance the requests and adapt.
+"""``SpeculativeDecoder``: the models split for the step functions, their paged caches, block pool,
+compiled step executables (graph mode), adaptive controllers and warm-up; ``generate`` decodes a batch
+of prompts through an ``Engine`` (``engine``: the loop of steps, online requests).
 
     target, draft = scv_jax.models.load_demo()
     decoder = scv_jax.SpeculativeDecoder(target, draft, config=scv_jax.DecoderConfig(k=4))
@@ -9,9 +9,9 @@ once, advance the requests and adapt.
 
     ngram = scv_jax.SpeculativeDecoder(target, scv_jax.NgramDrafter(min_n=1, max_n=3))  # or "ngram"
 
-All per-request state (tokens, lags, block tables) lives on the host in arrays (``RequestBatch``);
-the device holds the two paged caches and the model weights. Each step is one call into a
-graph-mode executable (its inputs built at bucket size, its bucket planned once per shape) and one
+All per-request state (tokens, lags, block tables, sampling rows) lives on the host in arrays
+(``RequestBatch``, held by the engine); the device holds the two paged caches and the model weights.
+Each step is one call into a graph-mode executable (its inputs built at bucket size, its bucket planned once per shape) and one
 batched device-to-host fetch of the emitted tokens. With ``mesh=`` the weights, caches and batch are
 spread over a device mesh (``placement``).
 """
@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import sys
+import threading
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -30,31 +31,23 @@ import numpy as np
 
 from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
 from scv_jax.arguments import require_int
-from scv_jax.decoding.block_pool import BlockPool
 from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DecoderConfig
-from scv_jax.decoding.device_step import SplitModel, StepRow
+from scv_jax.decoding.device_step import SamplingColumn, SplitModel, StepRow
 from scv_jax.decoding.executables import step_executables
-from scv_jax.decoding.ngram import NgramDrafter, NgramIndex, UnverifiedProposals, draft_grid, propose_batch
-from scv_jax.decoding.placement import BatchRows, OnMesh, ShardingConfig, SingleDevice
-from scv_jax.decoding.positions import catch_up_rows
-from scv_jax.decoding.requests import RequestBatch, check_eos, check_prompts, check_seed
-from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
-from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
+from scv_jax.decoding.ngram import NgramDrafter
+from scv_jax.decoding.placement import OnMesh, ShardingConfig, SingleDevice
+from scv_jax.decoding.requests import check_eos, check_prompts, check_seed
+from scv_jax.decoding.stats import GenerateStats
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
 from scv_jax.ops.registry import cuda_available
+from scv_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
 # the decode step's dynamic arguments that every call gives
-_DECODE_ALWAYS = ("target_params", "target_cache", "block_tables", "rows", "base_key", "temperature")
-
-
-def _base_key(seed: int) -> jax.Array:
-    """uint32[2] the key data of ``seed``'s random stream, on the device (``warmup`` compiles it)."""
-    return jax.random.key_data(jax.random.key(seed))
+_DECODE_ALWAYS = ("target_params", "target_cache", "block_tables", "rows", "sampling")
 
 
 class GenerateOutput(NamedTuple):
@@ -86,26 +79,9 @@ def _max_positions(*models: Any) -> int | None:
     return min((n for n in limits if n is not None), default=None)
 
 
-@dataclasses.dataclass
-class _Call:
-    """What one ``generate`` call's steps share."""
-
-    state: RequestBatch
-    base_key: jax.Array                   # uint32[2] on the device
-    temperature: jax.Array                # float32 scalar on the device
-    greedy: bool
-    eos_token_id: tuple[int, ...]        # () for none
-    on_tokens: Callable[[int, list[int]], None] | None
-    request_ids: np.ndarray               # int64[R] the controller's ids of the requests (unique per decoder)
-    ngram: list[NgramIndex | None] | None  # each request's n-gram index, built when it starts running
-    controller: AdaptiveController | None
-    stats: GenerateStats
-    tally: AcceptanceTally
-    # (rows, their request ids, their batch layout), reused while the same requests run
-    step_ids: tuple[np.ndarray | None, np.ndarray | None, BatchRows | None] = (None, None, None)
-    observed: tuple | None = None          # the last step's counts and time, for the controller
-    decided: tuple[int, int] | None = None  # (batch, k) the controller chose for the next step
-    unverified: UnverifiedProposals | None = None   # n-gram proposals of a k = 0 step, checked later
+def _request_seed(seed: int, index: int) -> int:
+    """The seed of request ``index`` of a ``generate`` call with ``seed``: in [0, 2**63), one per pair."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
 class SpeculativeDecoder:
@@ -165,6 +141,7 @@ class SpeculativeDecoder:
         self._prefill, self._decode = step_executables(cfg, self._target, self._draft, self._step_ks, self.placement)
         self._plans: dict[tuple, BucketPlan] = {}
         self._next_request_id = 0
+        self._lock = threading.RLock()        # one step at a time (engines on this decoder, threads)
         self._warmed_up = False
         self._reported: set[str] = set()      # compilations after warm-up already logged
         # one controller per kind of step: greedy and sampled steps are different executables, with
@@ -185,85 +162,68 @@ class SpeculativeDecoder:
             base, k_min=allowed[0], k_max=allowed[-1], allowed_k=allowed,
             k_init=base.k_init if base.k_init in allowed else allowed[-1]))
 
-    # ------------------------------------------------------------------ checks
-    def _check_request(self, prompts: list[list[int]], max_new_tokens: int,
-                       max_num_seqs: int | None) -> list[BlockPool]:
-        """The block pool of each request; raises before anything runs when the requests (at most
-        ``max_num_seqs`` running at once) cannot fit the caches. Drafts never outrun a request's
-        budget, so a request writes at most prompt + max_new_tokens - 1 cache positions."""
-        cfg = self.config
-        longest = max(len(p) for p in prompts) + max_new_tokens - 1
-        limit = self.max_position_embeddings
-        if limit is not None and longest + 1 > limit:
-            row = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-            raise ValueError(f"generate: prompt {row} ({len(prompts[row])} tokens) + max_new_tokens {max_new_tokens} "
-                             f"= {longest + 1} positions exceed the model's max_position_embeddings {limit}")
-        if longest > cfg.max_seq_len:
-            raise ValueError(f"generate: a request needs up to {longest} cache positions (prompt "
-                             f"{max(len(p) for p in prompts)} + max_new_tokens {max_new_tokens} - 1) but "
-                             f"DecoderConfig.max_seq_len is {cfg.max_seq_len}")
-        return self.pool.assign([-(-(len(p) + max_new_tokens - 1) // cfg.block_size) for p in prompts],
-                                max_num_seqs)
-
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+    def _new_request_id(self) -> int:
+        """A new id for the controller's per-request state (unique over this decoder's requests)."""
+        self._next_request_id += 1
+        return self._next_request_id
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, temperature: float = 0.0,
                  seed: int = 0, eos_token_id: int | Sequence[int] | None = None, *,
                  max_num_seqs: int | None = None, progress: bool = False,
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> GenerateOutput:
-        """Generates up to ``max_new_tokens`` tokens for each prompt (a batch of any lengths).
+                 on_tokens: Callable[[int, list[int]], None] | None = None,
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> GenerateOutput:
+        """Generates up to ``max_new_tokens`` tokens for each prompt (a batch of any lengths): a loop over
+        an ``Engine`` with every prompt added at once.
 
         A request stops at ``max_new_tokens`` or after emitting an ``eos_token_id`` (one id or a
         sequence of ids, e.g. Llama-3-Instruct's three); its KV blocks go back to the pool. A prompt
         plus ``max_new_tokens`` may not exceed the models' ``config.max_position_embeddings`` (where
         they declare one). ``temperature`` 0 is greedy; otherwise sampling with ``seed``, an int in
-        [0, 2**32) (same seed, same output). ``max_num_seqs``: at most that many requests decode at
-        once (continuous batching: the others wait, in order, and each is prefilled and joins the
-        running batch as soon as a running request finishes; None: all at once). Either way at most
-        the largest batch bucket run at once (``DecoderConfig.batch_buckets``; on a mesh, its share
-        per data shard): a step never outgrows the compiled executables. ``progress``: report the
-        prefill of long prompts on stderr. ``on_tokens(prompt_index, new_tokens)``: called after
-        each step for each request that emitted tokens (streaming; the tokens of
-        ``GenerateOutput.tokens``, in order; an exception it raises stops the call).
+        [0, 2**32) (same seed, same output; request i draws from its own stream of (seed, i)).
+        ``sampling``: instead of ``max_new_tokens`` and ``temperature``, each request's
+        ``SamplingParams`` (one for all, or one per prompt; their max_tokens, filters, stop ids and
+        seeds; a request without a seed draws from (seed, i)). ``max_num_seqs``: at most that many
+        requests decode at once (continuous batching: the others wait, in order, and each is
+        prefilled and joins the running batch as soon as a running request finishes; None: all at
+        once). Either way at most the largest batch bucket run at once (``DecoderConfig.batch_buckets``;
+        on a mesh, its share per data shard): a step never outgrows the compiled executables.
+        ``progress``: report the prefill of long prompts on stderr. ``on_tokens(prompt_index,
+        new_tokens)``: called after each step for each request that emitted tokens (streaming; the
+        tokens of ``GenerateOutput.tokens``, in order; an exception it raises stops the call).
         """
-        require_int("generate", "max_new_tokens", max_new_tokens, minimum=1)
+        from scv_jax.decoding.engine import Engine
+
         if not _is_temperature(temperature):
             raise ValueError(f"generate: temperature must be a finite float >= 0, got {temperature!r}")
-        eos_token_id, seed = check_eos(eos_token_id, self.vocab_size), check_seed(seed)
+        seed = check_seed(seed)
         if on_tokens is not None and not callable(on_tokens):
             raise ValueError(f"generate: on_tokens must be None or a callable(prompt_index, tokens), got {on_tokens!r}")
         if max_num_seqs is not None:
             require_int("generate", "max_num_seqs", max_num_seqs, minimum=1)
         prompt_ids = check_prompts(prompts, self.vocab_size)
-        largest = self._decode.dims["batch"].largest
-        running = largest if max_num_seqs is None else min(max_num_seqs, largest)
-        pools = self._check_request(prompt_ids, max_new_tokens, running)
-        cfg = self.config
-        state = RequestBatch(prompt_ids, int(max_new_tokens), pools, [self.pool.shard_of(p) for p in pools],
-                             cfg.block_size, cfg.max_blocks_per_seq, self._step_ks[-1], running,
-                             largest // len(self.pool.shards))
-        stats = GenerateStats(prompt_tokens=sum(len(p) for p in prompt_ids))
-        first_id, self._next_request_id = self._next_request_id, self._next_request_id + len(prompt_ids)
+        params = self._request_params(len(prompt_ids), max_new_tokens, temperature, seed, sampling)
+        engine = Engine(self, eos_token_id=check_eos(eos_token_id, self.vocab_size), max_num_seqs=max_num_seqs,
+                        progress=progress)
+        for i, (prompt, request) in enumerate(zip(prompt_ids, params)):
+            try:
+                engine.add_request(prompt, request, request_id=str(i))
+            except ValueError as error:
+                raise ValueError(f"generate: prompt {i}: {str(error).removeprefix('add_request: ')}") from None
+        tokens: list[list[int]] = [[] for _ in prompt_ids]
         start = time.perf_counter()
         with CompileCounter() as compiles:
             try:
-                base_key = _base_key(seed)   # before the prefill: no wait on it
-                call = _Call(state, base_key, jax.device_put(np.float32(max(temperature, 1e-6))), temperature == 0.0,
-                             eos_token_id, on_tokens,
-                             first_id + np.arange(len(prompt_ids)),
-                             [None] * len(prompt_ids) if self.drafter else None,
-                             self.controllers.get("greedy" if temperature == 0 else "sampling"), stats,
-                             AcceptanceTally(max(cfg.allowed_k)))
-                self._start_running(call, state.active, prompt_ids, progress=progress)
-                while state.active.size:
-                    self._step(call, state.active)
-                    if state.waiting.size and state.active.size < running:     # continuous batching
-                        admitted = state.admit(running - state.active.size)
-                        if admitted.size:
-                            self._start_running(call, admitted, prompt_ids)
-                if call.controller:
-                    self._observe(call)
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        index = int(out.request_id)
+                        tokens[index] += out.new_token_ids
+                        if on_tokens is not None and out.new_token_ids:
+                            on_tokens(index, list(out.new_token_ids))
+                engine._observe()
             finally:
-                state.release(np.arange(len(prompt_ids)))
+                engine._abort_all()
+        stats = engine.stats
         stats.wall_seconds = time.perf_counter() - start
         stats.compile_count = compiles.count
         # the step executables' compilations are listed by bucket (``_run``) and logged by their cache
@@ -274,45 +234,28 @@ class SpeculativeDecoder:
             if name not in self._reported:
                 self._reported.add(name)
                 logger.warning("generate: compiled %s after warm-up (a computation warm-up did not cover)", name)
-        outputs = state.outputs()
-        stats.generated_tokens = sum(map(len, outputs))
+        stats.generated_tokens = sum(map(len, tokens))
         stats.tokens_per_second = stats.generated_tokens / max(stats.wall_seconds - stats.compile_seconds, 1e-9)
-        call.tally.fill(stats)
-        return GenerateOutput(outputs, stats)
+        engine.tally.fill(stats)
+        return GenerateOutput(tokens, stats)
 
-    def _start_running(self, call: _Call, rows: np.ndarray, prompts: list[list[int]], *,
-                       progress: bool = False) -> None:
-        """Starts requests ``rows``: commits their prompts but the last token to both caches (the time
-        goes to ``stats.prefill_seconds``) and, with n-gram drafting, indexes them."""
-        begin = time.perf_counter()
-        state = call.state
-        self._prefill_rows(state, rows, np.zeros(rows.size, np.int64), state.prompt_len[rows] - 1, call.stats,
-                           draft_only=False, progress=progress)
-        if call.ngram is not None:
-            for row in rows.tolist():
-                call.ngram[row] = self.drafter.index(prompts[row])
-        call.stats.prefill_seconds += time.perf_counter() - begin
-
-    def _prefill_rows(self, state: RequestBatch, rows: np.ndarray, begin: np.ndarray, count: np.ndarray,
-                      stats: GenerateStats, *, draft_only: bool, progress: bool = False) -> None:
-        """Commits tokens [begin[b], begin[b] + count[b]) of each request to both caches (the draft's
-        alone with ``draft_only``), ``prefill_chunk`` tokens a call."""
-        state.ensure(rows, begin + count)
-        longest = int(count.max(initial=0))
-        start = reported = time.perf_counter()
-        for done, sub, inputs in prefill_chunks(state, rows, begin, count, self.config.prefill_chunk):
-            layout = self.placement.rows(state.shards[sub], self._prefill)
-            self._run(self._prefill, stats, use_target=not draft_only, use_draft=self._draft is not None,
-                      **layout.arrange(self._prefill, **inputs))
-            if done >= longest:      # wait for the last chunk: its time is the prefill's, not the next step's
-                caches = self._caches.take()
-                self._caches.put(*jax.block_until_ready(caches))
-            now = time.perf_counter()
-            if progress and now - reported > PREFILL_PROGRESS_SECONDS:
-                reported = now
-                print(f"prefill: {min(done, longest)}/{longest} prompt tokens "
-                      f"({now - start:.1f} s, compiling {stats.compile_seconds:.1f} s of it)",
-                      file=sys.stderr, flush=True)
+    @staticmethod
+    def _request_params(count: int, max_new_tokens: int | None, temperature: float, seed: int,
+                        sampling: SamplingParams | Sequence[SamplingParams] | None) -> list[SamplingParams]:
+        """Each of ``count`` requests' ``SamplingParams`` for ``generate``; request i's stream, unless its
+        params give a seed, is the one of (seed, i)."""
+        if sampling is None:
+            require_int("generate", "max_new_tokens", max_new_tokens, minimum=1)
+            sampling = SamplingParams(temperature=float(temperature), max_tokens=int(max_new_tokens))
+        elif max_new_tokens is not None or temperature != 0.0:
+            raise ValueError("generate: with sampling=, give max_tokens and temperature in its SamplingParams "
+                             "(leave max_new_tokens and temperature out)")
+        params = [sampling] * count if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"generate: sampling must be a SamplingParams or a sequence of one per prompt "
+                             f"({count}), got {sampling!r}")
+        return [p if p.seed is not None else dataclasses.replace(p, seed=_request_seed(seed, i))
+                for i, p in enumerate(params)]
 
     def _run(self, executable: ExecutableCache, stats: GenerateStats, *, use_target: bool = True,
              use_draft: bool, plan: BucketPlan | None = None, **args):
@@ -343,18 +286,18 @@ class SpeculativeDecoder:
         """The smallest compiled k that holds ``most_drafts`` drafts."""
         return next(k for k in self._step_ks if k >= most_drafts)
 
-    def _decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool,
-                     packed_k: int = 0) -> BucketPlan:
+    def _decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool, *,
+                     logprobs: bool = False, packed_k: int = 0) -> BucketPlan:
         """The decode executable's bucket for a step's sizes (planned once per shape); ``masked``: the
         step gives its own request mask (a batch laid out over a mesh's data shards)."""
-        key = (batch, width, k, greedy, masked, packed_k)
+        key = (batch, width, k, greedy, logprobs, masked, packed_k)
         plan = self._plans.get(key)
         if plan is None:
             given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self._draft is not None and k else ()) \
                 + (("drafts",) if self.drafter else ()) + (("request_mask",) if masked else ())
             plan = self._plans[key] = self._decode.plan_sizes(
-                {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, backend=self.config.backend,
-                packed_k=packed_k)
+                {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, logprobs=logprobs,
+                backend=self.config.backend, packed_k=packed_k)
         return plan
 
     def _packed_draft_counts(self) -> tuple[int, ...]:
@@ -373,124 +316,6 @@ class SpeculativeDecoder:
         row rounded up to one of ``_packed_ks``, or 0 (a dense step) when packing is off or saves nothing."""
         mean = int(num_drafts.sum()) / batch
         return next((k for k in self._packed_ks if mean <= k < step_k), 0)
-
-    def _step(self, call: _Call, rows: np.ndarray) -> None:
-        step_start = time.perf_counter()
-        state, stats = call.state, call.stats
-        if call.step_ids[0] is not rows:        # the same requests as the last step: the same layout and ids
-            call.step_ids = (rows, call.request_ids[rows], self.placement.rows(state.shards[rows], self._decode))
-        _, ids, layout = call.step_ids
-        batch = layout.computed
-        # the controller sees the batch the executable computes (padding rows cost like real ones); it
-        # chose k during the last step's device time, unless the batch changed
-        controller = call.controller
-        budget = state.budget[rows]                        # tokens each request has left (until this step ends)
-        # the controller's objective: while requests wait for a slot (continuous batching) the stream's
-        # tokens per second; once none wait, the progress of the request that will finish last
-        remaining = None if state.waiting.size else budget
-        if controller is None:
-            k = self.config.k
-        elif call.decided is not None and call.decided[0] == batch:
-            k = call.decided[1]
-        else:
-            self._observe(call)
-            k = controller.next_k(batch, ids, remaining)
-        caps = np.minimum(budget - 1, k)                   # never draft past a request's budget
-        proposals = propose_batch([call.ngram[r] for r in rows.tolist()], caps) if call.ngram else None
-        num_drafts = caps if proposals is None else np.array([len(p) for p in proposals], np.int64)
-        step_k = self._step_k(int(num_drafts.max()))
-        if self._draft is not None and step_k and state.may_lag:
-            self._catch_up(state, rows, stats)
-        state.ensure(rows, state.length[rows] + num_drafts)
-        width = int(state.num_blocks[rows].max())
-        planning = time.perf_counter()
-        plan = self._decode_plan(layout.size, width, step_k, call.greedy, layout.scattered)
-        size = plan.padded["batch"] or layout.size
-        packed_k = self._packed_k(num_drafts, size, step_k)
-        if packed_k:
-            plan = self._decode_plan(layout.size, width, step_k, call.greedy, layout.scattered, packed_k)
-        step_start += time.perf_counter() - planning     # a shape's one-off planning is no step cost
-        inputs = decode_inputs(state, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts)
-        if proposals is not None:
-            inputs["drafts"] = draft_grid(proposals, layout.rows, size, step_k)
-        if layout.scattered:
-            inputs["request_mask"] = np.zeros(size, np.bool_)
-            inputs["request_mask"][layout.rows] = True
-        scored = size * (packed_k + 1) if packed_k else None      # tokens a packed step's target scores
-        dispatch = time.perf_counter()
-        (summary,) = self._run(self._decode, stats, use_draft=self._draft is not None and step_k > 0, plan=plan,
-                               base_key=call.base_key, temperature=call.temperature, **inputs)
-        if controller:     # while the device runs this step: learn from the last one, choose the next k
-            self._observe(call)
-            call.decided = (batch, controller.next_k(batch, ids, remaining))
-        host = layout.fetch(summary)                      # the step's one device-to-host transfer
-        cold = self._decode.last_call_first_run        # compiled now or ahead of time, never run
-        fetched = time.perf_counter()
-        step_seconds = fetched - step_start
-        appended = state.advance(rows, host.output_token_ids, host.num_emitted, host.num_accepted, step_k,
-                                 call.eos_token_id)
-        if call.ngram or call.on_tokens:
-            for row, count in zip(rows.tolist(), appended.tolist()):
-                new = state.tokens[row, state.length[row] - count:state.length[row]].tolist()
-                if call.ngram:
-                    call.ngram[row].extend(new)
-                if call.on_tokens and new:
-                    call.on_tokens(row, new)
-        if controller:   # a compile or an executable's first run is no step cost: leave that step untimed
-            # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
-            # a short one) as a rejection at that position: E(k) is then what a step of k really emits
-            counts = (np.minimum(caps, step_k), host.num_accepted)
-            if call.ngram:
-                counts = self._check_unverified(call, rows, step_k) or counts
-            # (k as chosen, or as far as the budgets let it draft: a step that ends them costs less)
-            call.observed = (*counts, None if cold else step_seconds, batch, ids, int(caps.max(initial=0)))
-        call.tally.add(num_drafts, host.num_accepted, host.num_emitted)
-        stats.add_step(batch, step_k, None if cold else step_seconds + time.perf_counter() - fetched,
-                       dispatch - step_start + time.perf_counter() - fetched, scored)
-
-    def _check_unverified(self, call: _Call, rows: np.ndarray, step_k: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """n-gram drafting at a k = 0 step (the controller's choice, or the budgets' end): the counterfactual
-        (offered, accepted) of ``rows`` once the proposals made some k = 0 steps ago can be checked
-        (``UnverifiedProposals``; the controller learns acceptance from them while it holds k = 0), and
-        new proposals to check. None while none is due; a step with drafts drops them (it counts its own)."""
-        state, pending = call.state, call.unverified
-        if step_k:
-            call.unverified = None
-            return None
-        counts = None
-        if pending is not None:
-            pending.due -= 1
-            if pending.due > 0:
-                return None
-            offered, accepted = np.zeros((2, state.length.shape[0]), np.int64)
-            offered[pending.rows], accepted[pending.rows] = pending.check(state.tokens, state.length)
-            counts = offered[rows], accepted[rows]
-        active = state.active
-        call.unverified = UnverifiedProposals.propose(
-            [call.ngram[r] for r in active.tolist()], active, state.length[active],
-            np.minimum(state.budget[active] - 1, self._step_ks[-1]))
-        return counts
-
-    @staticmethod
-    def _observe(call: _Call) -> None:
-        """Tells the controller about the last step (if not yet told)."""
-        if call.observed is not None:
-            drafts, accepted, seconds, batch, ids, k = call.observed
-            call.controller.update(drafts, accepted, seconds, batch, ids, k=k)
-            call.observed = None
-
-    def _catch_up(self, state: RequestBatch, rows: np.ndarray, stats: GenerateStats) -> None:
-        """Before a step that runs the draft: commits the tokens that k = 0 steps left out of the draft
-        cache (``positions.catch_up_rows``), so every lag is at most ``MAX_CATCH_UP``."""
-        missing = catch_up_rows(state.lag[rows])
-        lagging = missing > 0
-        if lagging.any():
-            behind = rows[lagging]
-            self._prefill_rows(state, behind, state.length[behind] - state.lag[behind], missing[lagging], stats,
-                               draft_only=True)
-            state.lag[behind] = 1
-            stats.catch_up_calls += 1
-        state.may_lag = False
 
     # ------------------------------------------------------------------ measurement
     def device_seconds_per_step(self, batch_size: int, k: int, *, greedy: bool = True, context: int | None = None,
@@ -513,35 +338,40 @@ class SpeculativeDecoder:
         blocks[:, :width] = np.arange(batch * width, dtype=np.int32).reshape(batch, width) % cfg.num_blocks
         rows = np.ones((batch, StepRow.WIDTH), np.int32)
         rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS] = context, k
-        rows[:, StepRow.REQUEST_ID] = np.arange(batch)
-        args = dict(block_tables=blocks, rows=rows, base_key=np.zeros(2, np.uint32), temperature=np.float32(1.0))
+        rows[:, StepRow.KEY] = np.arange(batch)
+        rows[:, StepRow.STOP:StepRow.TOKENS] = -1
+        sampling = np.zeros((batch, SamplingColumn.WIDTH), np.float32)
+        sampling[:, [SamplingColumn.TEMPERATURE, SamplingColumn.TOP_P]] = 1.0    # unused when greedy
+        args = dict(block_tables=blocks, rows=rows, sampling=sampling)
         if masked:
             args["request_mask"] = np.ones(batch, np.bool_)
         if self.drafter is not None:
             args["drafts"] = np.ones((batch, k), np.int32)
         args = {name: jax.device_put(value) for name, value in args.items()}
-        stats = GenerateStats()
-        self._run(self._decode, stats, use_draft=self._draft is not None and k > 0, plan=plan, **args)  # compiles
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(calls):
-                (summary,) = self._run(self._decode, stats, use_draft=self._draft is not None and k > 0, plan=plan,
-                                       **args)
-                summary.packed.block_until_ready()
-            samples.append((time.perf_counter() - start) / calls)
+        stats, use_draft = GenerateStats(), self._draft is not None and k > 0
+        with self._lock:
+            self._run(self._decode, stats, use_draft=use_draft, plan=plan, **args)  # compiles
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    (summary,) = self._run(self._decode, stats, use_draft=use_draft, plan=plan, **args)
+                    summary.packed.block_until_ready()
+                samples.append((time.perf_counter() - start) / calls)
         return float(np.median(samples))
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, batch_sizes: int | Sequence[int], max_len: int, *,
-               temperatures: float | Sequence[float] = 0.0, progress: bool = False) -> int:
+               temperatures: float | Sequence[float] = 0.0, logprobs: bool = False, progress: bool = False) -> int:
         """Compiles ahead of time every executable that ``generate`` runs for up to ``max(batch_sizes)``
         requests at once (its ``max_num_seqs``, or its number of prompts) of up to ``max_len`` positions
-        (prompt + max_new_tokens - 1) at ``temperatures`` (0: greedy steps; > 0: sampled ones): the
-        prefill and every k's decode step at every batch bucket and block-table width up to those sizes'
-        (a batch shrinks as requests finish and admits waiting ones in smaller groups; a request's width
-        grows with it), with ``packed_verify`` each k's packed steps, the draft's catch-up prefill when
-        k = 0 can be chosen, and the seed's key. Counts the executables before compiling them (with
+        (prompt + max_new_tokens - 1) at ``temperatures`` (0: the steps of all-greedy batches; > 0: those
+        of batches with a sampled request, any mix of filters and greedy rows): the prefill and every
+        k's decode step at every batch bucket and block-table width up to those sizes' (a batch shrinks
+        as requests finish and admits waiting ones in smaller groups; a request's width grows with it),
+        with ``packed_verify`` each k's packed steps, with ``logprobs`` the (dense) steps of batches
+        with a request asking for log-probabilities, and the draft's catch-up prefill when k = 0 can
+        be chosen. Counts the executables before compiling them (with
         ``progress``: one line on stderr, then one per executable); returns the XLA compilations.
         A ``generate`` within these sizes then compiles nothing (``GenerateStats.compiled`` is empty)."""
         cfg = self.config
@@ -561,6 +391,12 @@ class SpeculativeDecoder:
         if block_bucket is None:
             raise ValueError(f"warmup: max_len {max_len} exceeds DecoderConfig.max_seq_len {cfg.max_seq_len}")
         fits = lambda s: s["batch"] <= batch_bucket and s["blocks"] <= block_bucket  # noqa: E731
+        with self._lock:
+            return self._warmup(fits, batch_bucket, block_bucket, kinds, logprobs, progress)
+
+    def _warmup(self, fits: Callable[[dict[str, int]], bool], batch_bucket: int, block_bucket: int,
+                kinds: list[bool], logprobs: bool, progress: bool) -> int:
+        cfg = self.config
         target_cache, draft_cache = self._caches.take()
         tables = np.zeros((1, 1), np.int32)
         models = dict(target_params=self._target_params, target_cache=target_cache, backend=cfg.backend,
@@ -575,13 +411,15 @@ class SpeculativeDecoder:
         for greedy in kinds:
             for k in self._step_ks:
                 step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
-                            base_key=np.zeros(2, np.uint32), temperature=np.float32(1.0), k=k, greedy=greedy,
+                            sampling=np.zeros((1, SamplingColumn.WIDTH), np.float32), k=k, greedy=greedy,
                             keep=lambda s, k=k: s["k"] == k and fits(s))
                 if self.drafter is not None:
                     step["drafts"] = np.zeros((1, k), np.int32)
+                models_k = {**models, **(draft if self._draft is not None and k else no_draft)}
                 for packed_k in (0, *(p for p in self._packed_ks if p < k)):
-                    calls.append((self._decode, {**models, **(draft if self._draft is not None and k else no_draft),
-                                                 **step, "packed_k": packed_k}))
+                    calls.append((self._decode, {**models_k, **step, "packed_k": packed_k}))
+                if logprobs:
+                    calls.append((self._decode, {**models_k, **step, "logprobs": True}))
         pending = [len(executable.pending(**args)) for executable, args in calls]
         if progress:
             batches = [b for b in self._decode.dims["batch"].sizes if b <= batch_bucket]
@@ -590,10 +428,10 @@ class SpeculativeDecoder:
             print(f"warm-up: {sum(pending)} executables to compile: {decode} decode steps (k {self._step_ks} x "
                   f"batch buckets {tuple(batches)} x block-table widths {tuple(widths)} x "
                   f"{' and '.join('greedy' if greedy else 'sampled' for greedy in kinds)}"
-                  f"{' x packed_k' if self._packed_ks else ''}), {sum(pending) - decode} prefills",
+                  f"{' x packed_k' if self._packed_ks else ''}{' x logprobs' if logprobs else ''}), "
+                  f"{sum(pending) - decode} prefills",
                   file=sys.stderr, flush=True)
         with CompileCounter() as compiles:
-            _base_key(0)
             for executable, args in calls:
                 executable.warmup(**args, progress=progress)
         self._caches.put(target_cache, draft_cache)

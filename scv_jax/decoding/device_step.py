@@ -35,6 +35,8 @@ from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
 from scv_jax.ops.commit.api import slots_from_block_table
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.commit.sharded import sharded_commit_draft_kv
+from scv_jax.ops.sampling.api import filtered_probs, token_logprobs
+from scv_jax.sampling_params import MAX_LOGPROBS, MAX_STOP_IDS
 from scv_jax.sharding.mesh import DATA, active_mesh
 from scv_jax.verify.sharded import sharded_verify_step
 
@@ -44,14 +46,33 @@ _ACCEPT, _BONUS, _DRAFT = 0, 1, 2
 
 class StepRow:
     """Columns of a decode step's per-request input row (``decode_step``'s ``rows``, int32[B, WIDTH]):
-    one array per step, so the host builds and transfers one buffer instead of five."""
+    one array per step, so the host builds and transfers one buffer instead of several."""
 
     LAG = 0             # tokens the draft cache lacks, in [1, MAX_CATCH_UP] (0 on padding rows)
     CONTEXT = 1         # positions in the target cache (the pending token's position)
-    REQUEST_ID = 2      # seeds the request's random stream
-    NUM_DRAFTS = 3      # drafts the request verifies, in [0, k]
-    TOKENS = 4          # the request's last MAX_CATCH_UP tokens, the pending one last
-    WIDTH = 4 + MAX_CATCH_UP
+    NUM_DRAFTS = 2      # drafts the request verifies, in [0, k]
+    KEY = 3             # 2 columns: the request's random stream (uint32[2] key data, bits as int32)
+    STOP = 5            # MAX_STOP_IDS columns: the token ids that end the request (-1 = none)
+    TOKENS = STOP + MAX_STOP_IDS   # the request's last MAX_CATCH_UP tokens, the pending one last
+    WIDTH = TOKENS + MAX_CATCH_UP
+
+
+class SamplingColumn:
+    """Columns of a decode step's ``sampling`` input (float32[B, WIDTH]): each request's
+    ``SamplingParams`` filters (``scv_jax.sampling_params.SamplingArrays``; padding rows all 0:
+    greedy)."""
+
+    TEMPERATURE = 0     # 0 = greedy
+    TOP_K = 1           # 0 = off (exact in float32: vocabularies are < 2**24)
+    TOP_P = 2
+    MIN_P = 3
+    WIDTH = 4
+
+
+def _filters(sampling: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """float32[B, SamplingColumn.WIDTH] -> ``filtered_probs``' (temperature, top_k, top_p, min_p)."""
+    return (sampling[:, SamplingColumn.TEMPERATURE], sampling[:, SamplingColumn.TOP_K].astype(jnp.int32),
+            sampling[:, SamplingColumn.TOP_P], sampling[:, SamplingColumn.MIN_P])
 
 
 class SplitModel(NamedTuple):
@@ -80,25 +101,36 @@ class SplitModel(NamedTuple):
         return nnx.merge(self.graphdef, self.state(leaves))
 
 
-def request_keys(base_key: jax.Array, request_ids: jax.Array, positions: jax.Array) -> jax.Array:
-    """[B] typed keys: ``fold_in(fold_in(key, request id), position)``; independent of the batch."""
-    base = jax.random.wrap_key_data(base_key)
-    return jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(base, r), p))(
-        request_ids.astype(jnp.uint32), positions.astype(jnp.uint32))
+def request_keys(key_data: jax.Array, positions: jax.Array) -> jax.Array:
+    """[B] typed keys ``fold_in(request key, position)`` from int32[B, 2] key data (uint32 bits): a
+    request's random numbers depend on its own stream and position only, never on its batch."""
+    data = jax.lax.bitcast_convert_type(key_data, jnp.uint32)
+    return jax.vmap(lambda d, p: jax.random.fold_in(jax.random.wrap_key_data(d, impl="threefry2x32"), p))(
+        data, positions.astype(jnp.uint32))
 
 
 def _tagged(keys: jax.Array, tag: int) -> jax.Array:
     return jax.vmap(lambda key: jax.random.fold_in(key, tag))(keys)
 
 
-def choose_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, greedy: bool):
-    """Next tokens from float[B, V] logits: the argmax (probs None; the first index of the maximum, NaN
-    never winning, as in the fused greedy acceptance) or a sample with its probs [B, V]."""
+def choose_tokens(logits: jax.Array, keys: jax.Array, sampling: jax.Array, greedy: bool):
+    """Next tokens from float[B, V] logits: with ``greedy`` (every request greedy) the argmax (probs
+    None; the first index of the maximum, NaN never winning, as in the fused greedy acceptance), else
+    a sample of each request's filtered distribution (``filtered_probs``; a greedy request's is the
+    one-hot of its argmax) with its probs [B, V]."""
     if greedy:
         return argmax_ignoring_nan(logits), None
-    scaled = logits / temperature
-    tokens = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return tokens, jax.nn.softmax(scaled, axis=-1)
+    probs = filtered_probs(logits, *_filters(sampling), backend="xla")
+    tokens = jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32)
+    return tokens, probs
+
+
+def drafts_before_stop(drafts: jax.Array, num_drafts: jax.Array, stop_ids: jax.Array) -> jax.Array:
+    """int32[B]: ``num_drafts`` cut after each request's first draft that is one of its ``stop_ids``
+    (int32[B, S], -1 = none): the drafts after a stop token are never verified, so never committed."""
+    is_stop = jnp.any((drafts[:, :, None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0), axis=2)
+    first = jnp.argmax(is_stop, axis=1).astype(jnp.int32)
+    return jnp.where(jnp.any(is_stop, axis=1), jnp.minimum(num_drafts, first + 1), num_drafts)
 
 
 def _flatten_rows(x: jax.Array) -> jax.Array:
@@ -165,7 +197,7 @@ class Proposal(NamedTuple):
 
 def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, block_tables: jax.Array,
             lag_tokens: jax.Array, lag: jax.Array, draft_lens: jax.Array, keys: jax.Array,
-            temperature: jax.Array, *, k: int, greedy: bool, backend: str) -> Proposal:
+            sampling: jax.Array, *, k: int, greedy: bool, backend: str) -> Proposal:
     """Stage 1: given ``drafts`` int32[B, k] as they are; else the draft model's catch-up forward over
     the lag tokens, then k - 1 one-token forwards (a scan); with k = 0 (or neither source) no drafts."""
     batch = lag_tokens.shape[0]
@@ -178,7 +210,7 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
     stage_k = jnp.zeros(stage_shape, out.keys.dtype).at[:, :, :MAX_CATCH_UP].set(out.keys)
     stage_v = jnp.zeros(stage_shape, out.values.dtype).at[:, :, :MAX_CATCH_UP].set(out.values)
     logits = jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1)[:, 0]
-    first, first_probs = choose_tokens(logits, _tagged(keys, _DRAFT), temperature, greedy)
+    first, first_probs = choose_tokens(logits, _tagged(keys, _DRAFT), sampling, greedy)
     slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
 
     def one_draft(carry, j):
@@ -190,7 +222,7 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
         at_length = (slots[None, :] == lengths[:, None])[None, :, :, None, None]
         stage_k = jnp.where(at_length, o.keys, stage_k)
         stage_v = jnp.where(at_length, o.values, stage_v)
-        nxt, probs = choose_tokens(o.logits[:, 0], _tagged(keys, _DRAFT + j), temperature, greedy)
+        nxt, probs = choose_tokens(o.logits[:, 0], _tagged(keys, _DRAFT + j), sampling, greedy)
         return (stage_k, stage_v, lengths + 1, nxt), (nxt, probs)
 
     (stage_k, stage_v, lengths, _), (rest, rest_probs) = jax.lax.scan(
@@ -265,13 +297,15 @@ def compact_drafts(x: jax.Array, source: jax.Array) -> jax.Array:
 
 
 def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, proposal: Proposal,
-                      num_drafts: jax.Array, keys: jax.Array, temperature: jax.Array, block_tables: jax.Array,
+                      num_drafts: jax.Array, keys: jax.Array, sampling: jax.Array, block_tables: jax.Array,
                       context_lens: jax.Array, request_mask: jax.Array, *, block_size: int, greedy: bool,
                       backend: str, packed: PackedTokens | None = None):
     """Stage 3: acceptance of each request's first ``num_drafts`` drafts against the target, then the
     commit of the target's K/V for the pending token and the accepted drafts. ``scored`` is the dense
     [B, k + 1] forward, or with ``packed`` the packed one (``score_packed``; its N - B draft slots hold
-    every request's drafts). Returns (target_cache, ``VerifyStepOutput``)."""
+    every request's drafts). Sampled steps verify against each request's filtered target distribution
+    (``filtered_probs``; a greedy request's is one-hot, so its acceptance is the greedy one). Returns
+    (target_cache, ``VerifyStepOutput``)."""
     batch, k = proposal.tokens.shape
     num_drafts = jnp.clip(num_drafts, 0, k).astype(jnp.int32)
     positions = context_lens[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
@@ -280,6 +314,8 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
         mesh = active_mesh()
         cu, source = ragged_slots(num_drafts, k, 1 if mesh is None else mesh.shape[DATA])
         draft_logits = lambda: compact_drafts(scored.logits[:, :k], source)  # noqa: E731
+        target_probs = lambda: compact_drafts(  # noqa: E731
+            filtered_probs(scored.logits[:, :k], *_filters(sampling), backend="xla"), source)
         after_last = jnp.take_along_axis(scored.logits, num_drafts[:, None, None], axis=1)[:, 0]
         new_keys, new_values, slots, kv_layout = (_flatten_rows(scored.keys), _flatten_rows(scored.values),
                                                   slots.reshape(-1), "grid")
@@ -289,11 +325,13 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
         token_of_slot = jnp.minimum(jnp.arange(num_tokens - batch, dtype=jnp.int32) + source[0] // k,
                                     num_tokens - 1)
         draft_logits = lambda: scored.logits[token_of_slot]  # noqa: E731
+        target_probs = lambda: filtered_probs(  # noqa: E731
+            draft_logits(), *_filters(sampling), rows=packed.rows[token_of_slot], backend="xla")
         after_last = scored.logits[cu[1:] + jnp.arange(batch, dtype=jnp.int32)]
         new_keys, new_values, kv_layout = scored.keys, scored.values, "query"
         slots = slots[packed.rows, jnp.minimum(packed.offsets, k)]
     compact = lambda x: compact_drafts(x, source)  # noqa: E731  [B, k, ...] -> [T, ...]
-    bonus, _ = choose_tokens(after_last, _tagged(keys, _BONUS), temperature, greedy)
+    bonus, _ = choose_tokens(after_last, _tagged(keys, _BONUS), sampling, greedy)
     # the commit writes the cache as it is after every read (the bonus token comes from the last
     # logits): with k = 0 the acceptance does not depend on them, and XLA:CPU would copy the donated
     # cache instead of updating it in place (tests/decoding: test_decode_steps_update_the_caches_in_place)
@@ -302,7 +340,7 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
         acceptance = (dict(target_logits=draft_logits()) if k
                       else dict(target_token_ids=jnp.zeros((0,), jnp.int32)))
     else:
-        acceptance = dict(target_probs=jax.nn.softmax(draft_logits() / temperature, axis=-1),
+        acceptance = dict(target_probs=target_probs(),
                           draft_probs=None if proposal.probs is None else compact(proposal.probs),
                           key=_tagged(keys, _ACCEPT))
     return sharded_verify_step(target_cache, new_keys, new_values, slots, compact(proposal.tokens), cu, bonus,
@@ -322,27 +360,32 @@ def commit_draft(draft_cache: PagedKVCache, proposal: Proposal, block_tables: ja
 def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: int):
     """``decode_step(...)``: one speculative step (plain autoregressive decoding at k = 0)."""
 
-    def decode_step(target_params, draft_params, target_cache, draft_cache, block_tables, rows, base_key,
-                    temperature, drafts=None, request_mask=None, *, k: int, greedy: bool, backend: str = "auto",
-                    packed_k: int = 0):
+    def decode_step(target_params, draft_params, target_cache, draft_cache, block_tables, rows, sampling,
+                    drafts=None, request_mask=None, *, k: int, greedy: bool, logprobs: bool = False,
+                    backend: str = "auto", packed_k: int = 0):
         """One decoding step of B requests (see ``scv_jax.decoding.positions``).
 
         Args:
           target_params, draft_params: the models' parameter leaves (``SplitModel.split``);
             draft_params None: no draft model runs (k = 0, or given ``drafts``).
           block_tables: int32[B, max_blocks] (-1 = none); shared by both caches.
-          rows: int32[B, StepRow.WIDTH] per request: its draft lag, target context length, request
-            id, number of drafts to verify (the first ones, in [0, k]) and last MAX_CATCH_UP tokens
-            (``StepRow``).
-          base_key: uint32[2] key data; temperature: float32 scalar (unused when greedy).
+          rows: int32[B, StepRow.WIDTH] per request: its draft lag, target context length, number of
+            drafts to verify (the first ones, in [0, k]; cut after a draft that is a stop id), random
+            stream, stop ids and last MAX_CATCH_UP tokens (``StepRow``).
+          sampling: float32[B, SamplingColumn.WIDTH] each request's temperature (0 = greedy), top-k,
+            top-p and min-p (unused when ``greedy``).
           drafts: int32[B, k] drafts proposed on the host (n-gram), or None (the draft model's).
           request_mask: bool[B], False = padding.
-          k: drafts computed per request (static); greedy: argmax decoding (static).
+          k: drafts computed per request (static); greedy: every request greedy (static: the argmax
+            fused into the acceptance; False verifies each request against its filtered distribution).
+          logprobs: also return the log-probabilities of the emitted tokens and the top MAX_LOGPROBS
+            (static; dense steps only).
           packed_k: 0 (a dense [B, k + 1] target forward) or in [1, k): the target scores B *
             (packed_k + 1) tokens packed (``score_packed``), at most B * packed_k drafts in all (static;
             the last requests' ``num_drafts`` are cut to fit).
         Returns:
-          (target_cache, draft_cache, ``StepSummary``).
+          (target_cache, draft_cache, ``StepSummary``), with ``logprobs`` then ``TokenLogprobs`` of the
+          [B, k + 1] emitted tokens (-inf past each request's last).
         """
         if k and drafts is None and draft_params is None:
             raise ValueError("decode_step: k > 0 needs draft_params (a draft model) or drafts")
@@ -351,17 +394,21 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
                              f"got shape {drafts.shape}")
         if packed_k and not 0 < packed_k < k:
             raise ValueError(f"decode_step: packed_k must be 0 or in [1, k={k}), got {packed_k}")
+        if packed_k and logprobs:
+            raise ValueError("decode_step: logprobs needs a dense step (packed_k 0)")
         lag, context_lens, num_drafts = rows[:, StepRow.LAG], rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS]
         tail = rows[:, StepRow.TOKENS:]
         catch_up = jnp.arange(MAX_CATCH_UP, dtype=jnp.int32)[None, :] + MAX_CATCH_UP - lag[:, None]
         lag_tokens = jnp.take_along_axis(tail, jnp.clip(catch_up, 0, MAX_CATCH_UP - 1), axis=1)  # left-aligned
         if request_mask is None:
             request_mask = jnp.ones((rows.shape[0],), jnp.bool_)
-        keys = request_keys(base_key, rows[:, StepRow.REQUEST_ID], context_lens)
+        keys = request_keys(rows[:, StepRow.KEY:StepRow.KEY + 2], context_lens)
         draft_model = None if draft_params is None or k == 0 else draft.merge(draft_params)
         draft_lens = context_lens + 1 - lag
         proposal = propose(draft_model, drafts, draft_cache, block_tables, lag_tokens, lag, draft_lens, keys,
-                           temperature, k=k, greedy=greedy, backend=backend)
+                           sampling, k=k, greedy=greedy, backend=backend)
+        if k:
+            num_drafts = drafts_before_stop(proposal.tokens, num_drafts, rows[:, StepRow.STOP:StepRow.TOKENS])
         pending, target_model, packed = tail[:, -1], target.merge(target_params), None
         if packed_k:
             num_drafts = fitting_drafts(jnp.clip(num_drafts, 0, k), rows.shape[0] * packed_k)
@@ -371,13 +418,16 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
         else:
             scored = score(target_model, target_cache, block_tables, pending, proposal.tokens, context_lens,
                            backend=backend)
-        target_cache, result = accept_and_commit(target_cache, scored, proposal, num_drafts, keys, temperature,
+        target_cache, result = accept_and_commit(target_cache, scored, proposal, num_drafts, keys, sampling,
                                                  block_tables, context_lens, request_mask, block_size=block_size,
                                                  greedy=greedy, backend=backend, packed=packed)
         if proposal.staged is not None:
             draft_cache = commit_draft(draft_cache, proposal, block_tables, draft_lens, lag, result.num_accepted,
                                        request_mask, block_size=block_size, backend=backend,
                                        after=result.summary.packed)
+        if logprobs:
+            emitted = result.summary.packed[:, :k + 1]
+            return target_cache, draft_cache, result.summary, token_logprobs(scored.logits, emitted, MAX_LOGPROBS)
         return target_cache, draft_cache, result.summary
 
     return decode_step

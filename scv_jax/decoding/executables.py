@@ -29,7 +29,8 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
         static_argnames=("backend",), name="prefill_step", **common)
     decode = ExecutableCache(
         placement.step(make_decode_step(target, draft, config.block_size)),
-        pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "drafts": Pad("batch")},
-        bucketed_statics={"k": k_values}, static_argnames=("greedy", "backend", "packed_k"), name="decode_step",
+        pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch")},
+        bucketed_statics={"k": k_values}, static_argnames=("greedy", "logprobs", "backend", "packed_k"),
+        name="decode_step",
         **common)
     return prefill, decode

@@ -32,6 +32,7 @@ from scv_jax.decoding.config import DecoderConfig
 from scv_jax.graph.executable_cache import ExecutableCache
 from scv_jax.models.transformer import Transformer
 from scv_jax.ops.commit.kv_cache import PagedKVCache
+from scv_jax.ops.sampling.api import TokenLogprobs
 from scv_jax.sharding.mesh import DATA, MODEL, cache_shardings, check_mesh, replicated_heads, tracing_on
 from scv_jax.sharding.params import place_transformer, tensor_parallel_config
 from scv_jax.verify.summary import HostStepResult, StepSummary
@@ -90,29 +91,12 @@ class ShardedBlockPool:
         """The data shard whose pool ``pool`` is."""
         return self._index[id(pool)]
 
-    def assign(self, demands: Sequence[int], max_running: int | None = None) -> list[BlockPool]:
-        """The pool of each new request needing up to ``demands[i]`` blocks: the shard with the fewest
-        requests so far, then the smallest demand (balanced rows, then balanced blocks).
-
-        Raises ValueError (before anything is allocated) when a shard cannot hold its requests, or with
-        ``max_running`` (at most that many run at once) the largest ``max_running`` of them.
-        """
-        total, shard_demands = [0] * len(self.shards), [[] for _ in self.shards]
-        chosen = []
-        for demand in demands:
-            s = min(range(len(self.shards)), key=lambda s: (len(shard_demands[s]), total[s]))
-            total[s] += demand
-            shard_demands[s].append(demand)
-            chosen.append(s)
-        need = [sum(sorted(d, reverse=True)[:max_running]) for d in shard_demands]
-        for s, pool in enumerate(self.shards):
-            if need[s] > pool.num_free:
-                where = ("the cache has" if len(self.shards) == 1 else
-                         f"data shard {s} of {len(self.shards)} (num_blocks / {len(self.shards)} each) has")
-                raise ValueError(f"generate: the batch needs up to {need[s]} KV blocks but {where} "
-                                 f"{pool.num_free} free of {pool.num_blocks} (raise DecoderConfig.num_blocks "
-                                 "or lower generate's max_num_seqs)")
-        return [self.shards[s] for s in chosen]
+    def pick(self, need: int, load: Sequence[int], per_shard: int) -> int | None:
+        """The data shard to run a new request on that needs ``need`` blocks: of the shards running fewer
+        than ``per_shard`` requests (``load[s]``) with ``need`` blocks available, the one running the
+        fewest, then the one with the most available; None when none can take it now."""
+        fits = [s for s, pool in enumerate(self.shards) if load[s] < per_shard and pool.num_available >= need]
+        return min(fits, key=lambda s: (load[s], -self.shards[s].num_available), default=None)
 
 
 def _batch_fill(executable: ExecutableCache, name: str) -> Any:
@@ -148,11 +132,14 @@ class BatchRows(NamedTuple):
         out["request_mask"][self.rows] = True
         return out
 
-    def fetch(self, summary: StepSummary) -> HostStepResult:
-        """The step's one device-to-host transfer, as the requests' rows in request order."""
-        if not self.scattered:
-            return summary.fetch(len(self.rows))
-        return HostStepResult(*(field[self.rows] for field in summary.fetch()))
+    def fetch(self, summary: StepSummary, logprobs: TokenLogprobs | None = None
+              ) -> tuple[HostStepResult, TokenLogprobs | None]:
+        """The step's one device-to-host transfer (its summary and, when the step computed them, its
+        log-probabilities), as the requests' rows in request order."""
+        packed, logprobs = jax.device_get((summary.packed, logprobs))
+        rows = self.rows if self.scattered else slice(len(self.rows))
+        host = StepSummary.unpack(packed[rows])
+        return host, None if logprobs is None else TokenLogprobs(*(field[rows] for field in logprobs))
 
 
 class SingleDevice:

@@ -1,17 +1,36 @@
-"""Host-side request state: prompt checks, and ``RequestBatch``, the tokens, cache positions and block
-tables of one ``generate`` call's requests as arrays, so a step touches them with a few numpy
-operations instead of a Python loop over requests."""
+"""Host-side request state: prompt checks, and ``RequestBatch``, the tokens, cache positions, block
+tables and sampling rows of the running requests as arrays (one row a slot), so a step touches them
+with a few numpy operations instead of a Python loop over requests."""
 
 from __future__ import annotations
 
-import collections
 from typing import Any, Sequence
 
 import numpy as np
 
 from scv_jax.arguments import is_int
 from scv_jax.decoding.block_pool import BlockPool
+from scv_jax.decoding.device_step import SamplingColumn
 from scv_jax.decoding.positions import lag_after_step
+from scv_jax.sampling_params import MAX_STOP_IDS
+
+
+def check_prompt(op: str, what: str, prompt: Any, vocab_size: int) -> list[int]:
+    """One prompt (``what``, e.g. "prompt 3") as a list of ints; raises ValueError naming the problem."""
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"{op}: {what} is {type(prompt).__name__}, not token ids: tokenize it "
+                         "first (for the byte-level demo models: list(b'...') or list(text.encode()))")
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0:
+        raise ValueError(f"{op}: {what} must be a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{op}: {what} must hold integer token ids, got dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        j = int(np.argmax(bad))
+        raise ValueError(f"{op}: {what} has token id {int(ids[j])} at index {j}, outside "
+                         f"[0, vocab_size={vocab_size})")
+    return ids.astype(np.int64).tolist()
 
 
 def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
@@ -27,25 +46,11 @@ def check_prompts(prompts: Any, vocab_size: int) -> list[list[int]]:
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, (int, np.integer)):
             raise ValueError(f"generate: {hint}, got a flat list of ints (wrap one prompt as [[...]])")
-        if isinstance(prompt, (str, bytes)):
-            raise ValueError(f"generate: prompt {i} is {type(prompt).__name__}, not token ids: tokenize it "
-                             "first (for the byte-level demo models: list(b'...') or list(text.encode()))")
-        ids = np.asarray(prompt)
-        if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"generate: prompt {i} must be a non-empty 1-D sequence of token ids, "
-                             f"got shape {ids.shape}")
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"generate: prompt {i} must hold integer token ids, got dtype {ids.dtype}")
-        bad = (ids < 0) | (ids >= vocab_size)
-        if bad.any():
-            j = int(np.argmax(bad))
-            raise ValueError(f"generate: prompt {i} has token id {int(ids[j])} at index {j}, outside "
-                             f"[0, vocab_size={vocab_size})")
-        checked.append(ids.astype(np.int64).tolist())
+        checked.append(check_prompt("generate", f"prompt {i}", prompt, vocab_size))
     return checked
 
 
-def check_eos(eos_token_id: Any, vocab_size: int) -> tuple[int, ...]:
+def check_eos(eos_token_id: Any, vocab_size: int, op: str = "generate") -> tuple[int, ...]:
     """``eos_token_id`` (None, an int or a sequence of ints, each in [0, vocab_size)) as a tuple of ints
     (() for None); raises a one-line ValueError naming ``eos_token_id`` otherwise."""
     if eos_token_id is None:
@@ -54,7 +59,7 @@ def check_eos(eos_token_id: Any, vocab_size: int) -> tuple[int, ...]:
                                                              and eos_token_id.ndim == 1)
     ids = list(eos_token_id) if many else [eos_token_id]
     if not all(is_int(i, 0) and i < vocab_size for i in ids):
-        raise ValueError(f"generate: eos_token_id must be None, an int or a sequence of ints in "
+        raise ValueError(f"{op}: eos_token_id must be None, an int or a sequence of ints in "
                          f"[0, vocab_size={vocab_size}), got {eos_token_id!r}")
     return tuple(int(i) for i in ids)
 
@@ -70,110 +75,116 @@ def check_seed(seed: Any) -> int:
 
 
 class RequestBatch:
-    """The requests of one ``generate`` call, one row each (see ``positions`` for lengths and lags).
+    """The running requests, one row (slot) each (see ``positions`` for lengths and lags): ``start``
+    fills a free row, ``finish`` frees it.
 
     Attributes:
-      tokens: int32[R, capacity] each request's prompt then generated tokens (``length`` of them;
+      tokens: int32[S, capacity] each request's prompt then generated tokens (``length`` of them;
         entries past ``length`` are scratch).
-      length, prompt_len: int64[R]; budget: int64[R] tokens each request may still emit;
-      lag: int64[R] tokens the draft cache lacks.
-      active: int64[B] rows of the running requests; waiting: int64[W] rows of the requests not yet
-        admitted, in admission order (``admit``: at most ``max_running`` run at once and at most
-        ``per_shard`` on one data shard, the largest batch bucket's rows there).
+      length, prompt_len: int64[S]; budget: int64[S] tokens each request may still emit;
+      lag: int64[S] tokens the draft cache lacks.
+      sampling: float32[S, SamplingColumn.WIDTH] each request's filters (greedy: all 0).
+      keys: int32[S, 2] each request's random stream (uint32 key data as int32 bits).
+      stops: int32[S, MAX_STOP_IDS] the token ids that end each request (-1 = none).
+      active: int64[n] rows of the running requests, in admission order.
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
-      blocks: int32[R, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, from the
-        request's pool; shards: int64[R] the data shard of each request's pool (0 on one device).
+      blocks: int32[S, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, from the
+        request's pool, which holds the rest of the blocks it may need in reserve (``reserved``);
+        shards: int64[S] the data shard of each request's pool (0 on one device).
     """
 
-    def __init__(self, prompts: list[list[int]], max_new_tokens: int, pools: list[BlockPool], shards: list[int],
-                 block_size: int, max_blocks: int, max_drafts: int, max_running: int | None = None,
-                 per_shard: int | None = None):
-        rows = len(prompts)
-        self.prompt_len = np.array([len(p) for p in prompts], np.int64)
-        self.length = self.prompt_len.copy()
-        self.budget = np.full(rows, max_new_tokens, np.int64)
-        # a step writes its max_drafts + 1 emitted tokens at once (``advance``)
-        self.tokens = np.zeros((rows, int(self.prompt_len.max()) + max_new_tokens + max_drafts + 1), np.int32)
-        for row, prompt in zip(self.tokens, prompts):
-            row[:len(prompt)] = prompt
-        self.lag = np.ones(rows, np.int64)
+    def __init__(self, num_slots: int, capacity: int, block_size: int, max_blocks: int):
+        self.tokens = np.zeros((num_slots, capacity), np.int32)
+        self.length, self.prompt_len, self.budget = (np.zeros(num_slots, np.int64) for _ in range(3))
+        self.lag = np.ones(num_slots, np.int64)
+        self.sampling = np.zeros((num_slots, SamplingColumn.WIDTH), np.float32)
+        self.keys = np.zeros((num_slots, 2), np.int32)
+        self.stops = np.full((num_slots, MAX_STOP_IDS), -1, np.int32)
         self.may_lag = False
-        self.blocks = np.full((rows, max_blocks), -1, np.int32)
-        self.num_blocks = np.zeros(rows, np.int64)
-        self._addressable = np.zeros(rows, np.int64)     # num_blocks * block_size
-        self.shards = np.array(shards, np.int64)
-        self._pools, self._block_size, self._per_shard = pools, block_size, per_shard
-        self.active, self.waiting = np.zeros(0, np.int64), np.arange(rows)
-        self.admit(rows if max_running is None else max_running)
+        self.blocks = np.full((num_slots, max_blocks), -1, np.int32)
+        self.num_blocks, self.reserved = np.zeros(num_slots, np.int64), np.zeros(num_slots, np.int64)
+        self._addressable = np.zeros(num_slots, np.int64)     # num_blocks * block_size
+        self.shards = np.zeros(num_slots, np.int64)
+        self._pools: list[BlockPool | None] = [None] * num_slots
+        self._block_size = block_size
+        self.active = np.zeros(0, np.int64)
 
-    def admit(self, count: int) -> np.ndarray:
-        """Moves up to ``count`` waiting requests to the running ones, in order, passing over those whose
-        data shard already runs ``per_shard`` requests; returns int64[n] their rows."""
-        if self._per_shard is None:
-            admitted, self.waiting = self.waiting[:count], self.waiting[count:]
-        else:
-            load, chosen = collections.Counter(self.shards[self.active].tolist()), []
-            for row, shard in zip(self.waiting.tolist(), self.shards[self.waiting].tolist()):
-                if len(chosen) == count:
-                    break
-                if load[shard] < self._per_shard:
-                    load[shard] += 1
-                    chosen.append(row)
-            admitted = np.array(chosen, np.int64)
-            self.waiting = self.waiting[~np.isin(self.waiting, admitted)]
-        self.active = np.concatenate([self.active, admitted])
-        return admitted
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[0]
 
-    def outputs(self) -> list[list[int]]:
-        """The generated tokens of each request (EOS included)."""
-        return [row[p:n].tolist() for row, p, n in zip(self.tokens, self.prompt_len, self.length)]
+    def blocks_needed(self, positions: int) -> int:
+        """Blocks that hold ``positions`` cache positions."""
+        return -(-positions // self._block_size)
+
+    def start(self, prompt: list[int], budget: int, pool: BlockPool, shard: int, sampling: np.ndarray,
+              keys: np.ndarray, stops: tuple[int, ...]) -> int:
+        """Runs a request in the lowest free row, reserving the blocks of its prompt + ``budget`` - 1
+        positions (drafts never outrun a budget); returns the row."""
+        free = np.setdiff1d(np.arange(self.num_slots), self.active)
+        if not free.size:
+            raise RuntimeError("RequestBatch.start: every row runs a request")
+        row = int(free[0])
+        need = self.blocks_needed(len(prompt) + budget - 1)
+        pool.reserve(need)
+        self._pools[row], self.shards[row], self.reserved[row] = pool, shard, need
+        self.tokens[row, :len(prompt)] = prompt
+        self.prompt_len[row] = self.length[row] = len(prompt)
+        self.budget[row], self.lag[row] = budget, 1
+        self.sampling[row], self.keys[row] = sampling, keys
+        self.stops[row] = -1
+        self.stops[row, :len(stops)] = stops
+        self.active = np.append(self.active, row)
+        return row
+
+    def generated(self, row: int) -> list[int]:
+        """The tokens ``row``'s request generated so far (its stop token included)."""
+        return self.tokens[row, self.prompt_len[row]:self.length[row]].tolist()
 
     def ensure(self, rows: np.ndarray, num_positions: np.ndarray) -> None:
-        """Makes positions [0, num_positions[b]) of each request addressable (allocates blocks)."""
+        """Makes positions [0, num_positions[b]) of each request addressable (allocates blocks from
+        its reservation)."""
         short = self._addressable[rows] < num_positions
         if not short.any():
             return
         for row, positions in zip(rows[short].tolist(), num_positions[short].tolist()):
             have = int(self.num_blocks[row])
-            count = -(-positions // self._block_size) - have
+            count = self.blocks_needed(positions) - have
             self.blocks[row, have:have + count] = self._pools[row].allocate(count)
+            self.reserved[row] -= count
             self.num_blocks[row] = have + count
             self._addressable[row] = (have + count) * self._block_size
 
-    def release(self, rows: np.ndarray) -> None:
-        """Returns the blocks of ``rows`` to the pool."""
+    def finish(self, rows: np.ndarray) -> None:
+        """Ends the requests of ``rows``: their blocks and reservations go back to the pool, the rows
+        are free."""
         for row in rows.tolist():
-            count = int(self.num_blocks[row])
-            if count:
-                self._pools[row].free(self.blocks[row, :count].tolist())
-                self.blocks[row, :count] = -1
-                self.num_blocks[row] = self._addressable[row] = 0
+            pool, count = self._pools[row], int(self.num_blocks[row])
+            pool.free(self.blocks[row, :count].tolist())
+            pool.unreserve(int(self.reserved[row]))
+            self.blocks[row, :count] = -1
+            self.num_blocks[row] = self._addressable[row] = self.reserved[row] = 0
+            self._pools[row] = None
+        self.active = self.active[~np.isin(self.active, rows)]
 
     def advance(self, rows: np.ndarray, emitted: np.ndarray, num_emitted: np.ndarray, num_accepted: np.ndarray,
-                k: int, eos_token_id: int | Sequence[int] | None) -> np.ndarray:
+                k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Appends each request's emitted tokens (int32[B, K + 1], ``num_emitted`` of them), trimmed to
-        its budget and after the first of ``eos_token_id`` (None, one id or a sequence of ids); moves its
-        draft lag by a step with static ``k``; finishes and releases requests that are done. Returns
-        int64[B] the tokens appended per row."""
+        its budget and after its first stop id (``stops``); moves its draft lag by a step with static
+        ``k``. Returns int64[B] the tokens appended, bool[B] the requests done, bool[B] those ended
+        by a stop id (the others done reached their budget)."""
         budget = self.budget[rows]
         count = np.minimum(num_emitted, budget)
-        eos = np.asarray(() if eos_token_id is None else eos_token_id, np.int64).reshape(-1)
-        if eos.size:
-            hit = np.isin(emitted, eos) & (np.arange(emitted.shape[1]) < count[:, None])
-            stopped = hit.any(axis=1)
-            count = np.where(stopped, np.argmax(hit, axis=1) + 1, count)
-            budget = np.where(stopped, 0, budget - count)
-        else:
-            budget = budget - count
+        stops = self.stops[rows]
+        hit = np.any((emitted[:, :, None] == stops[:, None, :]) & (stops[:, None, :] >= 0), axis=2)
+        hit &= np.arange(emitted.shape[1]) < count[:, None]
+        stopped = hit.any(axis=1)
+        count = np.where(stopped, np.argmax(hit, axis=1) + 1, count)
+        budget = np.where(stopped, 0, budget - count)
         length = self.length[rows]
         self.tokens[rows[:, None], length[:, None] + np.arange(emitted.shape[1])] = emitted   # past count: scratch
         self.length[rows] = length + count
         self.budget[rows] = budget
         self.lag[rows] = lag_after_step(self.lag[rows], num_accepted, k)
         self.may_lag |= k == 0
-        finished = budget <= 0
-        if finished.any():
-            self.release(rows[finished])
-            self.active = rows[~finished]
-        return count
-
+        return count, budget <= 0, stopped

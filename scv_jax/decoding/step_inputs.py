@@ -2,8 +2,8 @@
 
 Decode-step inputs are built at their bucket's sizes, each request at its row of the placement's batch
 layout (padding rows: no blocks, lag 1, no drafts), so the step executable is called with no further
-planning or padding (``ExecutableCache.call_planned``), in two arrays: the block tables and one row of
-numbers per request (``StepRow``).
+planning or padding (``ExecutableCache.call_planned``), in three arrays: the block tables, one row of
+numbers per request (``StepRow``) and its sampling filters (``SamplingColumn``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ _TAIL = np.arange(-MAX_CATCH_UP, 0)
 def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, batch: int, width: int,
                   num_drafts: np.ndarray) -> dict[str, np.ndarray]:
     """The per-request inputs of a decode step for ``rows`` (see ``device_step.decode_step``), request i
-    at batch row ``positions[i]`` of ``batch`` rows, ``width`` blocks: ``block_tables`` and ``rows``
-    (``StepRow``); the other rows are padding.
+    at batch row ``positions[i]`` of ``batch`` rows, ``width`` blocks: ``block_tables``, ``rows``
+    (``StepRow``) and ``sampling`` (``SamplingColumn``); the other rows are padding (greedy, no stop
+    ids).
 
     The lag given to the step is capped at ``MAX_CATCH_UP``: a step that runs the draft follows a
     catch-up (``positions.catch_up_rows``), and one that does not reads only the pending token.
@@ -33,13 +34,17 @@ def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, 
     step_rows[:, StepRow.LAG] = 1
     step_rows[positions, StepRow.LAG] = np.minimum(state.lag[rows], MAX_CATCH_UP)
     step_rows[positions, StepRow.CONTEXT] = length - 1
-    step_rows[positions, StepRow.REQUEST_ID] = rows
     step_rows[positions, StepRow.NUM_DRAFTS] = num_drafts
+    step_rows[:, StepRow.STOP:StepRow.TOKENS] = -1
+    step_rows[positions, StepRow.KEY:StepRow.KEY + 2] = state.keys[rows]
+    step_rows[positions, StepRow.STOP:StepRow.TOKENS] = state.stops[rows]
     # the last tokens (a 1-token request's column before its first is junk the step ignores: lag 1)
     step_rows[positions, StepRow.TOKENS:] = state.tokens[rows[:, None], length[:, None] + _TAIL]
     tables = np.full((batch, width), -1, np.int32)
     tables[positions] = state.blocks[rows, :width]
-    return dict(block_tables=tables, rows=step_rows)
+    sampling = np.zeros((batch, state.sampling.shape[1]), np.float32)
+    sampling[positions] = state.sampling[rows]
+    return dict(block_tables=tables, rows=step_rows, sampling=sampling)
 
 
 def prefill_chunks(state: RequestBatch, rows: np.ndarray, begin: np.ndarray, count: np.ndarray,

@@ -39,33 +39,18 @@ def test_warmup_then_generate_compiles_nothing(demo, with_draft):
     assert out.stats.compiled == [] and len(out.tokens[0]) == 48
 
 
-def test_the_running_batch_never_exceeds_the_largest_bucket(target, autoregressive):
+def test_the_running_batch_never_exceeds_the_largest_bucket(target, autoregressive, monkeypatch):
     """10 prompts and no max_num_seqs with batch buckets up to 4: 4 run at once, the others wait (no step
     at an unbucketed size compiled by plain jit), and the output is that of running them alone."""
     config = DecoderConfig(**{**vars(SMALL), "batch_buckets": (1, 2, 4)})
     decoder = SpeculativeDecoder(target, "ngram", config=dataclasses.replace(config, k=2))
-    sizes = _running_sizes(decoder)
+    sizes = _running_sizes(monkeypatch)
     decoder.warmup(4, SMALL.max_seq_len)
     batch = prompts(21, 10)
     out = decoder.generate(batch, MAX_NEW)
     assert max(sizes) == 4 and out.stats.compile_count == 0
     assert all(s.oversize == 0 for s in decoder.graph_stats.values())
     assert out.tokens == autoregressive.generate(batch, MAX_NEW).tokens
-
-
-def test_requests_wait_for_a_slot_on_their_own_data_shard():
-    """On a mesh each data shard runs at most its share of the largest bucket: admission passes over
-    requests of a full shard (in order otherwise)."""
-    from scv_jax.decoding.block_pool import BlockPool
-    from scv_jax.decoding.requests import RequestBatch
-
-    shards = [0, 0, 0, 1, 0, 1]
-    state = RequestBatch([[1]] * 6, 4, [BlockPool(8) for _ in shards], shards, 4, 2, 0, max_running=4, per_shard=2)
-    assert state.active.tolist() == [0, 1, 3, 5] and state.waiting.tolist() == [2, 4]
-    state.active = state.active[state.active != 3]        # a shard-1 request finished: no shard-0 one joins
-    assert state.admit(1).size == 0
-    state.active = state.active[state.active != 0]
-    assert state.admit(2).tolist() == [2] and state.waiting.tolist() == [4]
 
 
 def test_a_compile_after_warmup_is_counted_and_logged_once(target, caplog):
@@ -76,7 +61,7 @@ def test_a_compile_after_warmup_is_counted_and_logged_once(target, caplog):
     with caplog.at_level(logging.WARNING):
         out = decoder.generate(prompts(2, 3), 5)                  # batch bucket 4: not warmed up
         again = decoder.generate(prompts(3, 4), 5)
-    shape = "decode_step(batch=4, blocks=8, k=0, greedy=True, backend=auto, packed_k=0)"
+    shape = "decode_step(batch=4, blocks=8, k=0, greedy=True, logprobs=False, backend=auto, packed_k=0)"
     assert shape in out.stats.compiled and out.stats.compile_count == len(out.stats.compiled) == 2
     assert again.stats.compiled == [] and again.stats.compile_count == 0
     warnings = [r.getMessage() for r in caplog.records if "warm-up did not cover" in r.getMessage()]
@@ -109,7 +94,7 @@ def test_a_kernel_that_fails_to_compile_shows_in_the_stats(target, autoregressiv
     monkeypatch.setattr(registry, "cuda_available", lambda: True)
     out = SpeculativeDecoder(target, None, config=SMALL).generate(prompts(5, 2), 6)
     assert out.tokens == autoregressive.generate(prompts(5, 2), 6).tokens
-    shape = "decode_step(batch=4, blocks=8, k=0, greedy=True, backend=auto, packed_k=0)"
+    shape = "decode_step(batch=4, blocks=8, k=0, greedy=True, logprobs=False, backend=auto, packed_k=0)"
     assert "interpret" in out.stats.fallbacks[shape] and "prefill_step(batch=4, blocks=8, backend=auto)" in \
         out.stats.fallbacks
     with pytest.raises(RuntimeError, match=re.escape("row: 2 step bucket(s) fell back to XLA")):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from scv_jax import DecoderConfig, NgramDrafter, SpeculativeDecoder
+from scv_jax import DecoderConfig, Engine, NgramDrafter, SpeculativeDecoder
 from tests.decoding.common import MAX_NEW, SMALL, prompts
 from tests.decoding.test_drafting import Spy
 from tests.models.fixtures import TINY
@@ -16,25 +16,26 @@ from tests.models.fixtures import TINY
 ADAPTIVE_PACKED = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 1, 2, 3), "packed_verify": True})
 
 
-def _running_sizes(decoder: SpeculativeDecoder) -> list[int]:
-    """Records the number of requests each decode step of ``decoder`` runs."""
-    sizes, step = [], decoder._step
+def _running_sizes(monkeypatch) -> list[int]:
+    """Records the number of requests each engine's decode step runs (``generate`` runs one)."""
+    sizes, decode = [], Engine._decode
 
-    def recording(call, rows):
-        sizes.append(rows.size)
-        step(call, rows)
+    def recording(engine):
+        sizes.append(engine.num_running)
+        return decode(engine)
 
-    decoder._step = recording
+    monkeypatch.setattr(Engine, "_decode", recording)
     return sizes
 
 
 @pytest.mark.parametrize("drafter, config", [("model", DecoderConfig(**{**vars(SMALL), "k": 3})),
                                              ("ngram", ADAPTIVE_PACKED), ("model", ADAPTIVE_PACKED)],
                          ids=["model-k3", "ngram-adaptive-packed", "model-adaptive-packed"])
-def test_greedy_output_does_not_depend_on_max_num_seqs(target, partial_draft, autoregressive, drafter, config):
+def test_greedy_output_does_not_depend_on_max_num_seqs(target, partial_draft, autoregressive, drafter, config,
+                                                      monkeypatch):
     draft = NgramDrafter(1, 3) if drafter == "ngram" else partial_draft
     decoder = SpeculativeDecoder(target, draft, config=config)
-    sizes = _running_sizes(decoder)
+    sizes = _running_sizes(monkeypatch)
     batch_prompts = prompts(5, 7, alphabet=4 if drafter == "ngram" else 16)
     free = autoregressive.generate(batch_prompts, MAX_NEW).tokens
     eos = max(range(TINY.vocab_size), key=lambda v: len({len(t[:t.index(v) + 1] if v in t else t) for t in free}))
@@ -60,18 +61,17 @@ def test_sampled_output_does_not_depend_on_max_num_seqs(target, partial_draft, d
     assert decoder.generate(batch_prompts, MAX_NEW, temperature=1.0, seed=4, max_num_seqs=2).tokens != together
 
 
-def test_a_stream_larger_than_the_cache_runs_a_few_at_a_time(target):
+def test_a_stream_larger_than_the_cache_runs_a_few_at_a_time(target, monkeypatch):
+    """Requests reserve their blocks when admitted: with room for 2 the others wait (none is refused,
+    none runs out of blocks), and every block is back in the pool at the end."""
     config = DecoderConfig(**{**vars(SMALL), "num_blocks": 8})       # 2 requests of <= 4 blocks each
     decoder = SpeculativeDecoder(target, "ngram", config=DecoderConfig(**{**vars(config), "k": 2}))
     batch_prompts = [[1, 2, 3] * 6] * 5
-    # 4 of them run at once (the largest batch bucket), 16 blocks
-    with pytest.raises(ValueError, match="needs up to 16 KV blocks .* lower generate's max_num_seqs"):
-        decoder.generate(batch_prompts, MAX_NEW)
-    with pytest.raises(ValueError, match="needs up to 12 KV blocks"):
-        decoder.generate(batch_prompts, MAX_NEW, max_num_seqs=3)
-    out = decoder.generate(batch_prompts, MAX_NEW, max_num_seqs=2)
-    assert len(set(map(tuple, out.tokens))) == 1 and len(out.tokens[0]) == MAX_NEW
-    assert decoder.pool.num_free == 8
+    sizes = _running_sizes(monkeypatch)
+    for max_num_seqs in (None, 3):
+        out = decoder.generate(batch_prompts, MAX_NEW, max_num_seqs=max_num_seqs)
+        assert len(set(map(tuple, out.tokens))) == 1 and len(out.tokens[0]) == MAX_NEW
+        assert max(sizes) == 2 and decoder.pool.num_free == 8
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.0, "2", True])

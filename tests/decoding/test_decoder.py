@@ -166,7 +166,7 @@ def test_compile_time_is_reported_apart_from_decoding_speed(target):
 
 
 def test_long_prefill_reports_progress(target, capsys, monkeypatch):
-    monkeypatch.setattr("scv_jax.decoding.decoder.PREFILL_PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr("scv_jax.decoding.engine.PREFILL_PROGRESS_SECONDS", 0.0)
     decoder = SpeculativeDecoder(target, None, config=SMALL)
     decoder.generate([[1] * 40], 2, progress=True)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prefill:")]
@@ -245,8 +245,8 @@ def test_requests_beyond_the_models_context_are_refused(target):
     """A model's config.max_position_embeddings (load_hf reads it) bounds prompt + max_new_tokens."""
     short = tiny_model(dataclasses.replace(TINY, max_position_embeddings=12), seed=0)
     decoder = SpeculativeDecoder(short, None, config=SMALL)
-    with pytest.raises(ValueError, match="prompt 1 \\(10 tokens\\) \\+ max_new_tokens 3 = 13 positions exceed the "
-                                         "model's max_position_embeddings 12"):
+    with pytest.raises(ValueError, match="generate: prompt 1: prompt \\(10 tokens\\) \\+ max_tokens 3 = 13 positions "
+                                         "exceed the model's max_position_embeddings 12"):
         decoder.generate([[1], [2] * 10], 3)
     with pytest.raises(ValueError, match="max_position_embeddings 12"):      # a draft's limit counts too
         SpeculativeDecoder(target, short, config=SMALL).generate([[1] * 12], 1)

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import scv_jax
-from scv_jax.decoding.device_step import (SplitModel, StepRow, compact_drafts, fitting_drafts, make_decode_step,
-                                           make_prefill_step, packed_layout, ragged_slots)
+from scv_jax.decoding.device_step import (SamplingColumn, SplitModel, StepRow, compact_drafts, fitting_drafts,
+                                           make_decode_step, make_prefill_step, packed_layout, ragged_slots)
 from tests.models.fixtures import TINY, tiny_model
 
 BLOCK, BLOCKS_PER_REQUEST, BATCH, K = 8, 4, 4, 3
@@ -60,10 +60,13 @@ def run_step(rows: list[int], drafts: np.ndarray, num_drafts: np.ndarray, *, pac
     step_rows = np.zeros((len(rows), StepRow.WIDTH), np.int32)
     for i, r in enumerate(rows):
         step_rows[i, StepRow.LAG], step_rows[i, StepRow.CONTEXT] = 1, PROMPT_LENS[r] - 1
-        step_rows[i, StepRow.REQUEST_ID], step_rows[i, StepRow.NUM_DRAFTS] = r, num_drafts[i]
+        step_rows[i, StepRow.KEY], step_rows[i, StepRow.NUM_DRAFTS] = r, num_drafts[i]
+        step_rows[i, StepRow.STOP:StepRow.TOKENS] = -1
         step_rows[i, StepRow.TOKENS:] = ([0] + prompts[r])[-2:]
-    cache, _, summary = step(params, None, cache, None, tables, step_rows, np.zeros(2, np.uint32),
-                             np.float32(1.0), drafts.astype(np.int32), k=K, greedy=greedy, packed_k=packed_k)
+    sampling = np.zeros((len(rows), SamplingColumn.WIDTH), np.float32)
+    sampling[:, [SamplingColumn.TEMPERATURE, SamplingColumn.TOP_P]] = 0.0 if greedy else 1.0, 1.0
+    cache, _, summary = step(params, None, cache, None, tables, step_rows, sampling, drafts.astype(np.int32),
+                             k=K, greedy=greedy, packed_k=packed_k)
     host = summary.fetch(len(rows))
     return host.token_lists(), host.num_accepted, cache, tables
 

@@ -16,28 +16,18 @@ from scv_jax.verify.summary import StepSummary
 from tests.models.fixtures import TINY, tiny_model
 
 
-def test_requests_spread_over_shards_by_count_then_blocks():
-    pool = ShardedBlockPool(64, 2)
-    chosen = pool.assign([3, 1, 2, 5])
-    assert [pool.shards.index(p) for p in chosen] == [0, 1, 1, 0]
-    assert pool.num_blocks == 64 and pool.num_free == 64 and all(p.num_blocks == 32 for p in pool.shards)
-
-
-def test_a_shard_that_cannot_hold_its_requests_raises_before_allocating():
-    pool = ShardedBlockPool(8, 2)
-    with pytest.raises(ValueError, match=r"needs up to 5 KV blocks but data shard 0 of 2 \(num_blocks / 2 each\) "
-                                         r"has 4 free of 4 \(raise DecoderConfig.num_blocks"):
-        pool.assign([3, 3, 2])
-    assert pool.num_free == 8
-    with pytest.raises(ValueError, match="needs up to 9 KV blocks but the cache has 8 free of 8"):
-        ShardedBlockPool(8, 1).assign([4, 5])
-
-
-def test_with_max_running_a_shard_holds_its_largest_running_requests():
-    pool = ShardedBlockPool(16, 2)                  # 8 blocks a shard; shard 0 gets [4, 2, 4], shard 1 [2, 1, 3]
-    assert len(pool.assign([4, 2, 1, 2, 3, 4], max_running=2)) == 6       # 4 + 4 and 3 + 2 fit
-    with pytest.raises(ValueError, match="needs up to 10 KV blocks but data shard 0 of 2"):
-        pool.assign([4, 2, 1, 2, 3, 4], max_running=3)
+def test_a_new_request_goes_to_the_least_loaded_shard_that_can_take_it():
+    """Each data shard runs at most its share of the largest bucket: a new request goes to the least
+    loaded shard with a free slot and its blocks available (then the one with most available), or waits."""
+    pool = ShardedBlockPool(16, 2)                        # 8 blocks a shard
+    assert pool.num_blocks == 16 and pool.num_free == 16 and all(p.num_blocks == 8 for p in pool.shards)
+    assert pool.pick(3, [2, 1], per_shard=2) == 1         # shard 0 is full
+    assert pool.pick(3, [1, 1], per_shard=2) == 0         # a tie in load and blocks: the first
+    pool.shards[0].reserve(6)
+    assert pool.pick(2, [1, 1], per_shard=2) == 1         # the same load: the most blocks available
+    assert pool.pick(3, [0, 1], per_shard=2) == 1         # shard 0 has 2 blocks available
+    assert pool.pick(3, [0, 2], per_shard=2) is None      # nowhere now: the request waits
+    assert pool.num_free == 16 and pool.shards[0].num_available == 2
 
 
 def test_shard_major_rows_and_their_padding():
@@ -55,8 +45,9 @@ def test_shard_major_rows_and_their_padding():
     assert arranged["request_mask"].tolist() == [True, False, False, False, True, True, True, False]
     packed = np.full((8, 4), -1, np.int32)       # one token, then the accepted and emitted counts
     packed[layout.rows, 0], packed[layout.rows, 2], packed[layout.rows, 3] = [10, 11, 12, 13], [0, 1, 0, 0], 1
-    host = layout.fetch(StepSummary(jnp.asarray(packed)))
+    host, logprobs = layout.fetch(StepSummary(jnp.asarray(packed)))
     assert host.token_lists() == [[10], [11], [12], [13]] and host.num_accepted.tolist() == [0, 1, 0, 0]
+    assert logprobs is None
     assert shard_major_rows([0, 0, 0], 2, buckets.bucket).size == 8
     assert shard_major_rows([0] * 5, 2, buckets.bucket).size == 10    # beyond the buckets: unpadded
 
