@@ -1,6 +1,6 @@
 """The ``scv-jax`` command: ``scv-jax demo`` (speculative vs autoregressive on the demo models),
-``scv-jax generate`` (text in, text out with a Hugging Face checkpoint) and ``scv-jax bench`` (the
-end-to-end benchmark)."""
+``scv-jax generate`` (text in, text out with a Hugging Face checkpoint), ``scv-jax bench`` (the
+end-to-end benchmark) and ``scv-jax serve`` (an OpenAI-compatible server, ``scv_jax.serving``)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,37 @@ def _parser() -> argparse.ArgumentParser:
                             "prompts; stream: 32 of them, 8 running at once (both greedy)")
     bench.add_argument("--packed", action="store_true", help="also run every speculative mode with packed_verify")
     bench.add_argument("--append", metavar="PATH", help="append the results to this markdown file")
+    _add_serve(sub, formatter)
     return parser
+
+
+def _add_serve(sub, formatter) -> None:
+    serve = sub.add_parser("serve", help="serve a Hugging Face model over an OpenAI-compatible HTTP API",
+                           formatter_class=formatter)
+    serve.add_argument("--model", required=True, metavar="DIR", help="the target's model directory")
+    drafter = serve.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", metavar="DIR", help="a draft model's directory (same vocabulary)")
+    drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup, no draft model")
+    mode = serve.add_mutually_exclusive_group()
+    mode.add_argument("--k", type=_int_at_least(0), default=4, help="fixed drafts per step (with --draft or --ngram)")
+    mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
+    serve.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                       help="parameter, activation and KV-cache dtype")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=_int_at_least(0), default=8000, help="port to listen on (0: any free one)")
+    serve.add_argument("--max-num-seqs", type=_int_at_least(1), default=16, help="most requests decoded at once")
+    serve.add_argument("--max-waiting", type=_int_at_least(0), default=256,
+                       help="most requests waiting beyond --max-num-seqs before answering 429")
+    serve.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+                       help="context length served, prompt + output (default: the model's, at most 2048)")
+    serve.add_argument("--num-blocks", type=_int_at_least(1), default=None,
+                       help="KV-cache blocks of 16 positions (default: --max-num-seqs full-length requests)")
+    serve.add_argument("--served-model-name", metavar="NAME", help="the model name clients use (default: --model)")
+    serve.add_argument("--mesh", metavar="DATA,MODEL", help="decode on a device mesh of DATA x MODEL devices")
+    serve.add_argument("--no-warmup", action="store_true",
+                       help="compile each step shape when first needed (a faster start, slower first requests)")
+    _add_ngram_sizes(serve)
+    _add_packed_verify(serve)
 
 
 def _text(tokens: list[int]) -> str:
@@ -348,6 +378,12 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from scv_jax.serving.server import serve
+
+    return serve(args)
+
+
 def main(argv: list[str] | None = None, *, command_line: str | None = None) -> int:
     """Runs the command ``argv`` (default: the process's arguments); ``command_line`` names it in the
     results ``bench --append`` writes (default: ``scv-jax`` and ``argv``)."""
@@ -355,7 +391,7 @@ def main(argv: list[str] | None = None, *, command_line: str | None = None) -> i
     args = _parser().parse_args(argv)
     args.command_line = command_line or shlex.join(["scv-jax", *argv])
     try:
-        return {"demo": run_demo, "generate": run_generate, "bench": run_bench}[args.command](args)
+        return {"demo": run_demo, "generate": run_generate, "bench": run_bench, "serve": run_serve}[args.command](args)
     except (ValueError, OSError) as error:     # a user's mistake (or a file it names): one line, no traceback
         print(f"scv-jax {args.command}: error: {error}", file=sys.stderr)
         return 2

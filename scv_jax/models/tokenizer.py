@@ -35,6 +35,10 @@ class Tokenizer:
             raise ValueError(f"Tokenizer.decode: token id {bad[0]} outside [0, vocab_size={self.vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string of ``token_id`` (e.g. "Ġthe" in a byte-level vocabulary), or None."""
+        return self._backend.id_to_token(int(token_id))
+
     def token_to_id(self, token: str) -> int | None:
         """The id of ``token`` (e.g. "</s>"), or None if it is not in the vocabulary."""
         return self._backend.token_to_id(token)

@@ -1,0 +1,403 @@
+"""The endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
+events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, in OpenAI's shapes.
+
+Each request is submitted to the ``EngineLoop`` and its events read from an asyncio queue; a request
+is answered (or its stream started) once the engine took it, so that a request it refuses is a 400.
+The response carries ``usage`` and, as an extension, ``spec_decode``: the request's drafted and
+accepted token counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from scv_jax.sampling_params import SamplingParams
+from scv_jax.serving.chat import ChatTemplate, ChatTemplateError
+from scv_jax.serving.detokenize import TextStream
+from scv_jax.serving.engine_loop import EngineLoop
+from scv_jax.serving.metrics import ServerMetrics
+from scv_jax.serving.protocol import (ApiError, ChatRequest, CompletionRequest, sampling_params, stop_strings,
+                                      validation_error)
+
+DISCONNECT_POLL_SECONDS = 0.5    # how often a non-streamed request checks that its client is still there
+
+
+@dataclasses.dataclass
+class ServingContext:
+    """What the endpoints need: the engine loop, the tokenizer (``encode`` / ``decode`` / ``vocab_size``),
+    the chat template (None: the model has none), the served name, the context length and the most
+    requests in flight (running + waiting) before a 429."""
+
+    engine_loop: EngineLoop
+    tokenizer: Any
+    chat_template: ChatTemplate | None
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    max_in_flight: int
+    in_flight: int = 0
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+@dataclasses.dataclass
+class _Piece:
+    """What a request's output adds: its text, the token ids it used and their logprobs."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple | None
+
+
+class _Run:
+    """One request in the engine: its events turned into text pieces, its end into usage and metrics."""
+
+    def __init__(self, ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
+                 stop: Sequence[str]):
+        self.ctx, self.request_id, self.prompt, self.params = ctx, request_id, prompt, params
+        self.stream = TextStream(ctx.tokenizer.decode, prompt, stop)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.arrival, self.first_token_at, self.last_token_at = time.monotonic(), None, None
+        self.num_tokens, self.finish_reason, self.done, self.admitted, self.closed = 0, None, False, False, False
+        self.draft_tokens = self.accepted = self.drafts = 0
+        self.accepted_per_pos: tuple[int, ...] = ()
+
+    async def start(self) -> None:
+        """Submits the request; ApiError 400 when the engine refuses it."""
+        loop = asyncio.get_running_loop()
+        self.ctx.in_flight += 1
+        self.ctx.engine_loop.submit(self.request_id, self.prompt, self.params,
+                                    lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event))
+        try:
+            event = await self.queue.get()
+        except BaseException:      # cancelled (the client left) before the engine answered
+            self.close()
+            raise
+        self.admitted = event[0] == "added"
+        if not self.admitted:
+            self.done = True
+            self.close()
+            if event[0] == "error":
+                raise ApiError(400, event[1], "max_tokens" if "max_tokens" in event[1] else "prompt")
+            raise ApiError(500, event[1] if len(event) > 1 else "the server is shutting down")
+
+    async def pieces(self, request: Request | None = None) -> AsyncIterator[_Piece]:
+        """The output as it comes (``request``: poll it for a disconnect, which aborts the request).
+        Raises ApiError 500 when a step failed."""
+        while not self.done:
+            try:
+                event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_SECONDS) if request \
+                    else await self.queue.get()
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            if event[0] == "failed":
+                self.done, self.finish_reason = True, "error"
+                raise ApiError(500, event[1])
+            if event[0] == "shutdown":
+                self.done, self.finish_reason = True, "abort"
+                break
+            piece = self._output(event[1])
+            if piece.text or piece.token_ids or self.done:
+                yield piece
+
+    def _output(self, output) -> _Piece:
+        now = time.monotonic()
+        new = output.new_token_ids
+        # a stop token (eos, stop_token_ids) ends the output: counted, its text not emitted (as vLLM)
+        stop_token = output.finished and output.finish_reason == "stop" and bool(new)
+        update = self.stream.add(new[:-1] if stop_token else new)
+        used = new if stop_token and not update.stopped else new[:update.num_tokens]
+        if used:
+            self.first_token_at = self.first_token_at or now
+            self.last_token_at = now
+        self.num_tokens += len(used)
+        if output.num_draft_tokens > self.draft_tokens:
+            self.drafts += 1
+        self.draft_tokens, self.accepted = output.num_draft_tokens, output.num_accepted_tokens
+        self.accepted_per_pos = tuple(output.num_accepted_per_pos)
+        text = update.text
+        if update.stopped:
+            self.done, self.finish_reason = True, "stop"
+            if not output.finished:
+                self.ctx.engine_loop.abort(self.request_id)
+        elif output.finished:
+            self.done, self.finish_reason = True, output.finish_reason
+            text += self.stream.finish()
+        logprobs = None if output.logprobs is None else tuple(output.logprobs[:len(used)])
+        return _Piece(text, tuple(used), logprobs)
+
+    def usage(self) -> dict[str, Any]:
+        prompt = len(self.prompt)
+        return {"prompt_tokens": prompt, "completion_tokens": self.num_tokens, "total_tokens": prompt + self.num_tokens}
+
+    def spec_decode(self) -> dict[str, int]:
+        return {"num_draft_tokens": self.draft_tokens, "num_accepted_tokens": self.accepted}
+
+    def close(self) -> None:
+        """Ends the request (aborting it in the engine when unfinished) and records its metrics; once."""
+        if self.closed:
+            return
+        m, ctx, self.closed = self.ctx.metrics, self.ctx, True
+        ctx.in_flight -= 1
+        if not self.done:
+            self.done, self.finish_reason = True, "abort"
+            ctx.engine_loop.abort(self.request_id)
+        if not self.admitted:      # refused by the engine (a 400): not a request it ran
+            return
+        m.labels(m.request_success, self.finish_reason or "error").inc()
+        m.labels(m.prompt_tokens).inc(len(self.prompt))
+        m.labels(m.generation_tokens).inc(self.num_tokens)
+        m.add_spec_decode(self.drafts, self.draft_tokens, self.accepted, self.accepted_per_pos)
+        if self.first_token_at is not None:
+            m.labels(m.ttft).observe(self.first_token_at - self.arrival)
+            m.labels(m.e2e).observe(self.last_token_at - self.arrival)
+            if self.num_tokens > 1:
+                m.labels(m.tpot).observe((self.last_token_at - self.first_token_at) / (self.num_tokens - 1))
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    """A token's text, or its vocabulary string when it is part of a character (its text alone would
+    be U+FFFD, the same for many tokens)."""
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.id_to_token(token_id) or text if "\ufffd" in text else text
+
+
+def _completion_logprobs(tokenizer, logprobs, offset: int) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` object of some tokens whose text starts at ``offset``."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for entry in logprobs:
+        text = _token_text(tokenizer, entry.token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(entry.logprob)
+        out["top_logprobs"].append({_token_text(tokenizer, t): lp for t, lp in entry.top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _chat_logprobs(tokenizer, logprobs) -> list[dict[str, Any]]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in logprobs]
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode("utf-8")
+
+
+def build_app(ctx: ServingContext) -> FastAPI:
+    """The FastAPI application serving ``ctx`` (its lifespan starts and stops the engine loop)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        ctx.engine_loop.start()
+        yield
+        ctx.engine_loop.stop(timeout=30)
+
+    app = FastAPI(title="scv-jax", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        error = validation_error(list(error.errors()))
+        return JSONResponse(error.body(), status_code=error.status)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != ctx.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist (this server serves `{ctx.model_name}`)",
+                           "model", "model_not_found")
+
+    def check_length(prompt: list[int], max_tokens: int | None, where: str) -> int:
+        """``max_tokens`` (None: the rest of the context), checked against the context length."""
+        if not prompt:
+            raise ApiError(400, f"{where} must not be empty (it encodes to no tokens)", where)
+        room = ctx.max_model_len - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"{where} has {len(prompt)} tokens, the model's context is {ctx.max_model_len} "
+                                f"tokens (at least one must be left to generate)", where)
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise ApiError(400, f"max_tokens {max_tokens} + the {len(prompt)} tokens of {where} exceed the model's "
+                                f"context of {ctx.max_model_len} tokens", "max_tokens")
+        return max_tokens
+
+    def admit() -> None:
+        if ctx.in_flight >= ctx.max_in_flight:
+            raise ApiError(429, f"the server's queue is full ({ctx.in_flight} requests in flight); retry later")
+
+    def prompt_ids(prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is not supported (one per request)",
+                               "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return ctx.tokenizer.encode(prompt)
+        vocab = ctx.tokenizer.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"prompt: token id {bad[0]} is outside [0, vocab_size={vocab})", "prompt")
+        return list(prompt)
+
+    async def run(request: Request, ids: list[int], params: SamplingParams, stop, kind: str, stream: bool):
+        vocab = ctx.tokenizer.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ApiError(400, f"stop_token_ids must be ids in [0, vocab_size={vocab}), got "
+                                f"{list(params.stop_token_ids)}", "stop_token_ids")
+        admit()
+        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        job = _Run(ctx, request_id, ids, params, stop)
+        await job.start()
+        shape = _ChatShape(ctx, request_id) if kind == "chat" else _CompletionShape(ctx, request_id)
+        if stream:
+            # the background task closes a stream whose generator never ran (its client left at once)
+            return StreamingResponse(_stream(job, shape), media_type="text/event-stream",
+                                     background=BackgroundTask(job.close))
+        try:
+            pieces = [piece async for piece in job.pieces(request)]
+        finally:
+            job.close()
+        return JSONResponse(shape.whole(job, pieces))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        ids = prompt_ids(body.prompt)
+        max_tokens = check_length(ids, body.max_tokens, "prompt")
+        params = sampling_params(body, max_tokens, body.logprobs)
+        return await run(request, ids, params, stop_strings(body), "completion", body.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        check_model(body.model)
+        if ctx.chat_template is None:
+            raise ApiError(400, f"the model `{ctx.model_name}` has no chat template (tokenizer_config.json's "
+                                "chat_template): use /v1/completions", "messages")
+        if not body.messages:
+            raise ApiError(400, "messages must not be empty", "messages")
+        messages = []
+        for i, message in enumerate(body.messages):
+            fields = message.model_dump(exclude_none=True)
+            if isinstance(message.content, list):
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in message.content):
+                    raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+                fields["content"] = "".join(p["text"] for p in message.content)
+            messages.append(fields)
+        try:
+            text = ctx.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), "messages") from None
+        ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = check_length(ids, body.max_completion_tokens or body.max_tokens, "messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        return await run(request, ids, params, stop_strings(body), "chat", body.stream)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": ctx.created,
+                                            "owned_by": "scv-jax", "max_model_len": ctx.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        alive = ctx.engine_loop.alive
+        return Response(status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+async def _stream(job: _Run, shape) -> AsyncIterator[bytes]:
+    """The SSE stream of one request: its chunks, a last chunk with the finish reason and usage, then
+    ``[DONE]``; a failed step sends OpenAI's error object instead. A client that goes away cancels this
+    generator, and ``close`` aborts the request."""
+    try:
+        yield _sse(shape.first_chunk())
+        async for piece in job.pieces():
+            if piece.text or piece.logprobs:
+                yield _sse(shape.chunk(piece, None))
+        yield _sse({**shape.chunk(_Piece("", (), None), job.finish_reason), "usage": job.usage(),
+                    "spec_decode": job.spec_decode()})
+    except ApiError as error:
+        yield _sse(error.body())
+    finally:
+        job.close()
+    yield _sse("[DONE]")
+
+
+class _CompletionShape:
+    """``/v1/completions``' response and chunks."""
+
+    def __init__(self, ctx: ServingContext, request_id: str):
+        self.ctx, self.id, self.offset = ctx, request_id, 0
+
+    def _base(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.ctx.model_name}
+
+    def first_chunk(self) -> dict[str, Any]:
+        return self.chunk(_Piece("", (), None), None)
+
+    def chunk(self, piece: _Piece, finish_reason: str | None) -> dict[str, Any]:
+        logprobs = None if piece.logprobs is None else _completion_logprobs(self.ctx.tokenizer, piece.logprobs,
+                                                                              self.offset)
+        self.offset += len(piece.text)
+        return {**self._base(), "choices": [{"index": 0, "text": piece.text, "logprobs": logprobs,
+                                             "finish_reason": finish_reason}]}
+
+    def whole(self, job: _Run, pieces: list[_Piece]) -> dict[str, Any]:
+        logprobs = [e for p in pieces for e in (p.logprobs or ())]
+        return {**self._base(), "choices": [{
+            "index": 0, "text": "".join(p.text for p in pieces), "finish_reason": job.finish_reason,
+            "logprobs": _completion_logprobs(self.ctx.tokenizer, logprobs, 0) if job.params.logprobs is not None
+            else None}], "usage": job.usage(), "spec_decode": job.spec_decode()}
+
+
+class _ChatShape:
+    """``/v1/chat/completions``' response and chunks."""
+
+    def __init__(self, ctx: ServingContext, request_id: str):
+        self.ctx, self.id = ctx, request_id
+
+    def _base(self, object_: str) -> dict[str, Any]:
+        return {"id": self.id, "object": object_, "created": int(time.time()), "model": self.ctx.model_name}
+
+    def first_chunk(self) -> dict[str, Any]:
+        return {**self._base("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}]}
+
+    def chunk(self, piece: _Piece, finish_reason: str | None) -> dict[str, Any]:
+        logprobs = None if piece.logprobs is None else {"content": _chat_logprobs(self.ctx.tokenizer, piece.logprobs)}
+        delta = {"content": piece.text} if piece.text or finish_reason is None else {}
+        return {**self._base("chat.completion.chunk"),
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    def whole(self, job: _Run, pieces: list[_Piece]) -> dict[str, Any]:
+        logprobs = [e for p in pieces for e in (p.logprobs or ())]
+        return {**self._base("chat.completion"), "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
+            "logprobs": {"content": _chat_logprobs(self.ctx.tokenizer, logprobs)} if job.params.logprobs is not None
+            else None, "finish_reason": job.finish_reason}], "usage": job.usage(), "spec_decode": job.spec_decode()}

@@ -1,0 +1,130 @@
+"""``scv-jax serve``: loads the checkpoint(s), builds an ``Engine``, warms it up (progress on stderr),
+then serves the app with uvicorn and prints ``scv-jax serve: listening on http://HOST:PORT`` on stdout.
+
+SIGINT / SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for up to
+``GRACEFUL_SHUTDOWN_SECONDS`` (then cancels them, which aborts them in the engine), the engine loop
+stops, and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+GRACEFUL_SHUTDOWN_SECONDS = 30
+DEFAULT_MAX_MODEL_LEN = 2048     # the context served when --max-model-len is not given (at most the model's)
+
+
+def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Powers of two below ``max_num_seqs``, then it: the batch sizes steps are padded to."""
+    return tuple(1 << i for i in range(max_num_seqs.bit_length()) if 1 << i < max_num_seqs) + (max_num_seqs,)
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``--mesh DATA,MODEL`` -> (data, model); ValueError naming the flag otherwise."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+        raise ValueError(f"--mesh must be DATA,MODEL (two ints >= 1, e.g. 1,8), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+@dataclasses.dataclass
+class Served:
+    """An engine and what the server needs to know of it."""
+
+    engine: Any
+    max_model_len: int
+    vocab_size: int
+
+
+def make_engine(args: argparse.Namespace) -> Served:
+    """The ``Engine`` of ``args`` (not warmed up). Raises ValueError naming the flag for a bad one."""
+    from scv_jax.cli import _check_memory, _ngram_drafter
+    from scv_jax.decoding.config import DecoderConfig
+    from scv_jax.models import load_hf
+    from scv_jax.models.hf import eos_token_ids
+
+    ngram = _ngram_drafter(args)
+    mesh_shape = parse_mesh(args.mesh) if args.mesh else None
+    target = load_hf(args.model, dtype=args.dtype)
+    draft = load_hf(args.draft, dtype=args.dtype) if args.draft else (ngram if args.ngram else None)
+    if args.draft and draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--draft {args.draft} has vocab_size {draft.config.vocab_size}, the target "
+                         f"{args.model} has {target.config.vocab_size}: they must share the vocabulary")
+    models = [target, draft] if args.draft else [target]
+    limits = [m.config.max_position_embeddings for m in models if m.config.max_position_embeddings is not None]
+    limit = min(limits, default=None)
+    max_model_len = args.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+    block_size = DecoderConfig.block_size
+    num_blocks = args.num_blocks or args.max_num_seqs * -(-max_model_len // block_size)
+    drafting = draft is not None
+    config = DecoderConfig(k=args.k if drafting else 0, adaptive=args.adaptive and drafting,
+                           batch_buckets=batch_buckets(args.max_num_seqs), max_seq_len=max_model_len,
+                           num_blocks=num_blocks, cache_dtype=args.dtype, packed_verify=args.packed_verify)
+    _check_memory(config, models)
+    mesh = None
+    if mesh_shape is not None:
+        from scv_jax import decoder_mesh
+        mesh = decoder_mesh(*mesh_shape)
+    from scv_jax import Engine
+
+    engine = Engine(target, draft, config=config, mesh=mesh, eos_token_id=eos_token_ids(args.model) or None)
+    return Served(engine, max_model_len, target.config.vocab_size)
+
+
+def _uvicorn_server(app, host: str, port: int):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server that prints its address once listening and exits normally on a signal
+        (uvicorn re-raises SIGINT / SIGTERM after its graceful shutdown, which would end the process
+        with the signal's status)."""
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                bound = self.servers[0].sockets[0].getsockname()
+                print(f"scv-jax serve: listening on http://{bound[0]}:{bound[1]}", flush=True)
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, lifespan="on")
+    return Server(config)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs ``scv-jax serve`` until SIGINT / SIGTERM; 0 after a clean shutdown."""
+    from scv_jax.models import load_tokenizer
+    from scv_jax.serving.app import ServingContext, build_app
+    from scv_jax.serving.chat import load_chat_template
+    from scv_jax.serving.engine_loop import EngineLoop
+    from scv_jax.serving.metrics import ServerMetrics
+
+    tokenizer = load_tokenizer(args.model)
+    chat_template = load_chat_template(args.model)
+    served = make_engine(args)
+    if tokenizer.vocab_size > served.vocab_size:
+        raise ValueError(f"--model {args.model}: its tokenizer has {tokenizer.vocab_size} ids, the model's "
+                         f"vocab_size is {served.vocab_size}")
+    if not args.no_warmup:
+        print(f"compiling (one time): up to {args.max_num_seqs} requests of up to {served.max_model_len} tokens ...",
+              file=sys.stderr, flush=True)
+        served.engine.warmup(args.max_num_seqs, served.max_model_len, progress=True)
+    name = args.served_model_name or args.model
+    metrics = ServerMetrics(name)
+    ctx = ServingContext(engine_loop=EngineLoop(served.engine, metrics.observe_engine), tokenizer=tokenizer,
+                         chat_template=chat_template, metrics=metrics, model_name=name,
+                         max_model_len=served.max_model_len, max_in_flight=args.max_num_seqs + args.max_waiting)
+    server = _uvicorn_server(build_app(ctx), args.host, args.port)
+    server.run()
+    if not server.started:
+        raise OSError(f"could not listen on {args.host}:{args.port} (see the message above)")
+    print("scv-jax serve: stopped", file=sys.stderr, flush=True)
+    return 0

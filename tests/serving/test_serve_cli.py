@@ -1,0 +1,38 @@
+"""``scv-jax serve``'s argument mistakes: one line on stderr, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from scv_jax import cli
+from scv_jax.serving.server import batch_buckets
+
+
+def _one_line_error(argv: list[str], message: str, capsys) -> None:
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit:     # argparse's own errors
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "-1"], "argument --port: must be an int >= 0, got -1"),
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an int >= 1, got 0"),
+    (["--k", "2", "--adaptive"], "argument --adaptive: not allowed with argument --k"),
+    (["--draft", "x", "--ngram"], "argument --ngram: not allowed with argument --draft"),
+    (["--mesh", "2"], "--mesh must be DATA,MODEL (two ints >= 1, e.g. 1,8), got '2'"),
+    (["--ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min (3) must be <= --ngram-max (2)"),
+    (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's max_position_embeddings 512"),
+])
+def test_serve_mistakes_are_one_line_errors(checkpoint, argv, message, capsys):
+    _one_line_error(["serve", "--model", str(checkpoint), *argv], message, capsys)
+
+
+def test_a_directory_without_a_tokenizer(tmp_path, capsys):
+    _one_line_error(["serve", "--model", str(tmp_path)], "tokenizer.json not found", capsys)
+
+
+def test_batch_buckets_end_at_max_num_seqs():
+    assert batch_buckets(1) == (1,) and batch_buckets(8) == (1, 2, 4, 8) and batch_buckets(12) == (1, 2, 4, 8, 12)

@@ -1,0 +1,153 @@
+"""``scv-jax serve`` on the real ``Engine`` with the tiny byte-level checkpoint (the demo draft exported):
+greedy completions and chats, streamed and not, equal to offline ``Engine`` greedy decoding of the
+same prompt, with a draft model + adaptive k and with n-gram drafting; 64 concurrent streams; the KV
+pool full again afterwards; a fault inside a real step."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics
+from tests.serving.harness import ServerProcess
+
+NAME = "tiny"
+MAX_LEN = 192
+# --no-warmup: only the shapes the tests use compile (a full warm-up of greedy and sampled steps for every
+# k and batch bucket takes minutes on 2 CPU cores)
+COMMON = ["--served-model-name", NAME, "--dtype", "float32", "--max-model-len", str(MAX_LEN), "--max-num-seqs", "4",
+          "--no-warmup"]
+PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    """A draft model (the checkpoint itself: every draft is accepted unless sampling rejects it)."""
+    process = ServerProcess(["--model", str(checkpoint), *COMMON, "--draft", str(checkpoint), "--k", "2"],
+                            tmp_path_factory.mktemp("logs") / "draft.log", fault_on="FAULT")
+    yield process
+    assert process.stop(signal.SIGTERM) == 0, process.stderr()
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint):
+    """prompt ids, max_tokens -> the offline Engine's greedy tokens (target only)."""
+    import scv_jax
+    from scv_jax.models import load_hf
+
+    engine = scv_jax.Engine(load_hf(checkpoint, dtype="float32"), None,
+                            config=scv_jax.DecoderConfig(k=0, max_seq_len=MAX_LEN, num_blocks=64,
+                                                         batch_buckets=(1,)))
+    cache = {}
+
+    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+        key = (tuple(prompt), max_tokens)
+        if key not in cache:
+            rid = engine.add_request(prompt, scv_jax.SamplingParams(max_tokens=max_tokens))
+            tokens = []
+            for _ in range(max_tokens + 2):
+                for out in engine.step():
+                    assert out.request_id == rid
+                    tokens = list(out.token_ids)
+                if not engine.has_unfinished():
+                    break
+            cache[key] = tokens
+        return cache[key]
+    return greedy
+
+
+def test_greedy_completions_equal_offline_decoding(server, offline, tokenizer):
+    c = client(server.url)
+    for prompt in PROMPTS:
+        out = c.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0)
+        expected = offline(tokenizer.encode(prompt), 40)
+        assert out.usage.completion_tokens == len(expected) == 40
+        assert out.choices[0].text == tokenizer.decode(expected), prompt
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model=NAME, prompt=prompt, max_tokens=40, temperature=0, stream=True))
+        assert streamed == out.choices[0].text
+    spec = out.model_extra["spec_decode"]
+    assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] > 0    # it did speculate
+
+
+def test_greedy_chat_equals_offline_decoding_of_the_rendered_prompt(server, offline, tokenizer):
+    messages = [{"role": "user", "content": "write a function"}]
+    rendered = "### user\nwrite a function\n### assistant\n"
+    out = client(server.url).chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+    assert out.usage.prompt_tokens == len(rendered.encode())
+    assert out.choices[0].message.content == tokenizer.decode(offline(list(rendered.encode()), 24))
+
+
+def test_64_concurrent_streams_then_the_pool_is_full_again(server, offline, tokenizer):
+    prompts = [f"def f{i}(x):\n    return x" for i in range(64)]
+    results: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        chunks = client(server.url).completions.create(model=NAME, prompt=prompts[i], max_tokens=16,
+                                                       temperature=0, stream=True)
+        results[i] = "".join(ch.choices[0].text for ch in chunks)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * REQUEST_TIMEOUT)
+    assert results == [tokenizer.decode(offline(tokenizer.encode(p), 16)) for p in prompts]
+    deadline = time.monotonic() + 30
+    while metrics(server.url)[("vllm:kv_cache_usage_perc", ())] != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    m = metrics(server.url)
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0 and m[("vllm:num_requests_running", ())] == 0
+
+
+def test_sampled_requests_with_a_seed_repeat(server):
+    c = client(server.url)
+    texts = [c.completions.create(model=NAME, prompt="def main(", max_tokens=20, temperature=1.0, top_p=0.9,
+                                  seed=7, extra_body={"top_k": 20}).choices[0].text for _ in range(2)]
+    assert texts[0] == texts[1]
+
+
+def test_a_fault_in_a_real_step_fails_its_request_and_the_server_goes_on(server, offline, tokenizer):
+    c = client(server.url)
+    with pytest.raises(openai.InternalServerError, match="injected fault"):
+        c.completions.create(model=NAME, prompt="FAULT", max_tokens=8, temperature=0)
+    out = c.completions.create(model=NAME, prompt="def main(", max_tokens=12, temperature=0)
+    assert out.choices[0].text == tokenizer.decode(offline(tokenizer.encode("def main("), 12))
+
+
+@pytest.mark.parametrize("flags", [["--ngram", "--adaptive"]], ids=["ngram-adaptive"])
+def test_ngram_and_adaptive_greedy_outputs_equal_offline_decoding(checkpoint, tmp_path, offline, tokenizer, flags):
+    process = ServerProcess(["--model", str(checkpoint), *COMMON, *flags], tmp_path / "ngram.log")
+    try:
+        c = client(process.url)
+        prompt = "x = 1\nx = 1\nx = 1\n"          # repetitive: n-gram matches to draft from
+        for stream in (False, True):
+            kwargs = dict(model=NAME, prompt=prompt, max_tokens=32, temperature=0)
+            text = "".join(ch.choices[0].text for ch in c.completions.create(**kwargs, stream=True)) if stream \
+                else c.completions.create(**kwargs).choices[0].text
+            assert text == tokenizer.decode(offline(tokenizer.encode(prompt), 32))
+    finally:
+        assert process.stop(signal.SIGINT) == 0, process.stderr()
+
+
+def test_stop_strings_cut_the_greedy_text(server, offline, tokenizer):
+    prompt = "import os\nimport sys\n"
+    full = tokenizer.decode(offline(tokenizer.encode(prompt), 40))
+    stop = full[12:15]                              # three bytes: three tokens, within or across accepted runs
+    out = client(server.url).completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0, stop=stop)
+    assert out.choices[0].text == full[:full.find(stop)] and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == len(full[:full.find(stop) + 3].encode())
+
+
+def test_greedy_logprobs_rank_the_emitted_token_first(server):
+    out = client(server.url).completions.create(model=NAME, prompt="def main(", max_tokens=6, temperature=0,
+                                                logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 6 and all(v <= 0 for v in lp.token_logprobs)
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        best = max(top, key=top.get)
+        assert best == token and abs(top[best] - value) < 1e-5

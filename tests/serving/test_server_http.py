@@ -1,0 +1,278 @@
+"""``scv-jax serve``'s HTTP behaviour with the real ``openai`` client, on the fake engine
+(``fake_engine``: a fixed text, accepted runs of 1-4 tokens per step): response shapes, streaming
+(UTF-8 characters split across tokens, stop strings across tokens and runs), logprobs, every 400 /
+404 / 429 / 500 case, disconnects, metrics, graceful exit. The outputs of the real engine are checked
+in test_server_engine.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics
+from tests.serving.fake_engine import expected_tokens
+from tests.serving.harness import ServerProcess
+
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    process = ServerProcess(["--model", str(checkpoint), "--served-model-name", NAME, "--max-num-seqs", "8",
+                             "--max-waiting", "512"], tmp_path_factory.mktemp("logs") / "fake.log", fake=True,
+                            fault_on="FAULT")
+    yield process
+    assert process.stop(signal.SIGINT) == 0, process.stderr()
+
+
+def _text(tokenizer, prompt: str, n: int) -> str:
+    return tokenizer.decode(expected_tokens(list(prompt.encode()), n))
+
+
+def test_completion_text_usage_and_spec_counts(server, tokenizer):
+    out = client(server.url).completions.create(model=NAME, prompt="hello", max_tokens=21, temperature=0)
+    choice, = out.choices
+    assert choice.text == _text(tokenizer, "hello", 21) and choice.finish_reason == "length"
+    assert out.object == "text_completion" and out.id.startswith("cmpl-") and out.model == NAME
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (5, 21, 26)
+    spec = out.model_extra["spec_decode"]
+    assert spec["num_draft_tokens"] > 0 and 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+
+
+def test_token_id_prompts_and_a_one_prompt_list(server, tokenizer):
+    ids = list("hey".encode())
+    c = client(server.url)
+    by_ids = c.completions.create(model=NAME, prompt=ids, max_tokens=9, temperature=0)
+    by_list = c.completions.create(model=NAME, prompt=["hey"], max_tokens=9, temperature=0)
+    assert by_ids.choices[0].text == by_list.choices[0].text == _text(tokenizer, "hey", 9)
+
+
+@pytest.mark.parametrize("prompt", ["a", "bc", "def", "ghij"])
+def test_stream_never_splits_a_character(server, tokenizer, prompt):
+    """The fake's text has 2-, 3- and 4-byte characters, one byte per token: no chunk carries a broken
+    one (but the end of an output cut by max_tokens), and the chunks add up to the decoded tokens."""
+    chunks = list(client(server.url).completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                                        stream=True))
+    texts = [c.choices[0].text for c in chunks]
+    assert "".join(texts) == _text(tokenizer, prompt, 40) and "\ufffd" not in "".join(texts).rstrip("\ufffd")
+    assert len([t for t in texts if t]) > 3                      # it did stream
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 40
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stop", ["wörld", ["zzz", "€ 𝄞"], "o w"])
+def test_stop_strings_across_tokens(server, tokenizer, stop, stream):
+    full = _text(tokenizer, "hello", 60)
+    stops = [stop] if isinstance(stop, str) else stop
+    cut = min(i for i in (full.find(s) for s in stops) if i >= 0)
+    kwargs = dict(model=NAME, prompt="hello", max_tokens=60, temperature=0, stop=stop)
+    if stream:
+        chunks = list(client(server.url).completions.create(**kwargs, stream=True))
+        text, reason, usage = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason, \
+            chunks[-1].usage
+    else:
+        out = client(server.url).completions.create(**kwargs)
+        text, reason, usage = out.choices[0].text, out.choices[0].finish_reason, out.usage
+    assert text == full[:cut] and reason == "stop"
+    end = next(s for s in stops if full.find(s) == cut)
+    tokens = expected_tokens(list(b"hello"), 60)
+    assert usage.completion_tokens == next(n for n in range(61) if end in tokenizer.decode(tokens[:n]))
+
+
+def test_stop_token_ids_end_without_their_text(server, tokenizer):
+    tokens = expected_tokens(list(b"hello"), 30)
+    stop = tokens[7]
+    first = tokens.index(stop)
+    out = client(server.url).completions.create(model=NAME, prompt="hello", max_tokens=30, temperature=0,
+                                                extra_body={"stop_token_ids": [stop]})
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == first + 1
+    assert out.choices[0].text == tokenizer.decode(tokens[:first])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat(server, tokenizer, stream):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    prompt = "### system\nbe brief\n### user\nhi\n### assistant\n"
+    c = client(server.url)
+    if stream:
+        chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                stream=True))
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+        reason, usage = chunks[-1].choices[0].finish_reason, chunks[-1].usage
+    else:
+        out = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+        assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+        text, reason, usage = out.choices[0].message.content, out.choices[0].finish_reason, out.usage
+    assert text == _text(tokenizer, prompt, 12) and reason == "length"
+    assert usage.prompt_tokens == len(prompt.encode()) and usage.completion_tokens == 12
+
+
+def test_logprobs(server):
+    c = client(server.url)
+    out = c.completions.create(model=NAME, prompt="hello", max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(len(top) == 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    chat = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                     temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(e.top_logprobs) == 3 for e in content)
+
+
+def test_models_and_health(server):
+    models = client(server.url).models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert httpx.get(f"{server.url}/health", timeout=REQUEST_TIMEOUT).status_code == 200
+
+
+def _error(server, path: str, body, status: int) -> dict:
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"},
+                          timeout=REQUEST_TIMEOUT)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2),
+    ("max_tokens", 0), ("max_tokens", 10_000), ("n", 2), ("seed", -1), ("stop", 5), ("logprobs", 21),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [256]), ("ignore_eos", "yes"), ("stream", 1), ("presence_penalty", 0.5),
+    ("prompt", [999]), ("prompt", ""), ("prompt", "x" * 600), ("prompt", ["a", "b"]), ("prompt", None),
+])
+def test_bad_completion_fields_are_400s_naming_them(server, field, value):
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 4, field: value}
+    error = _error(server, "/v1/completions", body, 400)
+    assert error["param"] == field and error["type"] == "invalid_request_error", error
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),
+])
+def test_bad_chat_fields_are_400s_naming_them(server, body, param):
+    assert _error(server, "/v1/chat/completions", {"model": NAME, **body}, 400)["param"] == param
+
+
+def test_bad_json_and_unknown_models(server):
+    assert _error(server, "/v1/completions", "{not json", 400)["param"] is None
+    error = _error(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404)
+    assert error["param"] == "model" and "gpt-9" in error["message"]
+    with pytest.raises(openai.NotFoundError):
+        client(server.url).chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
+
+
+def test_a_failed_step_is_a_500_and_the_server_keeps_serving(server, tokenizer):
+    c = client(server.url)
+    with pytest.raises(openai.InternalServerError, match="injected fault"):
+        c.completions.create(model=NAME, prompt="FAULT", max_tokens=8, temperature=0)
+    with pytest.raises(openai.APIError, match="injected fault"):
+        list(c.completions.create(model=NAME, prompt="a FAULT", max_tokens=8, temperature=0, stream=True))
+    out = c.completions.create(model=NAME, prompt="hello", max_tokens=8, temperature=0)
+    assert out.choices[0].text == _text(tokenizer, "hello", 8)
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server):
+    before = metrics(server.url)
+    with httpx.Client(timeout=REQUEST_TIMEOUT) as http:
+        with http.stream("POST", f"{server.url}/v1/completions",
+                         json={"model": NAME, "prompt": "long", "max_tokens": 500, "stream": True}) as response:
+            lines = response.iter_lines()
+            assert [next(lines) for _ in range(6)]       # a few chunks arrive, then the client goes away
+    gone = lambda: metrics(server.url)[("vllm:request_success_total", (("finished_reason", "abort"),))] \
+        == before[("vllm:request_success_total", (("finished_reason", "abort"),))] + 1   # noqa: E731
+    assert _wait_for(gone)
+    assert _wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
+    assert metrics(server.url)[("vllm:num_requests_running", ())] == 0
+
+
+def test_many_concurrent_streams(server, tokenizer):
+    prompts = [f"p{i}" for i in range(64)]
+    results = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        chunks = client(server.url).completions.create(model=NAME, prompt=prompts[i], max_tokens=24, temperature=0,
+                                                       stream=True)
+        results[i] = "".join(c.choices[0].text for c in chunks)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQUEST_TIMEOUT)
+    assert results == [_text(tokenizer, p, 24) for p in prompts]
+    assert _wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
+
+
+def test_metrics_agree_with_the_responses(server):
+    before = metrics(server.url)
+    c = client(server.url)
+    outs = [c.completions.create(model=NAME, prompt=f"m{i}", max_tokens=5 + i, temperature=0, stop="ö")
+            for i in range(4)]
+    outs.append(c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=7))
+    after = metrics(server.url)
+    delta = lambda name, labels=(): after[(name, labels)] - before.get((name, labels), 0)   # noqa: E731
+    assert delta("vllm:generation_tokens_total") == sum(o.usage.completion_tokens for o in outs)
+    assert delta("vllm:prompt_tokens_total") == sum(o.usage.prompt_tokens for o in outs)
+    reasons = [o.choices[0].finish_reason for o in outs]
+    for reason in ("stop", "length"):
+        assert delta("vllm:request_success_total", (("finished_reason", reason),)) == reasons.count(reason)
+    spec = [o.model_extra["spec_decode"] for o in outs]
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == sum(s["num_draft_tokens"] for s in spec)
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == sum(s["num_accepted_tokens"] for s in spec)
+    per_pos = sum(delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", (("position", str(p)),))
+                  for p in range(3))
+    assert per_pos == delta("vllm:spec_decode_num_accepted_tokens_total")
+    assert delta("vllm:time_to_first_token_seconds_count") == len(outs)
+    assert delta("vllm:spec_decode_num_drafts_total") > 0
+
+
+def test_a_full_queue_is_a_429(checkpoint, tmp_path):
+    process = ServerProcess(["--model", str(checkpoint), "--max-num-seqs", "1", "--max-waiting", "1"],
+                            tmp_path / "queue.log", fake=True, env={"SCV_FAKE_STEP_SECONDS": "0.02"})
+    try:
+        c = client(process.url)
+        streams = [c.completions.create(model=None, prompt="x", max_tokens=400, stream=True) for _ in range(2)]
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(prompt="y", max_tokens=2, model=None)
+        for stream in streams:
+            stream.close()
+        assert _wait_for(lambda: metrics(process.url)[("vllm:num_requests_running", ())] == 0)
+        assert c.completions.create(prompt="y", max_tokens=2, model=None).usage.completion_tokens == 2
+    finally:
+        assert process.stop(signal.SIGTERM) == 0, process.stderr()
+
+
+def test_sigterm_lets_in_flight_requests_finish_and_exits_0(checkpoint, tmp_path, tokenizer):
+    process = ServerProcess(["--model", str(checkpoint)], tmp_path / "term.log", fake=True,
+                            env={"SCV_FAKE_STEP_SECONDS": "0.01"})
+    stream = client(process.url).completions.create(model=None, prompt="hello", max_tokens=100, stream=True)
+    chunks = iter(stream)
+    first = next(chunks)
+    process.process.send_signal(signal.SIGTERM)
+    text = first.choices[0].text + "".join(c.choices[0].text for c in chunks)
+    assert text == _text(tokenizer, "hello", 100)
+    assert process.stop(signal.SIGTERM) == 0
+    assert "stopped" in process.stderr()
