@@ -52,3 +52,12 @@ def test_adaptive_summary_compares_with_the_best_fixed_k_round_by_round():
     cells = [c.strip() for c in lines.splitlines()[-1].split("|")[1:-1]]
     # adaptive mode, best fixed k, medians' ratio, min / max, same-round ratios 110/100, 80/90, 60/120
     assert cells[4:] == ["adaptive", "k=2", f"{80 / 100:.2f}", f"{60 / 120:.2f}", "0.89 [0.50-1.10]"]
+
+
+def test_bench_engine_dry_run_reports_every_mode():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_engine.py"), "--dry-run"],
+                          capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| mode")]
+    assert [r.split("|")[1].strip() for r in rows] == ["target only", "draft model k=4", "n-gram k=4",
+                                                       "draft model adaptive"]

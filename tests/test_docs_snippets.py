@@ -180,7 +180,9 @@ def test_every_public_name_is_in_the_api_reference():
     public = {f"scv_jax.{n}" for n in scv_jax.__all__ if n != "models"}
     public |= {f"scv_jax.models.{n}" for n in scv_jax.models.__all__}
     assert public - documented == set(), "add these to docs/api.md"
-    assert documented - public == set(), "not public any more: remove from docs/api.md"
+    # names of the package and of scv_jax.models (deeper modules, e.g. scv_jax.serving.chat, may add theirs)
+    top = {name for name in documented if name.count(".") == 1 or name.startswith("scv_jax.models.")}
+    assert top - public == set(), "not public any more: remove from docs/api.md"
 
 
 def test_ci_runs_the_readme_test_command_and_the_docs_build():

@@ -224,10 +224,11 @@ class Engine:
                              f"{d.vocab_size}), at most {MAX_STOP_IDS} with the model's eos ids, got "
                              f"{params.stop_token_ids!r} (eos {self._eos!r})")
         with d._lock:
-            if request_id is None:
+            if request_id is None:             # never an id given before (nor one the caller uses now)
                 while str(self._next_id) in self._requests:
                     self._next_id += 1
                 request_id = str(self._next_id)
+                self._next_id += 1
             elif not isinstance(request_id, str) or not request_id:
                 raise ValueError(f"add_request: request_id must be a non-empty str or None, got {request_id!r}")
             if request_id in self._requests:
