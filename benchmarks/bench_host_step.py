@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from harness import publish  # noqa: E402
 from scv_jax import DecoderConfig, SpeculativeDecoder  # noqa: E402
 from scv_jax.decoding.device_step import StepRow  # noqa: E402
+from scv_jax.decoding.engine import Engine  # noqa: E402
 from scv_jax.demo.e2e import benchmark_prompts  # noqa: E402
 from scv_jax.models import load_demo  # noqa: E402
 from scv_jax.verify.summary import StepSummary  # noqa: E402
@@ -69,15 +70,27 @@ class InstantStep:
 
 
 class StepClock:
-    """Wraps a decoder's step function: the thread CPU seconds spent in its steps."""
+    """While entered, wraps ``Engine._decode`` (a decode step's host side, with the device step it
+    dispatches): the thread CPU seconds spent in steps."""
 
-    def __init__(self, step):
-        self._step, self.cpu_seconds = step, 0.0
+    def __init__(self):
+        self.cpu_seconds, self._decode = 0.0, Engine._decode
 
-    def __call__(self, *args):
-        cpu = time.thread_time()
-        self._step(*args)
-        self.cpu_seconds += time.thread_time() - cpu
+    def __enter__(self) -> "StepClock":
+        decode, clock = self._decode, self
+
+        def timed(engine):
+            cpu = time.thread_time()
+            try:
+                return decode(engine)
+            finally:
+                clock.cpu_seconds += time.thread_time() - cpu
+
+        Engine._decode = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        Engine._decode = self._decode
 
 
 class ControllerClock:
@@ -114,13 +127,13 @@ def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
     prompts = benchmark_prompts(batch)
     stub = InstantStep(decoder._decode, cold_bytes)
     decoder._decode.call_planned = stub                 # the device step, taken out
-    clock = decoder._step = StepClock(decoder._step)
     controllers = ControllerClock(decoder.controllers.values())
     decoder.generate(prompts, max_new_tokens)           # compiles the prefill; warms the controller, the plans
     samples = []
     for _ in range(repeats):
-        stub.seconds = stub.cpu_seconds = clock.cpu_seconds = controllers.seconds = 0.0
-        stats = decoder.generate(prompts, max_new_tokens).stats
+        stub.seconds = stub.cpu_seconds = controllers.seconds = 0.0
+        with StepClock() as clock:
+            stats = decoder.generate(prompts, max_new_tokens).stats
         steps = sum(v[0] for v in stats.step_seconds.values())   # timed steps (the controller runs in all)
         seconds = sum(v[1] for v in stats.step_seconds.values())
         outside = sum(v[2] for v in stats.step_seconds.values())

@@ -436,7 +436,7 @@ class Engine:
         stats.add_step(batch, step_k, None if cold else step_seconds + time.perf_counter() - fetched,
                        dispatch - step_start + time.perf_counter() - fetched, scored)
         if done.any():
-            for request in np.array(requests, dtype=object)[done]:
+            for request in (r for r, finished in zip(requests, done) if finished):
                 del self._requests[request.request_id]
             self._end(rows[done].tolist())
         return outputs
