@@ -9,29 +9,11 @@ import collections
 import dataclasses
 import time
 
+from scv_jax.decoding.engine import RequestOutput, TokenLogprob  # the real engine's outputs
+
 CYCLE = "héllo wörld € 𝄞 ".encode("utf-8")
 DRAFTS = 3
 BLOCK_SIZE = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    num_accepted_per_pos: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None
 
 
 @dataclasses.dataclass
