@@ -183,6 +183,29 @@ class FixedPolicy:
         pass
 
 
+class SharedMachineTimer:
+    """Wraps a policy so that it sees step times as on a shared machine: a load factor drifting in
+    [1, 2.5] (log-normal steps of ``drift``), 15% jitter and pauses (rate ``pause_rate``, 2-6x).
+    The simulated clock keeps the true times: only what the policy measures is disturbed."""
+
+    def __init__(self, policy: Policy, seed: int = 0, drift: float = 0.02, pause_rate: float = 0.08):
+        self.policy, self._rng, self._drift, self._pause_rate, self._load = (
+            policy, np.random.default_rng(seed), drift, pause_rate, 1.0)
+
+    def next_k(self, batch_size: int) -> int:
+        return self.policy.next_k(batch_size)
+
+    def update(self, num_draft_tokens: Any, num_accepted: Any, step_seconds: float | None = None,
+               batch_size: int | None = None, **kwargs: Any) -> None:
+        rng = self._rng
+        self._load = float(np.clip(self._load * np.exp(self._drift * rng.standard_normal()), 1.0, 2.5))
+        factor = self._load * np.exp(0.15 * rng.standard_normal())
+        if rng.random() < self._pause_rate:
+            factor *= rng.uniform(2.0, 6.0)
+        self.policy.update(num_draft_tokens, num_accepted, None if step_seconds is None else step_seconds * factor,
+                           batch_size, **kwargs)
+
+
 class OraclePolicy:
     """Knows each step's true acceptance and noise-free cost; picks the k maximising expected goodput."""
 

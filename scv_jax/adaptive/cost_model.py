@@ -1,4 +1,5 @@
-"""Measured step cost per (batch bucket, k): a moving mean of each shape's step seconds (numpy only)."""
+"""Measured step cost per (batch bucket, k): each shape's seconds relative to the machine's current load
+(numpy only)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import math
 
 import numpy as np
 
-_OUTLIER = 3.0      # a step slower than this x its shape's mean counts as this x (a pause, not a cost)
+_CLIP = math.log(2.0)   # a step more than 2x off its prediction counts as 2x (a pause, not a cost)
+_LOAD_RATE = 0.6
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -15,20 +17,25 @@ def batch_bucket(batch_size: int) -> int:
 
 
 class StepCostTable:
-    """Moving means of the seconds of a step with each of ``k_values`` drafts per request, per batch bucket.
+    """Predicted seconds of a step with each of ``k_values`` drafts per request, per batch bucket.
 
-    Predictions are non-decreasing in k (a step with more drafts never costs less: a noisy k that
-    measured cheaper than a smaller k is raised to it) and ``nan`` for a k never measured in a
-    bucket (the controller measures it before choosing it).
+    A step's seconds are modelled as load x cost(bucket, k): one load factor for the machine (other
+    processes, clock changes) moved by every step, and a cost per shape moved only by its own steps,
+    both as moving means of log seconds (weight ``rate`` for a shape's cost, a plain mean of its first
+    1 / rate steps). A small k that runs rarely (at requests' ends, as a probe) is then compared with the
+    held k at the same load. Predictions are non-decreasing in k (a k that measured dearer than a larger
+    k is lowered to it: timing noise is a pause, never a speed-up) and ``nan`` for a k never measured in
+    a bucket (the controller measures it before choosing it).
     """
 
     def __init__(self, k_values: tuple[int, ...], rate: float):
         self.k_values = k_values
         self._column = {k: i for i, k in enumerate(k_values)}
         self._rate = rate
-        self._means: dict[int, np.ndarray] = {}    # bucket -> float64[len(k_values)] seconds, nan: never timed
-        self._tries: dict[int, np.ndarray] = {}    # bucket -> int64[len(k_values)] untimed-or-timed steps run
-        self._timed: dict[int, np.ndarray] = {}    # bucket -> int64[len(k_values)] timed steps
+        self._log_load = 0.0
+        self._log_costs: dict[int, np.ndarray] = {}   # bucket -> float64[len(k_values)] log seconds at load 1
+        self._tries: dict[int, np.ndarray] = {}       # bucket -> int64[len(k_values)] untimed-or-timed steps run
+        self._timed: dict[int, np.ndarray] = {}       # bucket -> int64[len(k_values)] timed steps
 
     def _row(self, table: dict[int, np.ndarray], batch_size: int, fill: float, dtype) -> np.ndarray:
         bucket = batch_bucket(batch_size)
@@ -46,20 +53,21 @@ class StepCostTable:
             return
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"StepCostTable.observe: seconds must be a positive finite number, got {seconds!r}")
-        means, timed = self._row(self._means, batch_size, math.nan, np.float64), self._row(self._timed, batch_size, 0, np.int64)
+        costs, timed = self._row(self._log_costs, batch_size, math.nan, np.float64), self._row(self._timed, batch_size, 0, np.int64)
         timed[column] += 1
-        mean = means[column]
-        if math.isnan(mean):
-            means[column] = seconds
-        else:   # a plain mean of a shape's first 1 / rate steps, then a moving one
-            means[column] = mean + max(self._rate, 1.0 / timed[column]) * (min(seconds, _OUTLIER * mean) - mean)
+        if math.isnan(costs[column]):
+            costs[column] = math.log(seconds) - self._log_load
+            return
+        surprise = min(max(math.log(seconds) - self._log_load - costs[column], -_CLIP), _CLIP)
+        self._log_load += _LOAD_RATE * surprise
+        costs[column] += max(self._rate, 1.0 / timed[column]) * (1.0 - _LOAD_RATE) * surprise
 
     def seconds(self, batch_size: int) -> np.ndarray:
         """float64[len(k_values)] predicted seconds of a step with each k at ``batch_size`` (nan: never timed)."""
-        means = self._row(self._means, batch_size, math.nan, np.float64)
-        measured = ~np.isnan(means)
-        out = np.full_like(means, math.nan)
-        out[measured] = np.maximum.accumulate(means[measured])
+        costs = self._row(self._log_costs, batch_size, math.nan, np.float64)
+        measured = ~np.isnan(costs)
+        out = np.full_like(costs, math.nan)
+        out[measured] = np.exp(self._log_load + np.minimum.accumulate(costs[measured][::-1])[::-1])
         return out
 
     def tries(self, batch_size: int) -> np.ndarray:

@@ -166,18 +166,40 @@ def test_allowed_set_is_respected():
 
 
 # ----------------------------------------------------------------- cost per step
-def test_step_cost_is_each_k_measured_mean_per_batch_bucket_and_never_decreases_in_k():
-    ctrl = AdaptiveController(allowed_k=(0, 2, 4, 8), cost_rate=0.5)
+def test_step_cost_per_batch_bucket_follows_the_machine_load_and_never_decreases_in_k():
+    ctrl = AdaptiveController(allowed_k=(0, 2, 4, 8))
     ctrl.next_k(4)
-    for k, seconds in ((0, 1.0), (2, 2.0), (2, 4.0), (4, 2.5)):
+
+    def step(k, seconds):
         ctrl.update(np.zeros(4, np.int64), np.zeros(4, np.int64), seconds, 4, k=k)
-    np.testing.assert_allclose(ctrl.step_seconds(4)[:3], [1.0, 3.0, 3.0])   # k = 4: 2.5 raised to k = 2's 3
+
+    for k, seconds in ((0, 1.0), (2, 3.0), (4, 2.5)):
+        step(k, seconds)
+    np.testing.assert_allclose(ctrl.step_seconds(4)[:3], [1.0, 2.5, 2.5])   # k = 2: 3 lowered to k = 4's 2.5
     assert ctrl.step_seconds(5)[2] == ctrl.step_seconds(4)[2]                  # batch 5 is bucket 4
     assert np.isnan(ctrl.step_seconds(4)[3]) and np.isnan(ctrl.step_seconds(16)).all()   # never timed
-    ctrl.update(np.zeros(4, np.int64), np.zeros(4, np.int64), None, 4, k=8)   # untimed (a compile)
+    step(8, None)                                                              # untimed (a compile)
     assert np.isnan(ctrl.step_seconds(4)[3])
-    ctrl.update(np.zeros(4, np.int64), np.zeros(4, np.int64), 1e3, 4, k=0)     # a pause: counted as 3x the mean
-    assert ctrl.step_seconds(4)[0] == pytest.approx(0.5 * 1.0 + 0.5 * 3.0)
+    for _ in range(40):          # the machine at half speed, seen by k = 4 steps only
+        step(4, 5.0)
+    seconds = ctrl.step_seconds(4)
+    assert seconds[2] == pytest.approx(5.0, rel=0.01)
+    assert 1.6 < seconds[0] <= 2.0      # k = 0, never run since, is predicted dearer with the machine
+    step(4, 1e3)                        # a pause counts as twice the prediction
+    assert np.all(ctrl.step_seconds(4)[:3] <= 2.0 * seconds[:3])
+
+
+def test_an_old_pause_in_a_rarely_run_small_k_does_not_make_larger_k_look_dear():
+    """A small k timed once during a pause (e.g. at a request's end) must not hold every larger k's cost up:
+    the controller would then keep k = 0 however well drafts are accepted."""
+    ctrl = AdaptiveController(allowed_k=(0, 2, 8))
+    ctrl.next_k(1)
+    ctrl.update(np.zeros(1, np.int64), np.zeros(1, np.int64), 1.0, 1, k=0)
+    ctrl.update(np.zeros(1, np.int64), np.zeros(1, np.int64), 20.0, 1, k=2)      # one step, in a pause
+    for _ in range(10):
+        ctrl.update(np.full(1, 8), np.full(1, 8), 2.0, 1, k=8)                   # every draft accepted
+    assert ctrl.step_seconds(1).tolist() == [1.0, 2.0, 2.0]
+    assert ctrl.next_k(1) == 8
 
 
 def test_each_k_never_timed_at_a_batch_is_run_there_first():
