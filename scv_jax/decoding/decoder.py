@@ -354,7 +354,7 @@ class SpeculativeDecoder:
         if masked:
             args["request_mask"] = np.ones(batch, np.bool_)
         if self.drafter is not None:
-            args["drafts"] = np.ones((batch, k), np.int32)
+            args["drafts"] = np.ones((batch, k) if cfg.tree is None else (batch, 2, k), np.int32)
         args = {name: jax.device_put(value) for name, value in args.items()}
         stats, use_draft = GenerateStats(), self._draft is not None and k > 0
         with self._lock:

@@ -133,11 +133,12 @@ def tree_inputs(tokens: jax.Array, parents: jax.Array, cap: jax.Array, stop_ids:
     in_range = (parents >= -1) & (parents < index)
     forward_parents = jnp.concatenate([jnp.full((batch, 1), -1, jnp.int32),
                                        jnp.where(in_range, parents + 1, 0).astype(jnp.int32)], axis=1)
-    mask = ancestor_mask(forward_parents)[:, 1:, 1:]                          # [B, N, N] node j is i or above i
+    full_mask = ancestor_mask(forward_parents)
+    mask = full_mask[:, 1:, 1:]                                              # [B, N, N] node j is i or above i
     is_stop = jnp.any((tokens[:, :, None] == stop_ids[:, None, :]) & (stop_ids[:, None, :] >= 0), axis=2)
     below_stop = jnp.any(mask & ~jnp.eye(n, dtype=jnp.bool_)[None] & is_stop[:, None, :], axis=2)
     bad_above = jnp.any(mask & ~in_range[:, None, :], axis=2)
-    too_deep = depths(ancestor_mask(forward_parents))[:, 1:] > cap[:, None]
+    too_deep = depths(full_mask)[:, 1:] > cap[:, None]
     keep = ~(below_stop | bad_above | too_deep)
     return forward_parents, jnp.where(keep, parents, index).astype(jnp.int32)   # parent = itself: ignored
 
