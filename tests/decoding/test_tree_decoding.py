@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, SpeculativeDecoder, TreeConfig
+from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, SpeculativeDecoder, TreeConfig, decoder_mesh
 from scv_jax.decoding.device_step import SamplingColumn, SplitModel, StepRow
 from scv_jax.decoding.ngram import NgramDrafter as _Drafter
 from scv_jax.decoding.ngram_trie import build_trie, continuations, propose_tries
@@ -22,6 +22,7 @@ from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.sampling.api import filtered_probs
 from tests.decoding.common import MAX_NEW, SMALL, prompts
 from tests.decoding.test_engine import _chi_square_ok, run, tokens
+from scv_jax.models import TransformerConfig
 from tests.models.fixtures import TINY, TINY_DRAFT, tiny_model
 
 TREE = TreeConfig(max_depth=3, branching=2, max_nodes=6)        # a draft model's tree: 6 of 10 candidates
@@ -264,4 +265,21 @@ def test_tree_refusals(target, partial_draft):
     engine = Engine(target, partial_draft, config=TREE_CONFIG)
     with pytest.raises(ValueError, match="add_request: SamplingParams.logprobs needs chain drafts"):
         engine.add_request([1, 2], SamplingParams(max_tokens=3, logprobs=2))
+    with pytest.raises(ValueError, match="SpeculativeDecoder: DecoderConfig.tree needs one device"):
+        SpeculativeDecoder(target, partial_draft, config=TREE_CONFIG, mesh=decoder_mesh(1, 1))
     assert SpeculativeDecoder(target, None, config=TREE_CONFIG).config.tree is None   # no drafter: plain decoding
+
+
+def test_greedy_trees_are_lossless_with_every_kernel_interpreted():
+    """The Mosaic kernels in interpret mode (tree attention, the tree walk, the commit) give the XLA path's
+    tokens; head_dim 64 and kv_heads * head_dim = 128 put every op on its kernel."""
+    wide = TransformerConfig(vocab_size=32, num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=64,
+                             ffn_dim=96)
+    geometry = dict(block_size=16, num_blocks=16, max_seq_len=64, prefill_chunk=16, batch_buckets=(2,),
+                    context_buckets=(4,))
+    target, draft = tiny_model(wide), tiny_model(wide, seed=0, scale=2.0)
+    prompts_ = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    want = SpeculativeDecoder(target, None, config=DecoderConfig(backend="xla", **geometry)).generate(prompts_, 6)
+    config = DecoderConfig(tree=TreeConfig(max_depth=2, branching=2, max_nodes=4), backend="interpret", **geometry)
+    out = SpeculativeDecoder(target, draft, config=config).generate(prompts_, 6)
+    assert out.tokens == want.tokens and out.stats.acceptance_rate > 0
