@@ -127,6 +127,9 @@ class SpeculativeDecoder:
                              "target with forward_packed (scv_jax.models.Transformer has it)")
         if cfg.tree is not None and mesh is not None:
             raise ValueError("SpeculativeDecoder: DecoderConfig.tree needs one device (no mesh)")
+        if cfg.tree is not None and draft_model is not None and cfg.tree.branching > self.vocab_size:
+            raise ValueError(f"SpeculativeDecoder: TreeConfig.branching {cfg.tree.branching} exceeds vocab_size "
+                             f"{self.vocab_size} (a node's children are distinct tokens)")
         if mesh is None and sharding is not None:
             raise ValueError("SpeculativeDecoder: sharding is for a mesh; pass mesh= too")
         self.placement = SingleDevice(cfg) if mesh is None else OnMesh(mesh, cfg, sharding)

@@ -90,12 +90,8 @@ def draft_tree(draft, draft_cache: PagedKVCache, block_tables: jax.Array, lag_to
     frontier_tokens, frontier_scores = tokens[:, 0], scores[:, 0]
     expanded, expanded_tokens, expanded_parents, last = [], [], [], None
     rows = jnp.arange(batch)[:, None]
+    parents = jnp.full((batch, width), -1, jnp.int32)      # the frontier's parents among the expanded nodes
     for level in range(1, tree.max_depth):
-        # the frontier joins the expanded nodes; its parents are the previous level's frontier slots
-        if level == 1:
-            parents = jnp.full((batch, width), -1, jnp.int32)
-        else:
-            parents = (level - 2) * width + chosen // width
         expanded.append(frontier)
         expanded_tokens.append(frontier_tokens)
         expanded_parents.append(parents)
@@ -108,6 +104,7 @@ def draft_tree(draft, draft_cache: PagedKVCache, block_tables: jax.Array, lag_to
         pool_parents.append(jnp.repeat(frontier, width, axis=1))
         frontier_scores, chosen = jax.lax.top_k(scores.reshape(batch, -1), width)      # ties: lower index
         frontier, frontier_tokens = offset + chosen, tokens.reshape(batch, -1)[rows, chosen]
+        parents = (level - 1) * width + chosen // width       # the expanding frontier slot's place
     all_tokens, all_scores, all_parents = (jnp.concatenate(x, axis=1) for x in (pool_tokens, pool_scores, pool_parents))
     _, picked = jax.lax.top_k(all_scores, tree.draft_nodes())      # rank order; a parent ranks before its child
     parent_pool = all_parents[rows, picked]

@@ -21,7 +21,7 @@ from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.sampling.api import filtered_probs
 from tests.decoding.common import MAX_NEW, SMALL, prompts
-from tests.decoding.test_engine import _chi_square_ok, run, tokens
+from tests.decoding.test_engine import _chi_square_ok, run, target_logits, tokens  # noqa: F401 (a fixture)
 from scv_jax.models import TransformerConfig
 from tests.models.fixtures import TINY, TINY_DRAFT, tiny_model
 
@@ -217,20 +217,6 @@ def sampling_tree_decoders(target):
             "ngram": SpeculativeDecoder(target, NgramDrafter(1, 2), config=TREE_CONFIG)}
 
 
-@pytest.fixture(scope="module")
-def target_logits(target):
-    from flax import nnx
-    graphdef, state = nnx.split(target)
-    forward = jax.jit(lambda tokens: nnx.merge(graphdef, state)(tokens))
-
-    def logits(sequence: list[int]) -> np.ndarray:
-        padded = np.zeros((1, SMALL.max_seq_len), np.int32)
-        padded[0, :len(sequence)] = sequence
-        return np.asarray(forward(padded))[0, len(sequence) - 1]
-
-    return logits
-
-
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_sampled_tree_tokens_follow_the_filtered_target(target_logits, autoregressive, sampling_tree_decoders,
                                                         drafter):
@@ -267,6 +253,9 @@ def test_tree_refusals(target, partial_draft):
         engine.add_request([1, 2], SamplingParams(max_tokens=3, logprobs=2))
     with pytest.raises(ValueError, match="SpeculativeDecoder: DecoderConfig.tree needs one device"):
         SpeculativeDecoder(target, partial_draft, config=TREE_CONFIG, mesh=decoder_mesh(1, 1))
+    wide = DecoderConfig(**{**vars(SMALL), "tree": TreeConfig(max_depth=2, branching=17, max_nodes=8)})
+    with pytest.raises(ValueError, match="TreeConfig.branching 17 exceeds vocab_size 16"):
+        SpeculativeDecoder(target, partial_draft, config=wide)
     assert SpeculativeDecoder(target, None, config=TREE_CONFIG).config.tree is None   # no drafter: plain decoding
 
 
