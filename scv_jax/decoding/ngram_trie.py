@@ -64,7 +64,7 @@ def propose_tries(indexes: Sequence[NgramIndex], max_nodes: int, depth_caps: np.
     """Each request's trie: at most ``max_nodes`` nodes and ``depth_caps[b]`` deep."""
     tries = []
     for index, cap in zip(indexes, depth_caps.tolist()):
-        paths = continuations(np.asarray(index.tokens, np.int64), index._longest_first, cap) if cap > 0 else []
+        paths = continuations(np.asarray(index.tokens, np.int64), index.suffix_sizes, cap) if cap > 0 else []
         tries.append(build_trie(paths, max_nodes))
     return tries
 
