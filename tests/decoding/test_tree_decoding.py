@@ -188,6 +188,9 @@ def test_ngram_trie():
     trie = build_trie(continuations(text, (3, 2, 1), 3), max_nodes=4)
     # "3" twice, then "4", "3 9" / "3 1" once each: the more recent first
     assert trie.tokens == [3, 4, 9, 1] and trie.parents == [-1, -1, 0, 1] and trie.depth == 2
+    # no earlier (3, 4, 2) nor (4, 2): the 1-gram (2,) and what followed it
+    assert [c.tolist() for c in continuations(np.array([1, 2, 3, 4, 2]), (3, 2, 1), 2)] == [[3, 4]]
+    assert continuations(np.array([1, 2, 3]), (2, 1), 2) == []
     index = _Drafter(1, 3).index(text.tolist())
     assert propose_tries([index], 6, np.array([0]))[0].tokens == []
     assert propose_tries([index], 6, np.array([1]))[0].tokens == [3, 4]
