@@ -7,16 +7,25 @@ the cost of the tree mask in paged attention against the chain.
 * attention: ``paged_attention`` with ``new_token_parents`` (a random tree over T new tokens, token 0 the
   root) against the chain (None) on the same inputs (Llama-8B-like heads, bf16 cache, 8 staged entries).
 
+* ``--e2e``: end to end on the demo pair (``scv_jax.models.load_demo()``), greedy: mean accepted length per
+  step (tokens emitted per request per step) and tokens/s of chain k = 8, a 16-node tree (max_depth 6,
+  branching 3) and a 32-node tree (max_depth 8, branching 4), with the draft model and with n-gram
+  drafting (``NgramDrafter(1, 3)``; its tries ignore branching), on stdlib and mixed prompts
+  (``scv_jax.demo.e2e``), batch 1 (the prompts one at a time) and 4; every configuration warmed up,
+  then ``--rounds`` interleaved rounds in one process (median tokens/s; autoregressive for the ratio).
+
 Device time = ``harness.device_seconds`` (dependent calls inside one executable); µs per call = median of
 back-to-back jitted calls. Every ratio comes from the same process, interleaved.
 
-Run: ``python benchmarks/bench_tree.py [--dry-run] [--append]`` (``--dry-run``: tiny sizes).
+Run: ``python benchmarks/bench_tree.py [--dry-run] [--e2e [--rounds N]] [--append]`` (``--dry-run``: tiny
+sizes; with ``--e2e``: a tiny random pair, few tokens).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -106,11 +115,74 @@ def attention_rows(shape, batches, contexts, tokens_list, *, repeats: int, itera
             "|---:|---:|---:|---:|---:|---:|"] + lines
 
 
+E2E_MODES = {"chain k=8": dict(k=8), "tree 16 (d6, b3)": dict(tree=scv_jax.TreeConfig(6, 3, 16)),
+             "tree 32 (d8, b4)": dict(tree=scv_jax.TreeConfig(8, 4, 32))}
+
+
+def e2e_rows(*, dry_run: bool, rounds: int) -> list[str]:
+    """The end-to-end table: one row per (drafter, workload, batch, mode)."""
+    from scv_jax.demo.e2e import benchmark_prompts, mixed_prompts
+
+    if dry_run:
+        from scv_jax.models import Transformer, TransformerConfig
+        from flax import nnx
+        config = TransformerConfig(vocab_size=256, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
+                                   head_dim=16, ffn_dim=48)
+        target, draft = Transformer(config, rngs=nnx.Rngs(0)), Transformer(config, rngs=nnx.Rngs(1))
+        workloads, batches, max_new = {"stdlib": benchmark_prompts(4, length=16)}, (1, 4), 8
+    else:
+        target, draft = scv_jax.models.load_demo()
+        workloads, batches, max_new = {"stdlib": benchmark_prompts(4), "mixed": mixed_prompts(4)}, (1, 4), 64
+    longest = max(len(p) for ps in workloads.values() for p in ps) + max_new
+    base = dict(block_size=16, num_blocks=256, max_seq_len=longest, batch_buckets=(1, 4),
+                context_buckets=(-(-longest // 16),), backend="xla")
+    drafters = {"draft model": draft, "n-gram": scv_jax.NgramDrafter(1, 3)}
+    decoders = {("autoregressive", "-"): scv_jax.SpeculativeDecoder(target, None, config=scv_jax.DecoderConfig(**base))}
+    for drafter_name, drafter in drafters.items():
+        for mode, fields in E2E_MODES.items():
+            decoders[(drafter_name, mode)] = scv_jax.SpeculativeDecoder(
+                target, drafter, config=scv_jax.DecoderConfig(**base, **fields))
+    results: dict[tuple, list] = {}
+    for decoder in decoders.values():      # compile everything, then one untimed call per shape
+        decoder.warmup(max(batches), longest, temperatures=0.0)
+        for prompts in workloads.values():
+            for batch in batches:
+                decoder.generate(prompts, max_new, max_num_seqs=batch)
+    for _ in range(rounds):                # interleaved rounds
+        for workload, prompts in workloads.items():
+            for batch in batches:
+                for name, decoder in decoders.items():
+                    stats = decoder.generate(prompts, max_new, max_num_seqs=batch).stats
+                    results.setdefault((*name, workload, batch), []).append(
+                        (stats.tokens_per_second, stats.mean_accepted_length))
+    lines = []
+    for workload in workloads:
+        for batch in batches:
+            base_tps = float(np.median([r[0] for r in results[("autoregressive", "-", workload, batch)]]))
+            for name in decoders:
+                runs = results[(*name, workload, batch)]
+                tps = float(np.median([r[0] for r in runs]))
+                lines.append(f"| {name[0]} | {name[1]} | {workload} | {batch} | {runs[0][1]:.2f} | {tps:.1f} | "
+                             f"{min(r[0] for r in runs):.1f}-{max(r[0] for r in runs):.1f} | {tps / base_tps:.2f} |")
+    return ["| drafter | mode | prompts | B | mean accepted length | tokens/s (median) | range | vs autoregressive |",
+            "|---|---|---|---:|---:|---:|---|---:|"] + lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes (checks the script runs)")
     parser.add_argument("--append", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    parser.add_argument("--e2e", action="store_true", help="end to end: chain k=8 vs 16- and 32-node trees")
+    parser.add_argument("--rounds", type=int, default=3, help="--e2e: interleaved rounds")
     args = parser.parse_args(argv)
+    if args.e2e:
+        body = "\n".join(e2e_rows(dry_run=args.dry_run, rounds=1 if args.dry_run else args.rounds))
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        publish(__file__, "bench_tree --e2e: chain k=8 vs token trees, end to end (greedy)",
+                "demo pair (6-layer byte target, 1-layer draft) or n-gram (min_n 1, max_n 3); 4 prompts of each "
+                f"workload, 64 new tokens each; batch 1 = one request at a time; backend xla; load average at the "
+                f"end {load} (1/5/15 min; other agents share the 2 cores). ", body, append=args.append, argv=argv)
+        return
     if args.dry_run:
         accept = acceptance_rows((2,), ((4, 2),), 16, max_sampling_batch=2, repeats=1, iterations=2)
         attend = attention_rows(TINY, (1,), (32,), (3,), repeats=1, iterations=2)

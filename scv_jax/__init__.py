@@ -60,6 +60,7 @@ _EXPORTS: dict[str, str] = {
     "ControllerConfig": "scv_jax.adaptive.controller",
     # decoding
     "DecoderConfig": "scv_jax.decoding.config",
+    "TreeConfig": "scv_jax.decoding.tree_config",
     "GenerateStats": "scv_jax.decoding.stats",
     "GenerateOutput": "scv_jax.decoding.decoder",
     "SpeculativeDecoder": "scv_jax.decoding.decoder",

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from scv_jax.adaptive.controller import ControllerConfig
+from scv_jax.decoding.tree_config import TreeConfig
 from scv_jax.graph.buckets import Buckets
 from scv_jax.ops.commit.kv_cache import parse_cache_dtype
 from scv_jax.ops.registry import BACKENDS
@@ -44,6 +45,9 @@ class DecoderConfig:
         rounded up to a power of two, or with ``adaptive`` to 1 or one of ``k_values`` (one more
         executable per such m < k); an adaptive decoder's controller times each k by the steps
         it leads to.
+      tree: verify a token tree per request per step instead of a chain of k drafts (``TreeConfig``;
+        a draft model's EAGLE-2 tree or an n-gram trie; docs/trees.md); None: chains. Not with
+        ``adaptive``, ``packed_verify`` or a mesh (k is then unused).
     """
 
     k: int = 4
@@ -59,6 +63,7 @@ class DecoderConfig:
     context_buckets: tuple[int, ...] | None = None
     backend: str = "auto"
     packed_verify: bool = False
+    tree: TreeConfig | None = None
 
     def __post_init__(self):
         def fail(name: str, expected: str) -> None:
@@ -82,6 +87,12 @@ class DecoderConfig:
                 fail(name, "a bool")
         if self.backend not in BACKENDS:
             fail("backend", f"one of {BACKENDS}")
+        if self.tree is not None:
+            if not isinstance(self.tree, TreeConfig):
+                fail("tree", "a TreeConfig or None")
+            if self.adaptive or self.packed_verify:
+                raise ValueError("DecoderConfig.tree cannot be combined with adaptive or packed_verify "
+                                 "(a tree step has a fixed shape and scores every node)")
         try:
             parse_cache_dtype(self.cache_dtype)
         except ValueError as error:

@@ -116,8 +116,8 @@ class SpeculativeDecoder:
             if draft_vocab != self.vocab_size:
                 raise ValueError(f"SpeculativeDecoder: draft vocab_size {draft_vocab} != target vocab_size "
                                  f"{self.vocab_size}")
-        elif self.drafter is None and (self.config.adaptive or self.config.k):
-            self.config = dataclasses.replace(self.config, k=0, adaptive=False)
+        elif self.drafter is None and (self.config.adaptive or self.config.k or self.config.tree):
+            self.config = dataclasses.replace(self.config, k=0, adaptive=False, tree=None)
         cfg = self.config
         if cfg.backend == "pallas" and not cuda_available():
             raise ValueError(f"SpeculativeDecoder: DecoderConfig.backend='pallas' needs a CUDA GPU (JAX's default "
@@ -125,6 +125,11 @@ class SpeculativeDecoder:
         if cfg.packed_verify and (mesh is not None or not hasattr(target, "forward_packed")):
             raise ValueError("SpeculativeDecoder: DecoderConfig.packed_verify needs one device (no mesh) and a "
                              "target with forward_packed (scv_jax.models.Transformer has it)")
+        if cfg.tree is not None and mesh is not None:
+            raise ValueError("SpeculativeDecoder: DecoderConfig.tree needs one device (no mesh)")
+        if cfg.tree is not None and draft_model is not None and cfg.tree.branching > self.vocab_size:
+            raise ValueError(f"SpeculativeDecoder: TreeConfig.branching {cfg.tree.branching} exceeds vocab_size "
+                             f"{self.vocab_size} (a node's children are distinct tokens)")
         if mesh is None and sharding is not None:
             raise ValueError("SpeculativeDecoder: sharding is for a mesh; pass mesh= too")
         self.placement = SingleDevice(cfg) if mesh is None else OnMesh(mesh, cfg, sharding)
@@ -136,7 +141,7 @@ class SpeculativeDecoder:
         self._caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_placed.cache_dims,
                                    draft_placed.cache_dims, factory=self.placement.new_cache)
         # every drafter may run a k = 0 step: at the end of a budget, when no n-gram matches, or by choice
-        self._step_ks = tuple(sorted(set(cfg.allowed_k) | {0}))
+        self._step_ks = tuple(sorted(set(cfg.allowed_k) | {0})) if cfg.tree is None else self._tree_node_counts()
         self._packed_ks = self._packed_draft_counts()
         self._prefill, self._decode = step_executables(cfg, self._target, self._draft, self._step_ks, self.placement)
         self._plans: dict[tuple, BucketPlan] = {}
@@ -300,6 +305,12 @@ class SpeculativeDecoder:
                 backend=self.config.backend, packed_k=packed_k)
         return plan
 
+    def _tree_node_counts(self) -> tuple[int, ...]:
+        """A tree decoder's step node counts (its static k): 0, and the draft model's tree size or the n-gram
+        trie's node buckets."""
+        tree = self.config.tree
+        return (0, tree.draft_nodes()) if self.drafter is None else (0, *tree.node_buckets())
+
     def _packed_draft_counts(self) -> tuple[int, ...]:
         """The drafts per row a packed step may score, ascending: 1 and an adaptive decoder's other k
         values (the controller's cost table then times most packed steps as one of its shapes), else
@@ -346,7 +357,7 @@ class SpeculativeDecoder:
         if masked:
             args["request_mask"] = np.ones(batch, np.bool_)
         if self.drafter is not None:
-            args["drafts"] = np.ones((batch, k), np.int32)
+            args["drafts"] = np.ones((batch, k) if cfg.tree is None else (batch, 2, k), np.int32)
         args = {name: jax.device_put(value) for name, value in args.items()}
         stats, use_draft = GenerateStats(), self._draft is not None and k > 0
         with self._lock:
@@ -414,7 +425,7 @@ class SpeculativeDecoder:
                             sampling=np.zeros((1, SamplingColumn.WIDTH), np.float32), k=k, greedy=greedy,
                             keep=lambda s, k=k: s["k"] == k and fits(s))
                 if self.drafter is not None:
-                    step["drafts"] = np.zeros((1, k), np.int32)
+                    step["drafts"] = np.zeros((1, k) if cfg.tree is None else (1, 2, k), np.int32)
                 models_k = {**models, **(draft if self._draft is not None and k else no_draft)}
                 for packed_k in (0, *(p for p in self._packed_ks if p < k)):
                     calls.append((self._decode, {**models_k, **step, "packed_k": packed_k}))

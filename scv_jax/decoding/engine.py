@@ -151,7 +151,7 @@ class Engine:
         self.progress = progress
         k_max = d._step_ks[-1]
         self._batch = RequestBatch(largest, cfg.max_seq_len + k_max + 2, cfg.block_size, cfg.max_blocks_per_seq)
-        self._k_max = max(cfg.allowed_k)
+        self._k_max = cfg.tree.max_depth if cfg.tree else max(cfg.allowed_k)   # the most drafts a step accepts
         self._requests: dict[str, _Request] = {}           # waiting and running, by id
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[int, _Request] = {}            # by row
@@ -223,6 +223,8 @@ class Engine:
             raise ValueError(f"add_request: SamplingParams.stop_token_ids must hold ids in [0, vocab_size="
                              f"{d.vocab_size}), at most {MAX_STOP_IDS} with the model's eos ids, got "
                              f"{params.stop_token_ids!r} (eos {self._eos!r})")
+        if self.config.tree is not None and params.logprobs is not None:
+            raise ValueError("add_request: SamplingParams.logprobs needs chain drafts (DecoderConfig.tree=None)")
         with d._lock:
             if request_id is None:             # never an id given before (nor one the caller uses now)
                 while str(self._next_id) in self._requests:
@@ -373,6 +375,9 @@ class Engine:
             self._observed = None
 
     def _decode(self) -> list[RequestOutput]:
+        if self.config.tree is not None:
+            from scv_jax.decoding.tree_engine import decode_tree_step
+            return decode_tree_step(self)
         step_start = time.perf_counter()
         d, state, stats = self.decoder, self._batch, self.stats
         rows = state.active

@@ -9,6 +9,7 @@ from __future__ import annotations
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.device_step import SplitModel, make_decode_step, make_prefill_step
 from scv_jax.decoding.placement import SingleDevice
+from scv_jax.decoding.tree_step import make_tree_decode_step
 from scv_jax.graph.buckets import Buckets, Pad
 from scv_jax.graph.executable_cache import ExecutableCache
 
@@ -28,7 +29,8 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
         pads={"block_tables": _TABLE_PADS, "tokens": Pad("batch"), "start": Pad("batch"), "count": Pad("batch")},
         static_argnames=("backend",), name="prefill_step", **common)
     decode = ExecutableCache(
-        placement.step(make_decode_step(target, draft, config.block_size)),
+        placement.step(make_decode_step(target, draft, config.block_size) if config.tree is None
+                       else make_tree_decode_step(target, draft, config.block_size, config.tree)),
         pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch")},
         bucketed_statics={"k": k_values}, static_argnames=("greedy", "logprobs", "backend", "packed_k"),
         name="decode_step",

@@ -56,6 +56,11 @@ class NgramIndex:
         self._after: dict[tuple[int, ...], int] = {}   # n-gram -> position just after its earliest occurrence
         self.extend(tokens)
 
+    @property
+    def suffix_sizes(self) -> tuple[int, ...]:
+        """The suffix lengths looked up, longest first."""
+        return self._longest_first
+
     def extend(self, tokens: Sequence[int]) -> None:
         """Appends tokens; indexes every n-gram that ends before the (new) last token."""
         text = self.tokens

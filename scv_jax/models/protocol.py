@@ -65,13 +65,17 @@ class PagedModel(Protocol):
     config: object
 
     def forward_paged(self, tokens: jax.Array, cache, block_tables: jax.Array, context_lens: jax.Array,
-                      staged: StagedKV | None = None, *, backend: str = "auto") -> PagedForwardOutput:
+                      staged: StagedKV | None = None, *, tree_parents: jax.Array | None = None,
+                      backend: str = "auto") -> PagedForwardOutput:
         """Run ``tokens`` int32[B, T] at positions ``context_lens + staged.lengths + t``.
 
         Attention reads the committed K/V (positions < ``context_lens[b]``) from ``cache`` through
         ``block_tables`` int32[B, max_blocks], then ``staged`` entries, then the new tokens causally
         (``scv_jax.paged_attention`` does exactly that). Must not write ``cache``: the decoder commits
         the accepted K/V. ``backend`` ("auto", "pallas", "xla", "interpret") is the decoder's
-        ``DecoderConfig.backend``, for the model's own ops (e.g. its attention).
+        ``DecoderConfig.backend``, for the model's own ops (e.g. its attention). ``tree_parents``
+        int32[B, T] (only a tree decoder passes it; ``DecoderConfig.tree``): the new tokens form a tree,
+        t's parent new token (-1 = none): each attends to its ancestors and itself among them, at
+        position ``context_lens + staged.lengths + depth`` (``paged_attention(new_token_parents=...)``).
         """
         ...

@@ -17,6 +17,7 @@ from scv_jax.models.attention import causal_attention
 from scv_jax.models.config import TransformerConfig
 from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
 from scv_jax.models.rope import apply_rope, inverse_frequencies
+from scv_jax.ops.attention.api import tree_depths
 from scv_jax.ops.attention.sharded import sharded_paged_attention
 
 # attend(q [B, T, heads, D], k, v [B, T, kv_heads, D]) -> [B, T, heads, D]: one layer's attention of
@@ -156,14 +157,19 @@ class Transformer(nnx.Module):
         return self._logits(x)
 
     def forward_paged(self, tokens: jax.Array, cache, block_tables: jax.Array, context_lens: jax.Array,
-                      staged: StagedKV | None = None, *, backend: str = "auto") -> PagedForwardOutput:
+                      staged: StagedKV | None = None, *, tree_parents: jax.Array | None = None,
+                      backend: str = "auto") -> PagedForwardOutput:
         """See ``PagedModel.forward_paged``; reads ``cache``, never writes it. Each layer attends with
         ``scv_jax.paged_attention`` (its Mosaic GPU kernel or XLA path, per ``backend``; per shard on a
-        decoder's mesh: ``scv_jax.ops.attention.sharded``)."""
+        decoder's mesh: ``scv_jax.ops.attention.sharded``). ``tree_parents`` int32[B, T]: the new tokens
+        form a tree (new token t's parent, -1 = after the context and staged entries): each attends to
+        its ancestors and itself only, at position context + staged + its depth."""
         num_tokens = tokens.shape[1]
         context_lens = context_lens.astype(jnp.int32)
         staged_lens = jnp.zeros_like(context_lens) if staged is None else staged.lengths.astype(jnp.int32)
-        positions = (context_lens + staged_lens)[:, None] + jnp.arange(num_tokens, dtype=jnp.int32)
+        offsets = (jnp.arange(num_tokens, dtype=jnp.int32)[None, :] if tree_parents is None
+                   else tree_depths(tree_parents))
+        positions = (context_lens + staged_lens)[:, None] + offsets
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         staged_kv = None if staged is None else (staged.keys, staged.values)
         window = self.config.sliding_window
@@ -174,7 +180,8 @@ class Transformer(nnx.Module):
             return sharded_paged_attention(q, cache, layer, block_tables, context_lens, staged_keys=staged_keys,
                                            staged_values=staged_values,
                                            staged_lens=None if staged is None else staged_lens, new_keys=k,
-                                           new_values=v, sliding_window=window, backend=backend)
+                                           new_values=v, sliding_window=window, new_token_parents=tree_parents,
+                                           backend=backend)
 
         x, keys, values = self._run_layers(self.embed(tokens), positions, attend, (layers, staged_kv))
         return PagedForwardOutput(self._logits(x), keys, values)
