@@ -9,9 +9,8 @@ drafts emits on average E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens per request
 * the measured seconds of a step of each allowed k per batch bucket (``cost_model.StepCostTable``).
 
 Every ``decide_every`` steps, and at once when the batch changes (another bucket or other requests), it
-picks the k maximising E(k) / T(k), switching only for a gain above ``switch_margin``. For a batch that
-runs until its last request ends (``remaining_tokens``), a request's E is capped at the tokens it has
-left. A k never timed in a bucket is run there first (up to 3 tries: a try may be an untimed compile),
+picks the k maximising E(k) / T(k) (E: the mean over the step's requests, each capped at the tokens it
+has left, ``remaining_tokens``), switching only for a gain above ``switch_margin``. A k never timed in a bucket is run there first (up to 3 tries: a try may be an untimed compile),
 and every ``probe_every`` steps the runner-up runs one step, so a held k = 0 is left when drafting would
 pay again and the costs of other k follow the machine.
 """
@@ -19,7 +18,6 @@ pay again and the costs of other k follow the machine.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from statistics import NormalDist
 from typing import Any, Literal
 
 import numpy as np
@@ -160,35 +158,29 @@ class AdaptiveController:
               remaining_tokens: np.ndarray | None = None) -> np.ndarray:
         """float64[len(allowed)] expected tokens per request per second of each allowed k (nan: never timed).
         With int[n] ``request_ids`` each request's a_j are the shared ones times its own scale (its accepted
-        over its expected drafts, shrunk by ``prior_strength``); with int[n] ``remaining_tokens`` too, the
-        tokens per request per second until the request that finishes last is done."""
+        over its expected drafts, shrunk by ``prior_strength``); with int[n] ``remaining_tokens`` too, each
+        request's tokens are capped at those it has left (a step's drafts never pass a request's budget)."""
         a = self.acceptance()[None, :]
         if request_ids is not None and request_ids.size:
             counts = self._request_counts(request_ids) + self.config.prior_strength
             a = np.minimum(np.outer(counts[0] / counts[1], a), _MAX_ACCEPTANCE)
         elif remaining_tokens is not None and remaining_tokens.size:
             a = np.broadcast_to(a, (remaining_tokens.size, a.shape[1]))
-        # accepted drafts L of a request with k drafts: E[L] = sum_{j<=k} reach_j, E[L^2] = sum (2j - 1) reach_j
+        # accepted drafts of a request with k drafts: sum_{j<=k} reach_j, capped at the tokens it has left
         reach = np.concatenate([np.zeros((a.shape[0], 1)), np.cumprod(a, axis=1)], axis=1)
         mean = np.cumsum(reach, axis=1)
         if remaining_tokens is None or not remaining_tokens.size or a.shape[0] != remaining_tokens.size:
             per_request = 1.0 + mean[:, self._allowed].mean(axis=0)
-        else:   # request b needs r_b / E_b steps, give or take its spread; the batch ends with the last
-            left = remaining_tokens[:, None].astype(np.float64)
+        else:
             caps = np.minimum(self._allowed[None, :], np.maximum(remaining_tokens[:, None] - 1, 0))
-            square = np.take_along_axis(np.cumsum(reach * (2.0 * np.arange(a.shape[1] + 1) - 1.0), axis=1), caps, 1)
-            accepted = np.take_along_axis(mean, caps, axis=1)
-            emitted = 1.0 + accepted
-            spread = np.sqrt(np.maximum(square - accepted ** 2, 0.0) * left / emitted ** 3)
-            z = NormalDist().inv_cdf((left.size - 0.375) / (left.size + 0.25)) if left.size > 1 else 0.0
-            per_request = left.mean() / (left / emitted + z * spread).max(axis=0)
+            per_request = 1.0 + np.take_along_axis(mean, caps, axis=1).mean(axis=0)
         return per_request / self._table.seconds(batch_size)
 
     def next_k(self, batch_size: int, request_ids: Any = None, remaining_tokens: Any = None) -> int:
         """The drafts per request of the coming step of ``batch_size`` rows (padding rows included: the step's
         cost). ``request_ids``: the step's requests (int[n], n <= batch_size; other requests than at the
-        last decision decide at once). ``remaining_tokens``: int[n] tokens each has yet to emit, for a
-        batch that runs until its last request ends; None: a server that refills finished slots."""
+        last decision decide at once). ``remaining_tokens``: int[n] tokens each has yet to emit (its
+        tokens per step are capped there); None: no cap."""
         where = "AdaptiveController.next_k"
         require_int(where, "batch_size", batch_size, minimum=1)
         ids = None if request_ids is None else np.sort(_int_vector(where, "request_ids", request_ids, batch_size))

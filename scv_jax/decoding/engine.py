@@ -390,10 +390,7 @@ class Engine:
         controller = d.controllers.get(kind)
         ids = np.array([r.controller_id for r in requests], np.int64)
         budget = state.budget[rows]                        # tokens each request has left (until this step ends)
-        # the controller's objective: while requests wait for a row, the stream's tokens per second; once
-        # none wait, the progress of the request that will finish last
-        remaining = None if self._waiting else budget
-        k = self._choose_k(kind, batch, ids, remaining)
+        k = self._choose_k(kind, batch, ids, budget)
         caps = np.minimum(budget - 1, k)                   # never draft past a request's budget
         proposals = propose_batch([r.ngram for r in requests], caps) if d.drafter is not None else None
         num_drafts = caps if proposals is None else np.array([len(p) for p in proposals], np.int64)
@@ -421,7 +418,7 @@ class Engine:
                                          plan=plan, **inputs)
         if controller:     # while the device runs this step: learn from the last one, choose the next k
             self._observe()
-            self._decided = (kind, batch, controller.next_k(batch, ids, remaining))
+            self._decided = (kind, batch, controller.next_k(batch, ids, budget))
         host, host_logprobs = layout.fetch(summary, *step_logprobs)     # the step's one device-to-host transfer
         cold = d._decode.last_call_first_run        # compiled now or ahead of time, never run
         fetched = time.perf_counter()
