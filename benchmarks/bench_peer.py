@@ -152,14 +152,15 @@ def identity_table(results: dict) -> str:
 def first_call_table(rows: list[dict]) -> str:
     """The peer's fresh-process runs, one row each (scv-jax's first process of a shape fills its
     persistent compilation cache, the later ones load from it)."""
-    lines = ["| framework | mode | process | import s | load s | first generate s | second generate s | whole process s "
-             "| scv-jax compile s (count), first generate | load average |", "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lines = ["| framework | mode | process | import s | load s | first generate s | second generate s "
+             "| whole process s | scv-jax compile s (count), first generate | load average |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for row in sorted(rows, key=lambda r: (r["framework"], r["mode"], r["rep"])):
         cells = [row[k] for k in ("import_s", "load_s", "first_generate_s", "second_generate_s", "process_wall_s")]
         stats = row.get("stats")
         compiled = f"{stats[0]['compile_seconds']:.2f} ({stats[0]['compile_count']})" if stats else "-"
-        lines.append(f"| {row['framework']} | {row['mode']} | {row['rep'] + 1} | " + " | ".join(f"{c:.2f}" for c in cells)
-                     + f" | {compiled} | {row['loadavg'][0]:.2f} |")
+        lines.append(f"| {row['framework']} | {row['mode']} | {row['rep'] + 1} | "
+                     + " | ".join(f"{c:.2f}" for c in cells) + f" | {compiled} | {row['loadavg'][0]:.2f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -154,7 +154,7 @@ class Transformer(nnx.Module):
 
     def per_layer(self) -> "Transformer":
         """This model with each layer's parameters in arrays of their own (``blocks`` an ``nnx.List`` of
-        ``num_layers`` ``Block``s, sliced from the stacked ones; the other parameters shared), for the
+        ``num_layers`` ``Block`` modules, sliced from the stacked ones; the other parameters shared), for the
         decoding steps: a layer's weights are then the step's own inputs, where a scan over stacked
         weights copies every layer's slice of them on each call (XLA's dynamic-slice; on a CPU the
         largest cost of a small model's step). Costs a second copy of the layer weights while the
