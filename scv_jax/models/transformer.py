@@ -100,6 +100,13 @@ def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
     return make(rngs)
 
 
+def _layer_of(stacked, i: int):
+    """Layer ``i`` of a stacked parameter (of its shape alone for an abstract model's ``ShapeDtypeStruct``)."""
+    if isinstance(stacked, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)
+    return stacked[i]
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM: ``model(tokens)`` for full sequences, ``forward_paged`` for decoding.
 
@@ -163,9 +170,10 @@ class Transformer(nnx.Module):
             return self
         model = nnx.merge(*nnx.split(self))
         graphdef, stacked = nnx.split(self.blocks)
-        model.blocks = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
+        model.blocks = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a: _layer_of(a, i), stacked))
                                  for i in range(self.config.num_layers)])
         return model
+
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Plain causal forward with no cache: tokens int32[B, S] -> logits float32[B, S, vocab]."""

@@ -240,6 +240,8 @@ def test_per_layer_model_computes_what_the_stacked_one_does(model):
     for run in runs:
         for want, got in zip(run(model), run(per_layer), strict=True):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    abstract = nnx.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0))).per_layer()    # shapes alone
+    assert abstract.blocks[0].mlp.up.kernel.shape == model.blocks.mlp.up.kernel.shape[1:]
 
 
 def test_bfloat16_parameters_activations_and_float32_logits():
