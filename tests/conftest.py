@@ -6,6 +6,7 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("SCV_JAX_CACHE_DIR", "off")   # tests write no user cache (scv_jax.graph.persistent_cache)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -41,6 +41,7 @@ from scv_jax.decoding.requests import check_eos, check_prompts, check_seed
 from scv_jax.decoding.stats import GenerateStats
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
+from scv_jax.graph.persistent_cache import use_default_cache
 from scv_jax.ops.registry import cuda_available
 from scv_jax.sampling_params import SamplingParams
 
@@ -102,6 +103,7 @@ class SpeculativeDecoder:
     def __init__(self, target, draft=None, *, config: DecoderConfig | None = None, mesh=None,
                  sharding: ShardingConfig | None = None):
         self.config = config or DecoderConfig()
+        use_default_cache()
         self.vocab_size = _vocab_size(target, "target")
         self.max_position_embeddings = _max_positions(target, draft)
         if isinstance(draft, str):

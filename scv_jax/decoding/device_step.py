@@ -89,7 +89,11 @@ class SplitModel(NamedTuple):
 
     @classmethod
     def of(cls, graphdef, state) -> tuple["SplitModel", list[jax.Array]]:
-        """(the structure, the parameter leaves) of an ``nnx.split`` model (its state placed anywhere)."""
+        """(the structure, the parameter leaves) of an ``nnx.split`` model (its state placed anywhere);
+        a model with ``per_layer`` (``Transformer``) as that, each layer's weights separate inputs."""
+        model = nnx.merge(graphdef, state)
+        if hasattr(model, "per_layer"):
+            graphdef, state = nnx.split(model.per_layer())
         leaves, treedef = jax.tree.flatten(state)
         return cls(graphdef, treedef), leaves
 

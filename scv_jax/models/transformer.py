@@ -101,6 +101,13 @@ def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
     return make(rngs)
 
 
+def _layer_of(stacked, i: int):
+    """Layer ``i`` of a stacked parameter (of its shape alone for an abstract model's ``ShapeDtypeStruct``)."""
+    if isinstance(stacked, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(stacked.shape[1:], stacked.dtype)
+    return stacked[i]
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM: ``model(tokens)`` for full sequences, ``forward_paged`` for decoding.
 
@@ -128,12 +135,20 @@ class Transformer(nnx.Module):
 
     def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable[..., jax.Array],
                     layer_inputs=None):
-        """Scans the stacked blocks over x [B, T, d_model]; each layer attends with
-        ``attend(inputs, q, k, v)``, ``inputs`` being its slice of ``layer_inputs`` (a pytree of
-        ``[num_layers, ...]`` arrays, or None).
+        """Runs the blocks over x [B, T, d_model]; each layer attends with ``attend(inputs, q, k, v)``,
+        ``inputs`` being its slice of ``layer_inputs`` (a pytree of ``[num_layers, ...]`` arrays, or None).
+        Stacked blocks run under ``jax.lax.scan``; a ``per_layer`` model's blocks one after another.
 
         Returns the last layer's output and the new tokens' keys, values [layers, B, T, kv_heads, D].
         """
+        if isinstance(self.blocks, nnx.List):
+            keys, values = [], []
+            for i, block in enumerate(self.blocks):
+                inputs = jax.tree.map(lambda a: a[i], layer_inputs)
+                x, k, v = block(x, positions, lambda q, k, v: attend(inputs, q, k, v))
+                keys.append(k)
+                values.append(v)
+            return x, jnp.stack(keys), jnp.stack(values)
         graphdef, layer_params = nnx.split(self.blocks)
 
         def layer(x, params_and_inputs):
@@ -144,6 +159,22 @@ class Transformer(nnx.Module):
 
         x, (keys, values) = jax.lax.scan(layer, x, (layer_params, layer_inputs))
         return x, keys, values
+
+    def per_layer(self) -> "Transformer":
+        """This model with each layer's parameters in arrays of their own (``blocks`` an ``nnx.List`` of
+        ``num_layers`` ``Block`` modules, sliced from the stacked ones; the other parameters shared), for the
+        decoding steps: a layer's weights are then the step's own inputs, where a scan over stacked
+        weights copies every layer's slice of them on each call (XLA's dynamic-slice; on a CPU the
+        largest cost of a small model's step). Costs a second copy of the layer weights while the
+        stacked model is alive."""
+        if isinstance(self.blocks, nnx.List):
+            return self
+        model = nnx.merge(*nnx.split(self))
+        graphdef, stacked = nnx.split(self.blocks)
+        model.blocks = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a: _layer_of(a, i), stacked))
+                                 for i in range(self.config.num_layers)])
+        return model
+
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """Plain causal forward with no cache: tokens int32[B, S] -> logits float32[B, S, vocab]."""

@@ -53,7 +53,8 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
                 (spec, cache, pages)
     for state, split in (("target_state", True), ("draft_state", draft_split)):
         for name, array in run[state].items():
-            share = model if split and name in SHARDED_PARAMETERS else 1
+            layerless = "/".join(part for part in name.split("/") if not part.isdigit())   # blocks/0/... (per_layer)
+            share = model if split and layerless in SHARDED_PARAMETERS else 1
             assert array["device_bytes"] == [array["nbytes"] // share] * (data * model), (spec, state, name, array)
     # the decode steps' collectives: all-reduces and all-gathers of activations, logits and probabilities,
     # never of a cache (they are as large as a device's share of the target cache's pages / 4 at most here)

@@ -215,6 +215,35 @@ def test_trace_size_does_not_grow_with_depth():
         assert num_equations(2, paged) == num_equations(12, paged)
 
 
+def test_per_layer_model_computes_what_the_stacked_one_does(model):
+    """``per_layer``: the layers as separate modules with their own arrays; every forward pass (full,
+    paged with staged K/V, packed) gives the stacked model's results, and the stacked model is unchanged."""
+    per_layer = model.per_layer()
+    assert isinstance(per_layer.blocks, nnx.List) and len(per_layer.blocks) == TINY.num_layers
+    assert per_layer.per_layer() is per_layer and not isinstance(model.blocks, nnx.List)
+    np.testing.assert_array_equal(np.asarray(per_layer.blocks[1].mlp.up.kernel[...]),
+                                  np.asarray(model.blocks.mlp.up.kernel[...][1]))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, TINY.vocab_size, (2, 5)), jnp.int32)
+    cache = scv_jax.PagedKVCache.create(TINY.num_layers, NUM_BLOCKS, BLOCK_SIZE, TINY.num_kv_heads, TINY.head_dim,
+                                        dtype="float32")
+    cache = cache.replace(k_pages=jnp.asarray(rng.normal(size=cache.k_pages.shape), jnp.float32),
+                          v_pages=jnp.asarray(rng.normal(size=cache.v_pages.shape), jnp.float32))
+    tables = jnp.asarray(rng.permutation(NUM_BLOCKS)[:2 * MAX_BLOCKS].reshape(2, MAX_BLOCKS), jnp.int32)
+    lens = jnp.asarray([3, 9], jnp.int32)
+    staged_kv = jnp.asarray(rng.normal(size=(TINY.num_layers, 2, 2, TINY.num_kv_heads, TINY.head_dim)), jnp.float32)
+    staged = StagedKV(staged_kv, -staged_kv, jnp.asarray([1, 2], jnp.int32))
+    packed = PackedTokens(jnp.asarray([0, 0, 1, 1, 1], jnp.int32), jnp.asarray([0, 1, 0, 1, 2], jnp.int32), 3)
+    runs = [lambda m: [m(tokens)],
+            lambda m: list(m.forward_paged(tokens, cache, tables, lens, staged)),
+            lambda m: list(m.forward_packed(tokens[0], packed, cache, tables, lens))]
+    for run in runs:
+        for want, got in zip(run(model), run(per_layer), strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    abstract = nnx.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0))).per_layer()    # shapes alone
+    assert abstract.blocks[0].mlp.up.kernel.shape == model.blocks.mlp.up.kernel.shape[1:]
+
+
 def test_bfloat16_parameters_activations_and_float32_logits():
     config = TransformerConfig(**{**TINY.to_dict(), "dtype": "bfloat16"})
     model = tiny_model(config, seed=2)
