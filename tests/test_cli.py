@@ -209,8 +209,9 @@ def test_broken_checkpoints_are_one_line_errors(tmp_path, capsys, broken):
 
 def test_interrupt_is_one_line_with_status_130():
     """Ctrl-C (SIGINT) while the command works: one line on stderr, exit status 130, no traceback."""
-    process = subprocess.Popen([sys.executable, "-m", "scv_jax", "generate", "--model", FIXTURE, "--prompt", "hello",
-                                "--max-new-tokens", "500", "--dtype", "float32"],
+    # nice (it execs the command): on a busy machine this test gets to signal before the command is done
+    process = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "scv_jax", "generate", "--model", FIXTURE,
+                                "--prompt", "hello", "--max-new-tokens", "500", "--dtype", "float32"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         while not process.stderr.readline().startswith("compiling"):    # the model is loaded: it works now
