@@ -266,11 +266,12 @@ class Engine:
             self.abort(request_id)
 
     def _end(self, rows: list[int]) -> None:
-        """Frees the rows (and blocks) of requests that ended."""
+        """Frees the rows (and blocks) of requests that ended and forgets the requests."""
         self._batch.finish(np.array(rows, np.int64))
         for row in rows:
             request = self._running.pop(row)
             request.row = -1
+            self._requests.pop(request.request_id, None)
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -438,8 +439,6 @@ class Engine:
         stats.add_step(batch, step_k, None if cold else step_seconds + time.perf_counter() - fetched,
                        dispatch - step_start + time.perf_counter() - fetched, scored)
         if done.any():
-            for request in (r for r, finished in zip(requests, done) if finished):
-                del self._requests[request.request_id]
             self._end(rows[done].tolist())
         return outputs
 

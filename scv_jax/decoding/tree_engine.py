@@ -56,7 +56,5 @@ def decode_tree_step(engine) -> list:
     stats.add_step(layout.computed, step_k, None if cold else fetched - step_start + time.perf_counter() - fetched,
                    dispatch - step_start + time.perf_counter() - fetched)
     if done.any():
-        for request in (r for r, finished in zip(requests, done) if finished):
-            del engine._requests[request.request_id]
         engine._end(rows[done].tolist())
     return outputs
