@@ -35,7 +35,7 @@ from flax import nnx
 from harness import copy_bandwidth, publish
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.decoder import SpeculativeDecoder
-from scv_jax.decoding.ngram import NgramDrafter
+from scv_jax.decoding.proposers.ngram import NgramDrafter
 from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig
 
 LLAMA3_ROPE = Llama3RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,

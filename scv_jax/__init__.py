@@ -65,9 +65,10 @@ _EXPORTS: dict[str, str] = {
     "GenerateOutput": "scv_jax.decoding.decoder",
     "SpeculativeDecoder": "scv_jax.decoding.decoder",
     "Engine": "scv_jax.decoding.engine",
-    "RequestOutput": "scv_jax.decoding.engine",
-    "TokenLogprob": "scv_jax.decoding.engine",
-    "NgramDrafter": "scv_jax.decoding.ngram",
+    "RequestOutput": "scv_jax.decoding.outputs",
+    "TokenLogprob": "scv_jax.decoding.outputs",
+    "HostDrafter": "scv_jax.decoding.proposers.base",
+    "NgramDrafter": "scv_jax.decoding.proposers.ngram",
     "generate_autoregressive": "scv_jax.decoding.decoder",
     "ShardingConfig": "scv_jax.decoding.placement",
     # many devices

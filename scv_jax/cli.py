@@ -68,7 +68,7 @@ def _add_packed_verify(parser: argparse.ArgumentParser) -> None:
 
 def _ngram_drafter(args: argparse.Namespace):
     """The ``NgramDrafter`` of ``--ngram-min`` / ``--ngram-max`` (checked even without ``--ngram``)."""
-    from scv_jax.decoding.ngram import NgramDrafter
+    from scv_jax.decoding.proposers.ngram import NgramDrafter
 
     if args.ngram_min > args.ngram_max:
         raise ValueError(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")

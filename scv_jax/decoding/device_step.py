@@ -30,43 +30,19 @@ from flax import nnx
 
 from pallas_kernels.ragged_batch import slot_owner
 from pallas_kernels.sampling_math import argmax_ignoring_nan
+from scv_jax.decoding.plan import SamplingColumn, StepRow
 from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
 from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
 from scv_jax.ops.commit.api import slots_from_block_table
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.commit.sharded import sharded_commit_draft_kv
 from scv_jax.ops.sampling.api import filtered_probs, token_logprobs
-from scv_jax.sampling_params import MAX_LOGPROBS, MAX_STOP_IDS
+from scv_jax.sampling_params import MAX_LOGPROBS
 from scv_jax.sharding.mesh import DATA, active_mesh
 from scv_jax.verify.sharded import sharded_verify_step
 
 # fold_in tags of a request's per-step key
 _ACCEPT, _BONUS, _DRAFT = 0, 1, 2
-
-
-class StepRow:
-    """Columns of a decode step's per-request input row (``decode_step``'s ``rows``, int32[B, WIDTH]):
-    one array per step, so the host builds and transfers one buffer instead of several."""
-
-    LAG = 0             # tokens the draft cache lacks, in [1, MAX_CATCH_UP] (0 on padding rows)
-    CONTEXT = 1         # positions in the target cache (the pending token's position)
-    NUM_DRAFTS = 2      # drafts the request verifies, in [0, k]
-    KEY = 3             # 2 columns: the request's random stream (uint32[2] key data, bits as int32)
-    STOP = 5            # MAX_STOP_IDS columns: the token ids that end the request (-1 = none)
-    TOKENS = STOP + MAX_STOP_IDS   # the request's last MAX_CATCH_UP tokens, the pending one last
-    WIDTH = TOKENS + MAX_CATCH_UP
-
-
-class SamplingColumn:
-    """Columns of a decode step's ``sampling`` input (float32[B, WIDTH]): each request's
-    ``SamplingParams`` filters (``scv_jax.sampling_params.SamplingArrays``; padding rows all 0:
-    greedy)."""
-
-    TEMPERATURE = 0     # 0 = greedy
-    TOP_K = 1           # 0 = off (exact in float32: vocabularies are < 2**24)
-    TOP_P = 2
-    MIN_P = 3
-    WIDTH = 4
 
 
 def _filters(sampling: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:

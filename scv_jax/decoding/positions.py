@@ -30,7 +30,7 @@ and the host loop share them.
 
 from __future__ import annotations
 
-MAX_CATCH_UP = 2   # the width of a step's catch-up forward: the most tokens a k > 0 step's draft may lag
+from scv_jax.decoding.plan import MAX_CATCH_UP  # noqa: F401  (the catch-up forward's width)
 
 
 def draft_rows_committed(lag, num_accepted, k: int):

@@ -10,8 +10,7 @@ import numpy as np
 
 from scv_jax.arguments import is_int
 from scv_jax.decoding.block_pool import BlockPool
-from scv_jax.decoding.device_step import SamplingColumn
-from scv_jax.decoding.positions import lag_after_step
+from scv_jax.decoding.plan import SamplingColumn
 from scv_jax.sampling_params import MAX_STOP_IDS
 
 
@@ -167,11 +166,11 @@ class RequestBatch:
             self._pools[row] = None
         self.active = self.active[~np.isin(self.active, rows)]
 
-    def advance(self, rows: np.ndarray, emitted: np.ndarray, num_emitted: np.ndarray, num_accepted: np.ndarray,
-                k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def advance(self, rows: np.ndarray, emitted: np.ndarray, num_emitted: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Appends each request's emitted tokens (int32[B, K + 1], ``num_emitted`` of them), trimmed to
-        its budget and after its first stop id (``stops``); moves its draft lag by a step with static
-        ``k``. Returns int64[B] the tokens appended, bool[B] the requests done, bool[B] those ended
+        its budget and after its first stop id (``stops``); the draft lag is the proposer's to move
+        (``Proposer.lag_after_step``). Returns int64[B] the tokens appended, bool[B] the requests done, bool[B] those ended
         by a stop id (the others done reached their budget)."""
         budget = self.budget[rows]
         count = np.minimum(num_emitted, budget)
@@ -185,6 +184,4 @@ class RequestBatch:
         self.tokens[rows[:, None], length[:, None] + np.arange(emitted.shape[1])] = emitted   # past count: scratch
         self.length[rows] = length + count
         self.budget[rows] = budget
-        self.lag[rows] = lag_after_step(self.lag[rows], num_accepted, k)
-        self.may_lag |= k == 0
         return count, budget <= 0, stopped

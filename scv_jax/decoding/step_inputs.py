@@ -12,7 +12,7 @@ from typing import Iterator
 
 import numpy as np
 
-from scv_jax.decoding.device_step import StepRow
+from scv_jax.decoding.plan import StepRow
 from scv_jax.decoding.positions import MAX_CATCH_UP
 from scv_jax.decoding.requests import RequestBatch
 

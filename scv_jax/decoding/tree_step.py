@@ -5,7 +5,7 @@ stop ids) with the static k the tree's node count N; ``StepRow.NUM_DRAFTS`` is e
 (the most nodes it may accept: its budget - 1, at most ``TreeConfig.max_depth``). Stages:
 
 1. ``propose``: a draft model's EAGLE-2 tree (``draft_tree``) or a tree given from the host
-   (``drafts`` int32[B, 2, N]: node tokens, then parents; an n-gram trie, ``scv_jax.decoding.ngram_trie``).
+   (``drafts`` int32[B, 2, N]: node tokens, then parents; an n-gram trie, ``scv_jax.decoding.proposers.ngram_trie``).
 2. ``score``: the target over ``[pending, node 0 .. node N - 1]`` with tree attention (pending = root).
 3. ``accept``: ``accept_tree_greedy`` (an all-greedy step) or ``tree_rejection_sample`` on each request's
    filtered target distribution (a greedy request's is its one-hot); nodes deeper than the request's cap

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from scv_jax import NgramDrafter
-from scv_jax.decoding.ngram import UnverifiedProposals, propose_batch
+from scv_jax.decoding.proposers.ngram import UnverifiedProposals, propose_batch
 
 
 def reference_proposal(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

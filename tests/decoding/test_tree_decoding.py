@@ -14,8 +14,8 @@ import pytest
 
 from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, SpeculativeDecoder, TreeConfig, decoder_mesh
 from scv_jax.decoding.device_step import SamplingColumn, SplitModel, StepRow
-from scv_jax.decoding.ngram import NgramDrafter as _Drafter
-from scv_jax.decoding.ngram_trie import build_trie, continuations, propose_tries
+from scv_jax.decoding.proposers.ngram import NgramDrafter as _Drafter
+from scv_jax.decoding.proposers.ngram_trie import build_trie, continuations, propose_tries
 from scv_jax.decoding.tree_step import make_tree_decode_step, tree_inputs
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.ops.commit.kv_cache import PagedKVCache

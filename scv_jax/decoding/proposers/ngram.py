@@ -16,17 +16,21 @@ whatever the text's length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from scv_jax.arguments import require_int
+from scv_jax.decoding.proposers.base import HostDrafter, Trie
+from scv_jax.decoding.proposers.ngram_trie import propose_tries
 
 
 @dataclass(frozen=True)
-class NgramDrafter:
-    """Prompt-lookup drafting settings (vLLM: ``prompt_lookup_min`` / ``prompt_lookup_max``).
+class NgramDrafter(HostDrafter):
+    """Prompt-lookup drafting (vLLM: ``prompt_lookup_min`` / ``prompt_lookup_max``), a ``HostDrafter``
+    keeping one ``NgramIndex`` per running request; with ``DecoderConfig(tree=...)`` it proposes n-gram
+    tries (``ngram_trie``).
 
     Attributes:
       min_n, max_n: the shortest and longest suffix matched (1 <= min_n <= max_n).
@@ -34,6 +38,7 @@ class NgramDrafter:
 
     min_n: int = 1
     max_n: int = 3
+    _indexes: dict[str, "NgramIndex"] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         for name in ("min_n", "max_n"):
@@ -44,6 +49,30 @@ class NgramDrafter:
     def index(self, tokens: Sequence[int]) -> "NgramIndex":
         """A lookup index over one request's tokens (its prompt), extended as it generates."""
         return NgramIndex(self, tokens)
+
+    def start(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        self._indexes[request_id] = self.index(list(prompt_token_ids))
+
+    def extend(self, request_id: str, new_token_ids: Sequence[int]) -> None:
+        self._indexes[request_id].extend(new_token_ids)
+
+    def finish(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+    def _index_of(self, request_id: str, tokens: np.ndarray) -> "NgramIndex":
+        """The request's index (one over ``tokens`` for a request this drafter was not told of)."""
+        index = self._indexes.get(request_id)
+        return index if index is not None else self.index(tokens.tolist())
+
+    def propose(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray],
+                max_drafts: np.ndarray) -> list[list[int]]:
+        """Each request's prompt-lookup proposal, at most ``max_drafts[i]`` tokens."""
+        return propose_batch([self._index_of(r, t) for r, t in zip(request_ids, token_ids)], max_drafts)
+
+    def propose_tree(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], max_nodes: int,
+                     max_depth: np.ndarray) -> list[Trie]:
+        """Each request's n-gram trie (``ngram_trie.propose_tries``)."""
+        return propose_tries([self._index_of(r, t) for r, t in zip(request_ids, token_ids)], max_nodes, max_depth)
 
 
 class NgramIndex:
@@ -125,11 +154,10 @@ class UnverifiedProposals:
     due: int
 
     @classmethod
-    def propose(cls, indexes: Sequence[NgramIndex], rows: np.ndarray, lengths: np.ndarray,
-                max_drafts: np.ndarray) -> "UnverifiedProposals":
+    def of(cls, proposals: list[list[int]], rows: np.ndarray, lengths: np.ndarray,
+           max_drafts: np.ndarray) -> "UnverifiedProposals":
         """Each request's proposal of at most ``max_drafts[b]`` tokens (an empty one is news too: a
         step would have had none of its drafts accepted)."""
-        proposals = propose_batch(indexes, max_drafts)
         longest = max(1, max(map(len, proposals), default=0))
         drafts = draft_grid(proposals, np.arange(len(proposals)), len(proposals), longest, fill=-1)
         return cls(rows, lengths.copy(), drafts, max_drafts.copy(), longest)

@@ -10,28 +10,20 @@ function of the text, so ``tree_rejection_sample`` keeps the target's distributi
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
-from scv_jax.decoding.ngram import NgramIndex
+from scv_jax.decoding.proposers.base import Trie
 
 MAX_OCCURRENCES = 64
 
 
-class Trie(NamedTuple):
-    """A request's draft tree: node tokens and parents (-1 = a child of the root, the pending token)."""
+class SuffixIndex(Protocol):
+    """What a trie is built from: a request's text and the suffix lengths looked up (``NgramIndex``)."""
 
     tokens: list[int]
-    parents: list[int]
-
-    @property
-    def depth(self) -> int:
-        """The most nodes on a root-to-leaf path."""
-        depth: list[int] = []
-        for parent in self.parents:
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-        return max(depth, default=0)
+    suffix_sizes: tuple[int, ...]
 
 
 def continuations(text: np.ndarray, sizes: Sequence[int], length: int) -> list[np.ndarray]:
@@ -60,7 +52,7 @@ def build_trie(paths: Sequence[np.ndarray], max_nodes: int) -> Trie:
     return Trie([prefix[-1] for prefix in ranked], [node.get(prefix[:-1], -1) for prefix in ranked])
 
 
-def propose_tries(indexes: Sequence[NgramIndex], max_nodes: int, depth_caps: np.ndarray) -> list[Trie]:
+def propose_tries(indexes: Sequence[SuffixIndex], max_nodes: int, depth_caps: np.ndarray) -> list[Trie]:
     """Each request's trie: at most ``max_nodes`` nodes and ``depth_caps[b]`` deep."""
     tries = []
     for index, cap in zip(indexes, depth_caps.tolist()):

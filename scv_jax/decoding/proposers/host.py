@@ -1,0 +1,61 @@
+"""A ``HostDrafter``'s host half: it asks the drafter for each step's chains (the chain verifier,
+``HostChains``) or trees (the tree verifier, ``HostTrees``), checks them, and lays them out as the step's
+``drafts`` input. No draft model runs, so there is no draft cache and no lag."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from scv_jax.decoding.plan import Drafts
+from scv_jax.decoding.proposers.base import HostDrafter, Proposer, checked_chains, checked_tries, smallest_fitting
+from scv_jax.decoding.proposers.ngram import draft_grid
+from scv_jax.decoding.proposers.ngram_trie import trie_grid
+
+
+class HostChains(Proposer):
+    """Chains from ``drafter`` of at most the chosen k drafts each; steps compile ``allowed_k`` and 0."""
+
+    host_chains = True
+
+    def __init__(self, drafter: HostDrafter, allowed_k: Sequence[int], vocab_size: int):
+        self.host, self.vocab_size = drafter, vocab_size
+        self.step_ks = tuple(sorted(set(allowed_k) | {0}))
+        self.max_depth = self.step_ks[-1]
+
+    def chains(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> list[list[int]]:
+        """The drafter's checked chains (also what the scheduler checks a k = 0 step's proposals with)."""
+        return checked_chains(self.host, self.host.propose(request_ids, token_ids, caps), caps, self.vocab_size)
+
+    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> Drafts:
+        chains = self.chains(request_ids, token_ids, caps) if caps.max(initial=0) > 0 else [[] for _ in caps]
+        num_drafts = np.array([len(c) for c in chains], np.int64)
+        return Drafts(num_drafts, smallest_fitting(self.step_ks, int(num_drafts.max(initial=0))), chains)
+
+    def drafts_input(self, drafts: Drafts, positions: np.ndarray, size: int) -> np.ndarray:
+        return draft_grid(drafts.host, positions, size, drafts.step_k)
+
+
+class HostTrees(Proposer):
+    """Trees from ``drafter.propose_tree`` of at most ``tree.max_nodes`` nodes; steps compile node-count
+    buckets (``TreeConfig.node_buckets``) and 0."""
+
+    verifier = "tree"
+
+    def __init__(self, drafter: HostDrafter, tree, vocab_size: int):
+        self.host, self.vocab_size, self.max_nodes = drafter, vocab_size, tree.max_nodes
+        self.step_ks = (0, *tree.node_buckets())
+        self.max_depth = tree.max_depth
+
+    def depth_for(self, k: int) -> int:
+        return self.max_depth
+
+    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> Drafts:
+        tries = checked_tries(self.host, self.host.propose_tree(request_ids, token_ids, self.max_nodes, caps),
+                              self.max_nodes, caps, self.vocab_size)
+        num_drafts = np.minimum([t.depth for t in tries], caps).astype(np.int64)   # the deepest path it offers
+        return Drafts(num_drafts, smallest_fitting(self.step_ks, max((len(t.tokens) for t in tries), default=0)), tries)
+
+    def drafts_input(self, drafts: Drafts, positions: np.ndarray, size: int) -> np.ndarray:
+        return trie_grid(drafts.host, positions, size, drafts.step_k)

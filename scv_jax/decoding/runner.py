@@ -1,0 +1,370 @@
+"""``StepRunner``: the device side of decoding. It splits the models once (placed on one device or a
+mesh), owns their paged caches (donated to every call and handed back), the prefill and decode
+executables (graph mode: compiled per shape bucket) and their bucket plans; runs a ``PrefillWork`` in
+chunks, and a ``DecodeWork`` as one executable call (``dispatch``, not waited for) and one batched
+device-to-host transfer (``fetch``), timing both; compiles ahead of time (``warmup``).
+
+The adaptive controllers live here too, one per kind of step (greedy and sampled steps are different
+executables, with different costs): they outlive the engines that run on one decoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import threading
+import time
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
+from scv_jax.arguments import require_int
+from scv_jax.decoding.caches import ModelCaches
+from scv_jax.decoding.config import DecoderConfig
+from scv_jax.decoding.device_step import SplitModel
+from scv_jax.decoding.executables import step_executables
+from scv_jax.decoding.placement import BatchRows, OnMesh, ShardingConfig, SingleDevice
+from scv_jax.decoding.plan import DecodeWork, PrefillWork, SamplingColumn, StepResult, StepRow
+from scv_jax.decoding.proposers.base import Proposer
+from scv_jax.decoding.requests import RequestBatch
+from scv_jax.decoding.stats import GenerateStats
+from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
+from scv_jax.graph.compile_counter import CompileCounter
+from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
+from scv_jax.ops.registry import cuda_available
+
+PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
+
+# the decode step's dynamic arguments that every call gives
+_DECODE_ALWAYS = ("target_params", "target_cache", "block_tables", "rows", "sampling")
+
+
+def is_temperature(value: Any) -> bool:
+    """Whether ``value`` is a sampling temperature: a finite real number >= 0 (0 = greedy)."""
+    return isinstance(value, (int, float, np.floating)) and math.isfinite(value) and value >= 0
+
+
+class PendingStep(NamedTuple):
+    """A dispatched decode step: its work, batch layout, device outputs and timestamps."""
+
+    work: DecodeWork
+    layout: BatchRows
+    outputs: list
+    scored: int | None          # tokens a packed step's target scored (None: dense)
+    started: float              # the step's start (its planning excluded)
+    dispatched: float
+
+
+class StepRunner:
+    """The models, caches and step executables of one decoder (see the module docstring).
+
+    ``target``: a ``PagedModel``; ``draft_model``: the draft model or None; ``proposer``: the drafter's
+    host half (its static k values and verifier); ``vocab_size``; ``max_position_embeddings``: the
+    models' context (None: unknown); ``mesh``/``sharding``: as ``SpeculativeDecoder``.
+    """
+
+    def __init__(self, target, draft_model, proposer: Proposer, config: DecoderConfig, *, vocab_size: int,
+                 max_position_embeddings: int | None, mesh=None, sharding: ShardingConfig | None = None):
+        cfg = self.config = config
+        self.proposer, self.vocab_size, self.max_position_embeddings = proposer, vocab_size, max_position_embeddings
+        if cfg.backend == "pallas" and not cuda_available():
+            raise ValueError(f"SpeculativeDecoder: DecoderConfig.backend='pallas' needs a CUDA GPU (JAX's default "
+                             f"backend is {jax.default_backend()!r}); use 'auto', 'xla', or 'interpret' on CPU")
+        if mesh is None and sharding is not None:
+            raise ValueError("SpeculativeDecoder: sharding is for a mesh; pass mesh= too")
+        self.placement = SingleDevice(cfg) if mesh is None else OnMesh(mesh, cfg, sharding)
+        target_placed, draft_placed = self.placement.split(target, "target"), self.placement.split(draft_model, "draft")
+        self.target, self.target_params = SplitModel.of(target_placed.graphdef, target_placed.state)
+        self.draft, self.draft_params = (SplitModel.of(draft_placed.graphdef, draft_placed.state)
+                                         if draft_model is not None else (None, None))
+        self.pool = self.placement.pool
+        self.caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_placed.cache_dims,
+                                  draft_placed.cache_dims, factory=self.placement.new_cache)
+        self.step_ks = proposer.step_ks
+        self.packed_ks = self._packed_draft_counts()
+        self.prefill_executable, self.decode_executable = step_executables(
+            cfg, self.target, self.draft, self.step_ks, self.placement)
+        self._plans: dict[tuple, BucketPlan] = {}
+        self.lock = threading.RLock()        # one step at a time (engines on this decoder, threads)
+        self.warmed_up = False
+        self.controllers = {"greedy": self._make_controller(), "sampling": self._make_controller()} \
+            if cfg.adaptive else {}
+        self._next_request_id = 0
+
+    @property
+    def graph_stats(self) -> dict[str, GraphModeStats]:
+        """Graph-mode counters of the prefill and decode executables (hits, compiles, donations, ...)."""
+        return {"prefill": self.prefill_executable.stats, "decode": self.decode_executable.stats}
+
+    @property
+    def largest_batch(self) -> int:
+        """The largest batch bucket: the most requests a step runs."""
+        return self.decode_executable.dims["batch"].largest
+
+    def _make_controller(self) -> AdaptiveController:
+        cfg = self.config
+        base = cfg.controller or ControllerConfig()
+        allowed = cfg.allowed_k
+        return AdaptiveController(dataclasses.replace(
+            base, k_min=allowed[0], k_max=allowed[-1], allowed_k=allowed,
+            k_init=base.k_init if base.k_init in allowed else allowed[-1]))
+
+    def new_request_id(self) -> int:
+        """A new id for the controller's per-request state (unique over this runner's requests)."""
+        self._next_request_id += 1
+        return self._next_request_id
+
+    # ------------------------------------------------------------------ calls
+    def _call(self, executable: ExecutableCache, stats: GenerateStats, *, use_target: bool = True,
+              use_draft: bool, plan: BucketPlan | None = None, **args):
+        """One donating call with the models it uses (the others' params and caches are None and their
+        caches kept); returns its other outputs. ``plan``: arguments at bucket size, ``call_planned``.
+        Time spent compiling goes to ``stats.compile_seconds``."""
+        target_cache, draft_cache = self.caches.take()
+        args.update(target_params=self.target_params if use_target else None,
+                    target_cache=target_cache if use_target else None,
+                    draft_params=self.draft_params if use_draft else None,
+                    draft_cache=draft_cache if use_draft else None, backend=self.config.backend)
+        start = time.perf_counter()
+        if plan is None:
+            new_target, new_draft, *outputs = executable(**args)
+        else:
+            new_target, new_draft, *outputs = executable.call_planned(
+                plan, [args.get(name) for name in executable.dynamic_argnames])
+        if executable.last_call_compiled:
+            stats.compile_seconds += time.perf_counter() - start
+            stats.compiled.append(executable.last_call_shape)
+        why = executable.last_call_fallback
+        if why:
+            stats.fallbacks[executable.last_call_shape] = why
+        self.caches.put(new_target if use_target else target_cache, new_draft if use_draft else draft_cache)
+        return outputs
+
+    def prefill(self, work: PrefillWork, batch: RequestBatch, stats: GenerateStats, *, progress: bool = False) -> None:
+        """Commits ``work``'s tokens to both caches (the draft's alone when ``draft_only``),
+        ``prefill_chunk`` tokens a call, and waits for the last chunk (its time is the prefill's)."""
+        rows, begin, count = work.rows, work.begin, work.count
+        batch.ensure(rows, begin + count)
+        longest = int(count.max(initial=0))
+        start = reported = time.perf_counter()
+        for done, sub, inputs in prefill_chunks(batch, rows, begin, count, self.config.prefill_chunk):
+            layout = self.placement.rows(batch.shards[sub], self.prefill_executable)
+            self._call(self.prefill_executable, stats, use_target=not work.draft_only,
+                       use_draft=self.draft is not None, **layout.arrange(self.prefill_executable, **inputs))
+            if done >= longest:
+                self.caches.put(*jax.block_until_ready(self.caches.take()))
+            now = time.perf_counter()
+            if progress and now - reported > PREFILL_PROGRESS_SECONDS:
+                reported = now
+                print(f"prefill: {min(done, longest)}/{longest} prompt tokens "
+                      f"({now - start:.1f} s, compiling {stats.compile_seconds:.1f} s of it)",
+                      file=sys.stderr, flush=True)
+
+    def layout(self, batch: RequestBatch) -> BatchRows:
+        """Where the running requests sit in a decode step's batch."""
+        return self.placement.rows(batch.shards[batch.active], self.decode_executable)
+
+    def dispatch(self, work: DecodeWork, batch: RequestBatch, layout: BatchRows, stats: GenerateStats,
+                 started: float) -> PendingStep:
+        """Calls the decode executable for ``work`` (the one call of the step; not waited for).
+        ``started``: when the step's host work began (its one-off planning is taken out of it)."""
+        rows, step_k, num_drafts = work.rows, work.drafts.step_k, work.drafts.num_drafts
+        width = int(batch.num_blocks[rows].max())
+        planning = time.perf_counter()
+        plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, logprobs=work.logprobs)
+        size = plan.padded["batch"] or layout.size
+        packed_k = 0 if work.logprobs else self._packed_k(num_drafts, size, step_k)
+        if packed_k:
+            plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, packed_k=packed_k)
+        started += time.perf_counter() - planning
+        inputs = decode_inputs(batch, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts)
+        drafts = self.proposer.drafts_input(work.drafts, layout.rows, size)
+        if drafts is not None:
+            inputs["drafts"] = drafts
+        if layout.scattered:
+            inputs["request_mask"] = np.zeros(size, np.bool_)
+            inputs["request_mask"][layout.rows] = True
+        dispatched = time.perf_counter()
+        outputs = self._call(self.decode_executable, stats, use_draft=self.draft is not None and step_k > 0,
+                             plan=plan, **inputs)
+        return PendingStep(work, layout, outputs, size * (packed_k + 1) if packed_k else None, started, dispatched)
+
+    def fetch(self, pending: PendingStep) -> StepResult:
+        """The step's one device-to-host transfer, as a ``StepResult``."""
+        summary, *logprobs = pending.outputs
+        host, host_logprobs = pending.layout.fetch(summary, *logprobs)
+        cold = self.decode_executable.last_call_first_run        # compiled now or ahead of time, never run
+        fetched = time.perf_counter()
+        return StepResult(host.output_token_ids, host.num_emitted, host.num_accepted, host_logprobs,
+                          pending.layout.computed, None if cold else fetched - pending.started,
+                          pending.dispatched - pending.started)
+
+    def record(self, pending: PendingStep, result: StepResult, stats: GenerateStats, fetched: float) -> None:
+        """Counts the step in ``stats``, with the host's work after the fetch (until now) in its time."""
+        after = time.perf_counter() - fetched
+        stats.add_step(result.batch, pending.work.drafts.step_k, None if result.seconds is None else result.seconds + after,
+                       result.host_seconds + after, pending.scored)
+
+    # ------------------------------------------------------------------ plans
+    def step_k(self, most_drafts: int) -> int:
+        """The smallest compiled k that holds ``most_drafts`` drafts."""
+        return next(k for k in self.step_ks if k >= most_drafts)
+
+    def decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool, *,
+                    logprobs: bool = False, packed_k: int = 0) -> BucketPlan:
+        """The decode executable's bucket for a step's sizes (planned once per shape); ``masked``: the
+        step gives its own request mask (a batch laid out over a mesh's data shards)."""
+        key = (batch, width, k, greedy, logprobs, masked, packed_k)
+        plan = self._plans.get(key)
+        if plan is None:
+            given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self.draft is not None and k else ()) \
+                + (("drafts",) if self.proposer.host is not None else ()) + (("request_mask",) if masked else ())
+            plan = self._plans[key] = self.decode_executable.plan_sizes(
+                {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, logprobs=logprobs,
+                backend=self.config.backend, packed_k=packed_k)
+        return plan
+
+    def _packed_draft_counts(self) -> tuple[int, ...]:
+        """The drafts per row a packed step may score, ascending: 1 and an adaptive decoder's other k
+        values (the controller's cost table then times most packed steps as one of its shapes), else
+        the powers of two below k; none without ``packed_verify``."""
+        cfg = self.config
+        if not cfg.packed_verify:
+            return ()
+        if cfg.adaptive:
+            return tuple(sorted({1, *self.step_ks[1:]}))
+        return tuple(1 << i for i in range((cfg.k - 1).bit_length())) if cfg.k else ()
+
+    def _packed_k(self, num_drafts: np.ndarray, batch: int, step_k: int) -> int:
+        """A packed step's ``packed_k`` for these drafts at a padded batch of ``batch`` rows: their mean per
+        row rounded up to one of ``packed_ks``, or 0 (a dense step) when packing is off or saves nothing."""
+        mean = int(num_drafts.sum()) / batch
+        return next((k for k in self.packed_ks if mean <= k < step_k), 0)
+
+    def _host_drafts(self, batch: int, k: int) -> np.ndarray:
+        """A ``drafts`` input of the proposer's shape for ``batch`` requests at static ``k`` (warm-up, timing)."""
+        return np.ones((batch, k) if self.proposer.verifier == "chain" else (batch, 2, k), np.int32)
+
+    # ------------------------------------------------------------------ measurement
+    def device_seconds_per_step(self, batch_size: int, k: int, *, greedy: bool = True, context: int | None = None,
+                                calls: int = 20, repeats: int = 5) -> float:
+        """Seconds per decode step of one shape (``batch_size`` requests, static ``k``) with no host work
+        around it: the step's executable alone, called on device-resident inputs and waited for, median
+        over ``repeats`` runs of the mean of ``calls`` calls. ``context``: each request's cache length
+        (default: half the longest). A step's wall time in ``generate`` minus this is the host's share
+        of the step."""
+        cfg = self.config
+        context = cfg.max_seq_len // 2 if context is None else context
+        width = -(-(context + k + 1) // cfg.block_size)
+        if k not in self.step_ks or width > cfg.max_blocks_per_seq:
+            raise ValueError(f"device_seconds_per_step: k must be one of {self.step_ks} and context + k + 1 "
+                             f"<= max_seq_len {cfg.max_seq_len}, got k={k}, context={context}")
+        masked = isinstance(self.placement, OnMesh)
+        plan = self.decode_plan(batch_size, width, k, greedy, masked)
+        batch, padded_width = plan.padded["batch"] or batch_size, plan.padded["blocks"] or width
+        blocks = np.full((batch, padded_width), -1, np.int32)
+        blocks[:, :width] = np.arange(batch * width, dtype=np.int32).reshape(batch, width) % cfg.num_blocks
+        rows = np.ones((batch, StepRow.WIDTH), np.int32)
+        rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS] = context, k
+        rows[:, StepRow.KEY] = np.arange(batch)
+        rows[:, StepRow.STOP:StepRow.TOKENS] = -1
+        sampling = np.zeros((batch, SamplingColumn.WIDTH), np.float32)
+        sampling[:, [SamplingColumn.TEMPERATURE, SamplingColumn.TOP_P]] = 1.0    # unused when greedy
+        args = dict(block_tables=blocks, rows=rows, sampling=sampling)
+        if masked:
+            args["request_mask"] = np.ones(batch, np.bool_)
+        if self.proposer.host is not None:
+            args["drafts"] = self._host_drafts(batch, k)
+        args = {name: jax.device_put(value) for name, value in args.items()}
+        stats, use_draft = GenerateStats(), self.draft is not None and k > 0
+        with self.lock:
+            self._call(self.decode_executable, stats, use_draft=use_draft, plan=plan, **args)  # compiles
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    (summary,) = self._call(self.decode_executable, stats, use_draft=use_draft, plan=plan, **args)
+                    summary.packed.block_until_ready()
+                samples.append((time.perf_counter() - start) / calls)
+        return float(np.median(samples))
+
+    # ------------------------------------------------------------------ warm-up
+    def warmup(self, batch_sizes: int | Sequence[int], max_len: int, *,
+               temperatures: float | Sequence[float] = 0.0, logprobs: bool = False, progress: bool = False) -> int:
+        """Compiles ahead of time every executable that ``generate`` runs for up to ``max(batch_sizes)``
+        requests at once (its ``max_num_seqs``, or its number of prompts) of up to ``max_len`` positions
+        (prompt + max_new_tokens - 1) at ``temperatures`` (0: the steps of all-greedy batches; > 0: those
+        of batches with a sampled request, any mix of filters and greedy rows): the prefill and every
+        k's decode step at every batch bucket and block-table width up to those sizes' (a batch shrinks
+        as requests finish and admits waiting ones in smaller groups; a request's width grows with it),
+        with ``packed_verify`` each k's packed steps, with ``logprobs`` the (dense) steps of batches
+        with a request asking for log-probabilities, and the draft's catch-up prefill when k = 0 can
+        be chosen. Counts the executables before compiling them (with
+        ``progress``: one line on stderr, then one per executable); returns the XLA compilations.
+        A ``generate`` within these sizes then compiles nothing (``GenerateStats.compiled`` is empty)."""
+        cfg = self.config
+        sizes = [batch_sizes] if isinstance(batch_sizes, (int, np.integer)) else list(batch_sizes)
+        temperatures = ([temperatures] if isinstance(temperatures, (int, float, np.floating))
+                        else list(temperatures))
+        if not sizes or not temperatures or not all(map(is_temperature, temperatures)):
+            raise ValueError(f"warmup: batch_sizes and temperatures must be non-empty, temperatures finite "
+                             f"floats >= 0; got batch_sizes={batch_sizes!r}, temperatures={temperatures!r}")
+        for size in sizes:
+            require_int("warmup", "batch_sizes", size, minimum=1)
+        require_int("warmup", "max_len", max_len, minimum=1)
+        kinds = sorted({t == 0 for t in temperatures}, reverse=True)     # greedy first
+        # a running batch never exceeds the largest bucket (``generate``)
+        batch_bucket = self.decode_executable.bucket("batch", min(max(sizes), self.decode_executable.dims["batch"].largest))
+        block_bucket = self.decode_executable.bucket("blocks", -(-max_len // cfg.block_size))
+        if block_bucket is None:
+            raise ValueError(f"warmup: max_len {max_len} exceeds DecoderConfig.max_seq_len {cfg.max_seq_len}")
+        fits = lambda s: s["batch"] <= batch_bucket and s["blocks"] <= block_bucket  # noqa: E731
+        with self.lock:
+            return self._warmup(fits, batch_bucket, block_bucket, kinds, logprobs, progress)
+
+    def _warmup(self, fits: Callable[[dict[str, int]], bool], batch_bucket: int, block_bucket: int,
+                kinds: list[bool], logprobs: bool, progress: bool) -> int:
+        cfg = self.config
+        target_cache, draft_cache = self.caches.take()
+        tables = np.zeros((1, 1), np.int32)
+        models = dict(target_params=self.target_params, target_cache=target_cache, backend=cfg.backend,
+                      **self.placement.warmup_args())
+        draft = dict(draft_params=self.draft_params, draft_cache=draft_cache)
+        prefill = dict(block_tables=tables, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
+                       start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=fits)
+        calls = [(self.prefill_executable, {**models, **draft, **prefill})]
+        if cfg.adaptive and self.draft is not None and 0 in cfg.allowed_k:
+            calls.append((self.prefill_executable, {**models, "target_params": None, "target_cache": None, **draft, **prefill}))
+        no_draft = dict(draft_params=None, draft_cache=None)
+        for greedy in kinds:
+            for k in self.step_ks:
+                step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
+                            sampling=np.zeros((1, SamplingColumn.WIDTH), np.float32), k=k, greedy=greedy,
+                            keep=lambda s, k=k: s["k"] == k and fits(s))
+                if self.proposer.host is not None:
+                    step["drafts"] = self._host_drafts(1, k)
+                models_k = {**models, **(draft if self.draft is not None and k else no_draft)}
+                for packed_k in (0, *(p for p in self.packed_ks if p < k)):
+                    calls.append((self.decode_executable, {**models_k, **step, "packed_k": packed_k}))
+                if logprobs:
+                    calls.append((self.decode_executable, {**models_k, **step, "logprobs": True}))
+        pending = [len(executable.pending(**args)) for executable, args in calls]
+        if progress:
+            batches = [b for b in self.decode_executable.dims["batch"].sizes if b <= batch_bucket]
+            widths = [w for w in self.decode_executable.dims["blocks"].sizes if w <= block_bucket]
+            decode = sum(n for (executable, _), n in zip(calls, pending) if executable is self.decode_executable)
+            print(f"warm-up: {sum(pending)} executables to compile: {decode} decode steps (k {self.step_ks} x "
+                  f"batch buckets {tuple(batches)} x block-table widths {tuple(widths)} x "
+                  f"{' and '.join('greedy' if greedy else 'sampled' for greedy in kinds)}"
+                  f"{' x packed_k' if self.packed_ks else ''}{' x logprobs' if logprobs else ''}), "
+                  f"{sum(pending) - decode} prefills",
+                  file=sys.stderr, flush=True)
+        with CompileCounter() as compiles:
+            for executable, args in calls:
+                executable.warmup(**args, progress=progress)
+        self.caches.put(target_cache, draft_cache)
+        self.warmed_up = True
+        return compiles.count

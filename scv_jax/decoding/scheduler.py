@@ -1,0 +1,290 @@
+"""``Scheduler``: the engine's host policy, no JAX. It holds the waiting queue and the running requests'
+``RequestBatch``; admits requests FIFO while a row and their KV blocks are free; plans each decode step
+(k from the config or the adaptive controller, each request's cap, the proposer's drafts, a catch-up of
+lagging drafts) as a ``DecodeWork``; and turns the step's ``StepResult`` into ``RequestOutput``s,
+ending the requests that finished. The proposer's host drafter hears every request's lifecycle.
+
+Blocks: a request reserves the KV blocks of its prompt + max_tokens - 1 positions when admitted and
+allocates them as it grows, so a running request never runs out; they return to the pool the moment it
+ends.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from scv_jax.decoding.outputs import FinishReason, RequestOutput, TokenLogprob
+from scv_jax.decoding.plan import DecodeWork, Observation, PrefillWork, SamplingColumn, StepResult
+from scv_jax.decoding.positions import catch_up_rows
+from scv_jax.decoding.proposers.base import Proposer
+from scv_jax.decoding.proposers.ngram import UnverifiedProposals
+from scv_jax.decoding.requests import RequestBatch
+from scv_jax.sampling_params import SamplingParams
+
+
+class Controller(Protocol):
+    """The adaptive controller as the scheduler uses it (``scv_jax.adaptive.AdaptiveController``)."""
+
+    def next_k(self, batch: int, ids: np.ndarray, remaining: np.ndarray | None) -> int: ...
+
+    def update(self, drafts, accepted, seconds, batch, ids, *, k: int | None = None) -> None: ...
+
+
+class BlockPools(Protocol):
+    """The KV block pools, one per data shard (``placement.ShardedBlockPool``)."""
+
+    shards: list
+
+    def pick(self, need: int, load: Sequence[int], per_shard: int) -> int | None: ...
+
+
+@dataclasses.dataclass
+class Request:
+    """A request's own state beside its ``RequestBatch`` row."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    sampling: np.ndarray            # float32[SamplingColumn.WIDTH]
+    keys: np.ndarray                # int32[2] its random stream
+    stops: tuple[int, ...]
+    need: int                       # KV blocks it reserves when admitted
+    controller_id: int
+    accepted_at: np.ndarray         # int64[max_depth] accepted drafts at each position
+    row: int = -1                   # its RequestBatch row while it runs
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    drafted: int = 0
+
+    def output(self, new: list[int], reason: FinishReason | None, logprobs=None) -> RequestOutput:
+        return RequestOutput(self.request_id, tuple(new), tuple(self.token_ids), reason is not None, reason,
+                             self.drafted, int(self.accepted_at.sum()), tuple(self.accepted_at.tolist()), logprobs)
+
+
+class Scheduler:
+    """Queues, admission, per-step k and caps, drafts, finishing (see the module docstring).
+
+    ``batch``: the running requests' rows; ``pools``: the KV block pools; ``proposer``: the drafter's host
+    half; ``controllers``: {"greedy" | "sampling": controller} (empty: ``k`` always); ``max_num_seqs``:
+    the most requests running; ``per_shard``: the most on one data shard.
+    """
+
+    def __init__(self, batch: RequestBatch, pools: BlockPools, proposer: Proposer,
+                 controllers: dict[str, Controller], *, k: int, max_num_seqs: int, per_shard: int):
+        self.batch, self._pools, self.proposer, self._controllers = batch, pools, proposer, controllers
+        self._k, self.max_num_seqs, self._per_shard = k, max_num_seqs, per_shard
+        self.requests: dict[str, Request] = {}             # waiting and running, by id
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: dict[int, Request] = {}              # by row
+        self._ended: list[RequestOutput] = []              # aborted requests, reported by the next step
+        # the controller: the last step (told before the next decision), the k it chose for the next step
+        # while this one ran, a k = 0 step's host proposals still to check
+        self._observed: Observation | None = None
+        self._decided: tuple[str, int, int] | None = None
+        self._unverified: UnverifiedProposals | None = None
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Ends a waiting or running request now; ``take_ended`` reports it. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.row < 0:
+            self.waiting.remove(request)
+        else:
+            self._end([request.row])
+        self._ended.append(request.output([], "abort"))
+
+    def take_ended(self) -> list[RequestOutput]:
+        """The outputs of the requests aborted since the last call."""
+        ended, self._ended = self._ended, []
+        return ended
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests or self._ended)
+
+    def _end(self, rows: list[int]) -> None:
+        """Frees the rows (and blocks) of requests that ended, tells the drafter, forgets them."""
+        self.batch.finish(np.array(rows, np.int64))
+        for row in rows:
+            request = self.running.pop(row)
+            request.row = -1
+            self.requests.pop(request.request_id, None)
+            if self.proposer.host is not None:
+                self.proposer.host.finish(request.request_id)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self) -> PrefillWork | None:
+        """Moves waiting requests, in order, to free rows while their blocks fit (on a mesh, on the data
+        shard with the fewest requests); returns the prefill of their prompts (but the last tokens)."""
+        state, pools = self.batch, self._pools
+        admitted = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            load = np.bincount(state.shards[state.active], minlength=len(pools.shards))
+            shard = pools.pick(request.need, load, self._per_shard)
+            if shard is None:
+                break
+            self.waiting.popleft()
+            request.row = state.start(request.prompt, request.params.max_tokens, pools.shards[shard], shard,
+                                      request.sampling, request.keys, request.stops)
+            self.running[request.row] = request
+            admitted.append(request.row)
+            if self.proposer.host is not None:
+                self.proposer.host.start(request.request_id, request.prompt)
+        if not admitted:
+            return None
+        self._unverified = None          # proposals are checked against the rows they were made for
+        rows = np.array(admitted, np.int64)
+        return PrefillWork(rows, np.zeros(rows.size, np.int64), state.prompt_len[rows] - 1, draft_only=False)
+
+    # ------------------------------------------------------------------ a step
+    def _token_views(self, rows: np.ndarray) -> list[np.ndarray]:
+        """Each row's prompt + generated tokens (read-only views)."""
+        views = [self.batch.tokens[row, :self.batch.length[row]] for row in rows.tolist()]
+        for view in views:
+            view.flags.writeable = False
+        return views
+
+    def schedule(self, computed_rows: int) -> DecodeWork:
+        """The next decode step of the running batch; ``computed_rows``: the rows its executable computes
+        (the controller's costs see padding like real rows)."""
+        state = self.batch
+        rows = state.active
+        requests = [self.running[row] for row in rows.tolist()]
+        request_ids = [r.request_id for r in requests]
+        greedy = not state.sampling[rows, SamplingColumn.TEMPERATURE].any()
+        kind = "greedy" if greedy else "sampling"
+        budget = state.budget[rows]                         # tokens each request has left
+        k = self.proposer.depth_for(self._choose_k(kind, computed_rows, requests, budget))
+        caps = np.minimum(budget - 1, k)                    # never draft past a request's budget
+        drafts = self.proposer.drafts(request_ids, self._token_views(rows), caps)
+        catch_up = None
+        if self.proposer.has_draft_model and drafts.step_k and state.may_lag:
+            catch_up = self._catch_up(rows)
+        state.ensure(rows, state.length[rows] + drafts.num_drafts)
+        logprobs = any(r.params.logprobs is not None for r in requests)
+        return DecodeWork(rows, request_ids, k, caps, drafts, greedy, logprobs, kind, catch_up)
+
+    def _catch_up(self, rows: np.ndarray) -> PrefillWork | None:
+        """Before a step that runs the draft: the tokens k = 0 steps left out of the draft cache
+        (``positions.catch_up_rows``), so every lag is then at most ``MAX_CATCH_UP``."""
+        state = self.batch
+        missing = catch_up_rows(state.lag[rows])
+        lagging = missing > 0
+        state.may_lag = False
+        if not lagging.any():
+            return None
+        behind = rows[lagging]
+        work = PrefillWork(behind, state.length[behind] - state.lag[behind], missing[lagging], draft_only=True)
+        state.lag[behind] = 1
+        return work
+
+    def _choose_k(self, kind: str, batch: int, requests: list[Request], remaining: np.ndarray) -> int:
+        """The k of the coming step: the config's, or the controller's (decided while the last step ran,
+        unless the batch changed)."""
+        controller = self._controllers.get(kind)
+        if controller is None:
+            return self._k
+        if self._decided is not None and self._decided[:2] == (kind, batch):
+            return self._decided[2]
+        self.observe()
+        return controller.next_k(batch, self._controller_ids(requests), remaining)
+
+    @staticmethod
+    def _controller_ids(requests: list[Request]) -> np.ndarray:
+        return np.array([r.controller_id for r in requests], np.int64)
+
+    def observe(self) -> None:
+        """Tells the controller about the last step (if not yet told)."""
+        seen, self._observed = self._observed, None
+        if seen is not None:
+            self._controllers[seen.kind].update(seen.offered, seen.accepted, seen.seconds, seen.batch, seen.ids,
+                                                k=seen.k)
+
+    def while_device_runs(self, work: DecodeWork, computed_rows: int) -> None:
+        """While the device runs ``work``: the controller learns from the last step and chooses the next k."""
+        controller = self._controllers.get(work.kind)
+        if controller is not None:
+            self.observe()
+            requests = [self.running[row] for row in work.rows.tolist()]
+            ids = self._controller_ids(requests)
+            self._decided = (work.kind, computed_rows, controller.next_k(computed_rows, ids, self.batch.budget[work.rows]))
+
+    def update(self, work: DecodeWork, result: StepResult) -> list[RequestOutput]:
+        """Appends each request's emitted tokens, tells the drafter, records what the controller learns,
+        ends the requests that finished; returns the outputs of those that emitted or ended."""
+        state, rows, step_k = self.batch, work.rows, work.drafts.step_k
+        requests = [self.running[row] for row in rows.tolist()]
+        lag = state.lag[rows]
+        appended, done, stopped = state.advance(rows, result.output_token_ids, result.num_emitted)
+        state.lag[rows] = self.proposer.lag_after_step(lag, result.num_accepted, step_k)
+        state.may_lag |= step_k == 0
+        outputs = self._outputs(requests, appended, done, stopped, work.drafts.num_drafts, result)
+        if work.kind in self._controllers:
+            # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
+            # a short one) as a rejection at that position: E(k) is then what a step of k really emits
+            counts = (np.minimum(work.caps, step_k), result.num_accepted)
+            if self.proposer.host_chains:
+                counts = self._check_unverified(rows, step_k) or counts
+            # (k as chosen, or as far as the budgets let it draft: a step that ends them costs less)
+            self._observed = Observation(work.kind, *counts, result.seconds, result.batch,
+                                         self._controller_ids(requests), int(work.caps.max(initial=0)))
+        if done.any():
+            self._end(rows[done].tolist())
+        return outputs
+
+    def _outputs(self, requests: list[Request], appended: np.ndarray, done: np.ndarray, stopped: np.ndarray,
+                 num_drafts: np.ndarray, result: StepResult) -> list[RequestOutput]:
+        """Each request's output of the step (those that emitted or ended), after recording its tokens."""
+        outputs, state, host = [], self.batch, self.proposer.host
+        for i, request in enumerate(requests):
+            row, count = request.row, int(appended[i])
+            request.drafted += int(num_drafts[i])
+            request.accepted_at[:int(result.num_accepted[i])] += 1
+            new = state.tokens[row, state.length[row] - count:state.length[row]].tolist()
+            request.token_ids += new
+            if host is not None and new:
+                host.extend(request.request_id, new)
+            if not (count or done[i]):
+                continue
+            n, logprobs = request.params.logprobs, result.logprobs
+            token_logprobs = None if n is None else tuple(
+                TokenLogprob(token, float(logprobs.logprob[i, j]),
+                             tuple(zip(logprobs.top_ids[i, j, :n].tolist(), logprobs.top_logprobs[i, j, :n].tolist())))
+                for j, token in enumerate(new))
+            reason = ("stop" if stopped[i] else "length") if done[i] else None
+            outputs.append(request.output(new, reason, token_logprobs))
+        return outputs
+
+    def _check_unverified(self, rows: np.ndarray, step_k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Host drafting at a k = 0 step (the controller's choice, or the budgets' end): the counterfactual
+        (offered, accepted) of ``rows`` once the proposals made some k = 0 steps ago can be checked
+        (``UnverifiedProposals``; the controller learns acceptance from them while it holds k = 0), and
+        new proposals to check. None while none is due; a step with drafts drops them (it counts its own),
+        and so does an admission (a row may then hold another request)."""
+        state, pending = self.batch, self._unverified
+        if step_k:
+            self._unverified = None
+            return None
+        counts = None
+        if pending is not None:
+            pending.due -= 1
+            if pending.due > 0:
+                return None
+            offered, accepted = np.zeros((2, state.num_slots), np.int64)
+            offered[pending.rows], accepted[pending.rows] = pending.check(state.tokens, state.length)
+            counts = offered[rows], accepted[rows]
+        active = state.active
+        caps = np.clip(state.budget[active] - 1, 0, self.proposer.step_ks[-1])   # (requests done this step: 0)
+        ids = [self.running[r].request_id for r in active.tolist()]
+        self._unverified = UnverifiedProposals.of(self.proposer.chains(ids, self._token_views(active), caps),
+                                                  active, state.length[active], caps)
+        return counts
