@@ -34,8 +34,9 @@ import numpy as np  # noqa: E402
 
 from harness import publish  # noqa: E402
 from scv_jax import DecoderConfig, SpeculativeDecoder  # noqa: E402
-from scv_jax.decoding.device_step import StepRow  # noqa: E402
-from scv_jax.decoding.engine import Engine  # noqa: E402
+from scv_jax.decoding.plan import StepRow  # noqa: E402
+from scv_jax.decoding.runner import StepRunner  # noqa: E402
+from scv_jax.decoding.scheduler import Scheduler  # noqa: E402
 from scv_jax.demo.e2e import benchmark_prompts  # noqa: E402
 from scv_jax.models import load_demo  # noqa: E402
 from scv_jax.verify.summary import StepSummary  # noqa: E402
@@ -70,27 +71,36 @@ class InstantStep:
 
 
 class StepClock:
-    """While entered, wraps ``Engine._decode`` (a decode step's host side, with the device step it
-    dispatches): the thread CPU seconds spent in steps."""
+    """While entered, wraps the roles' methods that make a decode step's host side (the scheduler's
+    ``schedule`` / ``while_device_runs`` / ``update``, the runner's ``dispatch`` / ``fetch``, with the
+    device step it dispatches): the thread CPU seconds spent in them."""
+
+    METHODS = ((Scheduler, "schedule"), (Scheduler, "while_device_runs"), (Scheduler, "update"),
+               (StepRunner, "dispatch"), (StepRunner, "fetch"))
 
     def __init__(self):
-        self.cpu_seconds, self._decode = 0.0, Engine._decode
+        self.cpu_seconds = 0.0
+        self._originals = [getattr(cls, name) for cls, name in self.METHODS]
 
     def __enter__(self) -> "StepClock":
-        decode, clock = self._decode, self
+        clock = self
 
-        def timed(engine):
-            cpu = time.thread_time()
-            try:
-                return decode(engine)
-            finally:
-                clock.cpu_seconds += time.thread_time() - cpu
+        def timed(method):
+            def wrapper(*args, **kwargs):
+                cpu = time.thread_time()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    clock.cpu_seconds += time.thread_time() - cpu
+            return wrapper
 
-        Engine._decode = timed
+        for (cls, name), method in zip(self.METHODS, self._originals):
+            setattr(cls, name, timed(method))
         return self
 
     def __exit__(self, *exc) -> None:
-        Engine._decode = self._decode
+        for (cls, name), method in zip(self.METHODS, self._originals):
+            setattr(cls, name, method)
 
 
 class ControllerClock:
@@ -125,8 +135,8 @@ def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
     drafter = None if mode == "autoregressive" else ("ngram" if mode.startswith("ngram") else draft)
     decoder = SpeculativeDecoder(target, drafter, config=config)
     prompts = benchmark_prompts(batch)
-    stub = InstantStep(decoder._decode, cold_bytes)
-    decoder._decode.call_planned = stub                 # the device step, taken out
+    stub = InstantStep(decoder.runner.decode_executable, cold_bytes)
+    decoder.runner.decode_executable.call_planned = stub     # the device step, taken out
     controllers = ControllerClock(decoder.controllers.values())
     decoder.generate(prompts, max_new_tokens)           # compiles the prefill; warms the controller, the plans
     samples = []

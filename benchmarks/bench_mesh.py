@@ -100,13 +100,13 @@ def _decoder(target, draft, config: DecoderConfig, shape, sharding,
 def _summary(decoder: SpeculativeDecoder, runs: list, warmup: float) -> dict:
     """Median tokens/s and step time of ``runs`` (GenerateOutputs), and the bytes on the first device."""
     stats = [out.stats for out in runs]
-    caches = decoder._caches.take()
-    decoder._caches.put(*caches)
+    caches = decoder.runner.caches.take()
+    decoder.runner.caches.put(*caches)
     return dict(tokens=runs[0].tokens, same=all(out.tokens == runs[0].tokens for out in runs),
                 compiles=sum(s.compile_count for s in stats),
                 tokens_per_second=float(np.median([s.tokens_per_second for s in stats])),
                 step_ms=float(np.median([1e3 * (s.wall_seconds - s.prefill_seconds) / s.steps for s in stats])),
-                warmup_s=warmup, weights=_bytes_on_first_device((decoder._target_params, decoder._draft_params)),
+                warmup_s=warmup, weights=_bytes_on_first_device((decoder.runner.target_params, decoder.runner.draft_params)),
                 caches=_bytes_on_first_device(caches))
 
 

@@ -243,16 +243,13 @@ class Engine:
             outputs = scheduler.take_ended()
             admitted = scheduler.admit()
             if admitted is not None:
-                begin = time.perf_counter()
                 runner.prefill(admitted, scheduler.batch, stats, progress=self.progress)
-                stats.prefill_seconds += time.perf_counter() - begin
             if not scheduler.running:
                 return outputs
             started, layout = time.perf_counter(), runner.layout(scheduler.batch)
             work = scheduler.schedule(layout.computed)
             if work.catch_up is not None:
                 runner.prefill(work.catch_up, scheduler.batch, stats)
-                stats.catch_up_calls += 1
             pending = runner.dispatch(work, scheduler.batch, layout, stats, started)
             scheduler.while_device_runs(work, layout.computed)
             result = runner.fetch(pending)

@@ -144,8 +144,9 @@ class StepRunner:
         return outputs
 
     def prefill(self, work: PrefillWork, batch: RequestBatch, stats: GenerateStats, *, progress: bool = False) -> None:
-        """Commits ``work``'s tokens to both caches (the draft's alone when ``draft_only``),
-        ``prefill_chunk`` tokens a call, and waits for the last chunk (its time is the prefill's)."""
+        """Commits ``work``'s tokens to both caches (the draft's alone when ``draft_only``: a catch-up,
+        counted in ``stats.catch_up_calls``), ``prefill_chunk`` tokens a call, and waits for the last chunk
+        (its time goes to ``stats.prefill_seconds``, a catch-up's to its step)."""
         rows, begin, count = work.rows, work.begin, work.count
         batch.ensure(rows, begin + count)
         longest = int(count.max(initial=0))
@@ -162,6 +163,10 @@ class StepRunner:
                 print(f"prefill: {min(done, longest)}/{longest} prompt tokens "
                       f"({now - start:.1f} s, compiling {stats.compile_seconds:.1f} s of it)",
                       file=sys.stderr, flush=True)
+        if work.draft_only:
+            stats.catch_up_calls += 1
+        else:
+            stats.prefill_seconds += time.perf_counter() - start
 
     def layout(self, batch: RequestBatch) -> BatchRows:
         """Where the running requests sit in a decode step's batch."""
@@ -315,6 +320,9 @@ class StepRunner:
         for size in sizes:
             require_int("warmup", "batch_sizes", size, minimum=1)
         require_int("warmup", "max_len", max_len, minimum=1)
+        if logprobs and self.proposer.verifier == "tree":
+            raise ValueError("warmup: logprobs needs chain drafts (DecoderConfig.tree=None): a tree decoder's "
+                             "requests cannot ask for log-probabilities")
         kinds = sorted({t == 0 for t in temperatures}, reverse=True)     # greedy first
         # a running batch never exceeds the largest bucket (``generate``)
         batch_bucket = self.decode_executable.bucket("batch", min(max(sizes), self.decode_executable.dims["batch"].largest))

@@ -489,6 +489,11 @@ class ExecutableCache:
                            "executable: the donated arguments %s are not updated in place",
                            self.name, self.describe(key), sorted(set(copied)), self.donate_argnames)
 
+    @property
+    def compiled_keys(self) -> list[BucketKey]:
+        """The keys of the buckets compiled so far (``executable(key)`` of each is not None)."""
+        return list(self._entries)
+
     def executable(self, key: BucketKey) -> Any | None:
         """The compiled executable serving ``key`` (``jax.stages.Compiled``), or None."""
         entry = self._entries.get(key)

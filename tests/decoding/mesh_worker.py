@@ -117,20 +117,20 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
         warmup += decoder.warmup(4, CONFIG.max_seq_len, temperatures=1.0)
     with CompileCounter() as compiles:
         outputs = _generate(decoder, prompts)
-    target_cache, draft_cache = decoder._caches.take()
-    decoder._caches.put(target_cache, draft_cache)
+    target_cache, draft_cache = decoder.runner.caches.take()
+    decoder.runner.caches.put(target_cache, draft_cache)
     collectives = [(op, max(int(np.prod([int(d) for d in dims.split(",") if d]))
                             for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result)))
-                   for key in decoder._decode._entries
-                   for result, op in _COLLECTIVE.findall(decoder._decode.executable(key).as_text())]
+                   for key in decoder.runner.decode_executable.compiled_keys
+                   for result, op in _COLLECTIVE.findall(decoder.runner.decode_executable.executable(key).as_text())]
     return dict(
         tokens={mode: out.tokens for mode, out in outputs.items()},
         acceptance=outputs["greedy"].stats.acceptance_rate, warmup_compiles=warmup,
         compiles_after_warmup=compiles.count,
         graph={k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)
                for k, s in decoder.graph_stats.items()},
-        target_state=_layout(decoder._target.state(decoder._target_params)),
-        draft_state=_layout(decoder._draft.state(decoder._draft_params)),
+        target_state=_layout(decoder.runner.target.state(decoder.runner.target_params)),
+        draft_state=_layout(decoder.runner.draft.state(decoder.runner.draft_params)),
         target_cache=_layout(target_cache), draft_cache=_layout(draft_cache),
         cache_kv_heads=[target_cache.num_kv_heads, draft_cache.num_kv_heads], free_blocks=decoder.pool.num_free,
         collectives=collectives,

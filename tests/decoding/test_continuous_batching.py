@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from scv_jax import DecoderConfig, Engine, NgramDrafter, SpeculativeDecoder
+from scv_jax.decoding.runner import StepRunner
 from tests.decoding.common import MAX_NEW, SMALL, prompts
 from tests.decoding.test_drafting import Spy
 from tests.models.fixtures import TINY
@@ -17,14 +18,15 @@ ADAPTIVE_PACKED = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": 
 
 
 def _running_sizes(monkeypatch) -> list[int]:
-    """Records the number of requests each engine's decode step runs (``generate`` runs one)."""
-    sizes, decode = [], Engine._decode
+    """Records the number of requests each decode step runs (the ``DecodeWork`` each ``StepRunner.dispatch``
+    is given; ``generate`` runs one engine)."""
+    sizes, dispatch = [], StepRunner.dispatch
 
-    def recording(engine):
-        sizes.append(engine.num_running)
-        return decode(engine)
+    def recording(runner, work, *args, **kwargs):
+        sizes.append(len(work.rows))
+        return dispatch(runner, work, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "_decode", recording)
+    monkeypatch.setattr(StepRunner, "dispatch", recording)
     return sizes
 
 

@@ -166,7 +166,7 @@ def test_compile_time_is_reported_apart_from_decoding_speed(target):
 
 
 def test_long_prefill_reports_progress(target, capsys, monkeypatch):
-    monkeypatch.setattr("scv_jax.decoding.engine.PREFILL_PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr("scv_jax.decoding.runner.PREFILL_PROGRESS_SECONDS", 0.0)
     decoder = SpeculativeDecoder(target, None, config=SMALL)
     decoder.generate([[1] * 40], 2, progress=True)
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prefill:")]

@@ -79,8 +79,8 @@ def test_a_k0_step_is_an_autoregressive_step(target, partial_draft):
     flops = []
     for decoder in (speculative, autoregressive):
         decoder.warmup(4, SMALL.max_seq_len)
-        plan = decoder._decode_plan(4, 8, 0, True, False)
-        flops.append(decoder._decode.executable(plan.key).cost_analysis()["flops"])
+        plan = decoder.runner.decode_plan(4, 8, 0, True, False)
+        flops.append(decoder.runner.decode_executable.executable(plan.key).cost_analysis()["flops"])
     assert flops[0] == flops[1] > 0
 
 
@@ -139,8 +139,8 @@ def test_the_controller_counts_drafts_the_ngram_drafter_could_not_offer(target):
     keep speculating where no match comes)."""
     decoder = SpeculativeDecoder(target, NgramDrafter(min_n=1, max_n=2), config=ADAPTIVE)
     spy = decoder.controllers["greedy"] = Spy(decoder.controllers["greedy"].config)
-    step_ks, step_k = [], decoder._step_k                          # each step's executable k, in order
-    decoder._step_k = lambda drafts: step_ks.append(step_k(drafts)) or step_ks[-1]
+    step_ks, dispatch = [], decoder.runner.dispatch                # each step's executable k, in order
+    decoder.runner.dispatch = lambda work, *a: step_ks.append(work.drafts.step_k) or dispatch(work, *a)
     batch_prompts = prompts(8, 2, alphabet=3) + prompts(9, 2)      # two repetitive, two that rarely match
     out = decoder.generate(batch_prompts, MAX_NEW)
     assert len(step_ks) == len(spy.told)

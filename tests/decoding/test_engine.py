@@ -136,7 +136,7 @@ def test_tokens_after_a_stop_never_reach_the_cache(target, autoregressive):
                                           "r")]}), "r")
     assert out == free[:free.index(stop) + 1]
     written_through = len(prompt) - 1 + len(out)           # the stop token's position, at most
-    for cache in fresh._caches.take():                     # the request had blocks 0, 1, ... in order
+    for cache in fresh.runner.caches.take():                     # the request had blocks 0, 1, ... in order
         keys = np.asarray(cache.k_pages)
         positions = keys.reshape(keys.shape[0], -1, *keys.shape[3:])    # [layers, block * size + offset, ...]
         assert np.all(positions[:, written_through + 1:] == 0) and np.any(positions[:, written_through - 1] != 0)

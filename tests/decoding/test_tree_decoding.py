@@ -159,8 +159,8 @@ def test_a_draft_equal_to_the_target_accepts_everything_and_caches_what_the_targ
     prompt = prompts(37, 1)[0]
     out = decoder.generate([prompt], MAX_NEW)
     assert out.stats.acceptance_rate == 1.0 and out.stats.mean_accepted_length > TREE.max_depth
-    target_cache, draft_cache = decoder._caches.take()
-    decoder._caches.put(target_cache, draft_cache)
+    target_cache, draft_cache = decoder.runner.caches.take()
+    decoder.runner.caches.put(target_cache, draft_cache)
     flat = [np.asarray(c.k_pages).reshape(TINY.num_layers, -1, TINY.num_kv_heads * TINY.head_dim)
             for c in (target_cache, draft_cache)]          # the request had blocks 0, 1, ... in order
     target_written, draft_written = (np.any(f != 0, axis=(0, 2)) for f in flat)
@@ -254,6 +254,9 @@ def test_tree_refusals(target, partial_draft):
     engine = Engine(target, partial_draft, config=TREE_CONFIG)
     with pytest.raises(ValueError, match="add_request: SamplingParams.logprobs needs chain drafts"):
         engine.add_request([1, 2], SamplingParams(max_tokens=3, logprobs=2))
+    with pytest.raises(ValueError, match=r"^warmup: logprobs needs chain drafts \(DecoderConfig.tree=None\)") as error:
+        engine.warmup(2, 16, logprobs=True)         # up front: nothing compiled
+    assert "\n" not in str(error.value) and engine.runner.graph_stats["decode"].compiles == 0
     with pytest.raises(ValueError, match="SpeculativeDecoder: DecoderConfig.tree needs one device"):
         SpeculativeDecoder(target, partial_draft, config=TREE_CONFIG, mesh=decoder_mesh(1, 1))
     wide = DecoderConfig(**{**vars(SMALL), "tree": TreeConfig(max_depth=2, branching=17, max_nodes=8)})
