@@ -1,24 +1,28 @@
 """One-command GPU validation and benchmark suite for every scv-jax kernel.
 
-On a CUDA GPU (one call, at most ``--budget-s`` seconds, 6 minutes by default, on an H200):
+On a CUDA GPU (one call, at most ``--budget-s`` seconds, 8 minutes by default, on an H200):
   1. environment (GPU, driver, jax/jaxlib) and two ceilings: device copy bandwidth and launch floor;
   2. native correctness: every kernel (Pallas backend, not interpret) on fresh random inputs against
      the XLA reference, every layout, dtype and register layout;
-  3. timings of each kernel and its XLA reference at the vLLM peer benchmark's sizes: per call (host
+  3. the engine end to end (``scv_jax.Engine``: add_request / step until done) on a random Llama-shaped
+     float32 model made on the device, for the target alone, a draft model's chain and tree and n-gram
+     chains and tries, greedy (tokens must equal the target-only engine's) and sampled (seeded; must run
+     to max_tokens with ids in range), timed per step beside the memory and launch floors;
+  4. timings of each kernel and its XLA reference at the vLLM peer benchmark's sizes: per call (host
      dispatch included) and device time (``harness.device_seconds``: dependent calls chained inside
      one executable), bandwidth, fraction of the copy bandwidth, multiple of the memory floor,
      speed-ups;
-  4. the vLLM peer benchmark (vLLM's Triton kernels vs ours on identical inputs, with vLLM's CUDA-graph
+  5. the vLLM peer benchmark (vLLM's Triton kernels vs ours on identical inputs, with vLLM's CUDA-graph
      replay as its device time) when its script has been copied to ``.peer/vllm_peer_ab.py``
      (git-ignored; never committed) and torch + triton are importable; its report lands in
      ``--out``/peer and in the suite's markdown;
-  5. the test suite's kernel tests under pytest, with the time left;
-  6. writes ``suite.json`` and ``suite.md`` under ``--out`` after every section (a time-out keeps
+  6. the test suite's kernel tests under pytest, with the time left;
+  7. writes ``suite.json`` and ``suite.md`` under ``--out`` after every section (a time-out keeps
      what finished) and prints the markdown last.
 Sections that would not fit the budget are skipped and listed as such.
 ``--dry-run`` runs the same code on CPU at tiny sizes with the interpret backends (CI runs it).
 
-Run: ``python benchmarks/gpu_suite.py --out DIR [--dry-run] [--budget-s 360]``.
+Run: ``python benchmarks/gpu_suite.py --out DIR [--dry-run] [--budget-s 480] [--skip-engine]``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ import bench_attention  # noqa: E402
 import bench_commit  # noqa: E402
 import harness  # noqa: E402
 import scv_jax  # noqa: E402
+from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, SpeculativeDecoder, TreeConfig  # noqa: E402
+from scv_jax.models import Transformer, TransformerConfig  # noqa: E402
 from scv_jax.ops.registry import cuda_available  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +81,39 @@ class Sizes:
     peer_budget_s: float                                    # the peer script's --budget-s
     pytest_files: tuple[str, ...]
     pytest_filter: str
+    engine: "EngineSizes | None" = None                     # the engine rows (None: none)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSizes:
+    """The engine rows: a random Llama-shaped target (and a 2-layer draft of its width) made on the
+    device, ``batch`` requests of ``prompt_len`` tokens (a random 16-token pattern repeated, so n-gram
+    lookups match) generating ``max_tokens`` each."""
+    model: TransformerConfig
+    draft_layers: int
+    batch: int
+    prompt_len: int
+    max_tokens: int
+    k: int
+    tree: TreeConfig
+    block_size: int
+    backend: str                                            # DecoderConfig.backend
+    budget_s: float                                         # rows that would start later are skipped
+
+
+# A small Llama shape (GQA 16 query / 4 KV heads, SwiGLU, untied LM head) in float32: greedy speculative
+# output then equals autoregressive output exactly (bfloat16 only up to near-tied logits, docs/models.md).
+LLAMA_SMALL = TransformerConfig(vocab_size=32_000, num_layers=8, d_model=1024, num_heads=16, num_kv_heads=4,
+                                head_dim=64, ffn_dim=2816, rope_theta=5e5, tie_embeddings=False, dtype="float32")
+ENGINE_FULL = EngineSizes(model=LLAMA_SMALL, draft_layers=2, batch=8, prompt_len=128, max_tokens=64, k=4,
+                          tree=TreeConfig(max_depth=4, branching=4, max_nodes=16), block_size=16, backend="auto",
+                          budget_s=180)
+ENGINE_DRY = EngineSizes(model=TransformerConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
+                                                 head_dim=8, ffn_dim=48, tie_embeddings=False),
+                         draft_layers=1, batch=2, prompt_len=10, max_tokens=6, k=2,
+                         tree=TreeConfig(max_depth=2, branching=2, max_nodes=4), block_size=8, backend="xla",
+                         budget_s=45)
+H200_HBM_BYTES_PER_S = 4.8e12          # H200 HBM3e, nominal
 
 
 # The vLLM peer benchmark's acceptance sizes (../shared/bench/vllm_peer_ab.py: GPU_ACCEPT_CASES).
@@ -94,13 +133,14 @@ FULL = Sizes(copy_bytes=1 << 30, greedy_configs=((1, 4), (64, 4), (256, 8)), voc
              repeats=7, inner=10, device_iterations=20, peer_budget_s=140,
              pytest_files=("tests/ops/acceptance/test_acceptance.py", "tests/ops/commit/test_commit.py",
                            "tests/ops/attention/test_attention.py"),
-             pytest_filter="pallas or gpu or lowers")
+             pytest_filter="pallas or gpu or lowers", engine=ENGINE_FULL)
 DRY = Sizes(copy_bytes=1 << 20, greedy_configs=((1, 2), (4, 2)), vocab_configs=((2, 2, 600),), commit_tokens=(4,),
             commit_layers=2, commit_acceptance=(0.5,), commit_extra=((4, 1, 1, 64),), check_vocab=600,
             check_commit_shape=(2, 2, 64, 5), attention_shape=bench_attention.TINY,
             attention_checks=(("HND", "fp8", "token_head", "float32"),), check_attention_size=(2, 96, 3),
             attention_configs=((2, 96, 3, "fp8"),), repeats=1, inner=1, device_iterations=1, peer_budget_s=60,
-            pytest_files=("tests/ops/acceptance/test_acceptance.py",), pytest_filter="greedy_kernel_lowers")
+            pytest_files=("tests/ops/acceptance/test_acceptance.py",), pytest_filter="greedy_kernel_lowers",
+            engine=ENGINE_DRY)
 
 
 class Report:
@@ -325,6 +365,236 @@ def peer_section(peer: dict) -> str:
     return "\n".join(lines + ["", peer["markdown"] or "no peer_ab.md was written: " + " / ".join(peer["tail"])])
 
 
+# ---------------------------------------------------------------- the engine, end to end
+
+
+def random_model(config: TransformerConfig, seed: int) -> Transformer:
+    """A model with random weights made on the default device (the GPU) by one small jitted program,
+    never on the host: the model's shapes from ``nnx.eval_shape``, then uniform weights of std 1 /
+    sqrt(fan in) for kernels and 1 for the embedding, norm scales 1 and biases 0, from JAX's "rbg"
+    generator. (Flax's own init compiles one program per initializer, or one large one under
+    ``nnx.jit``, with normal samples: tens of seconds on a CPU for the same kind of weights.)"""
+    from flax import nnx
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed))))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+
+    def name(path) -> str:
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        return next((k for k in reversed(keys) if k in ("kernel", "embedding", "scale", "bias")), "")
+
+    kinds = [(name(path), leaf.shape, leaf.dtype) for path, leaf in paths]
+
+    @jax.jit
+    def make(key):
+        out = []
+        for key, (kind, shape, dtype) in zip(jax.random.split(key, len(kinds)), kinds):
+            if kind in ("kernel", "embedding"):
+                std = 1.0 if kind == "embedding" else 1.0 / np.sqrt(shape[-2])
+                half_width = std * np.sqrt(3.0)           # uniform: cheap to compile, unlike normal's erf_inv
+                out.append(jax.random.uniform(key, shape, jnp.float32, -half_width, half_width).astype(dtype))
+            else:
+                out.append(jnp.full(shape, 1 if kind == "scale" else 0, dtype))
+        return out
+
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, make(jax.random.key(seed, impl="rbg"))))
+
+
+def weight_bytes_per_forward(model: Transformer) -> int:
+    """Parameter bytes one forward reads: every weight, less the input embedding table when the LM head
+    is a separate matrix (a forward gathers only its tokens' rows then)."""
+    from flax import nnx
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if not model.config.tie_embeddings:
+        total -= model.embed.embedding.get_value().nbytes
+    return total
+
+
+def kv_bytes_per_token(config: TransformerConfig) -> int:
+    """Bytes of one token's K and V over all layers in a cache of the model's dtype."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * jnp.dtype(config.dtype).itemsize
+
+
+def engine_prompts(sizes: EngineSizes, seed: int = 0) -> list[list[int]]:
+    """``batch`` prompts, each a random 16-token pattern repeated (n-gram lookups always match)."""
+    rng = np.random.default_rng(seed)
+    pattern = rng.integers(0, sizes.model.vocab_size, (sizes.batch, 16))
+    return np.tile(pattern, -(-sizes.prompt_len // 16))[:, :sizes.prompt_len].tolist()
+
+
+def engine_run(decoder: SpeculativeDecoder, prompts: list[list[int]], params: list[SamplingParams],
+               max_steps: int = 10_000) -> dict:
+    """``Engine.add_request`` for every prompt, then ``step`` until done; each step timed on the host
+    (a step returns after its one fetch, so its wall time is the step's). The first step admits and
+    prefills every request (they all fit), so the decode figures leave it out."""
+    engine = Engine(decoder)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    outputs: dict[str, list] = {i: [] for i in ids}
+    step_seconds, step_tokens = [], []
+    while engine.has_unfinished() and len(step_seconds) < max_steps:
+        start = time.perf_counter()
+        outs = engine.step()
+        step_seconds.append(time.perf_counter() - start)
+        step_tokens.append(sum(len(o.new_token_ids) for o in outs))
+        for o in outs:
+            outputs[o.request_id].append(o)
+    finals = [outputs[i][-1] if outputs[i] else None for i in ids]
+    decode_s, decode_tokens = step_seconds[1:], step_tokens[1:]
+    return dict(tokens=[list(o.token_ids) if o else [] for o in finals],
+                reasons=[o.finish_reason if o else None for o in finals],
+                streamed_ok=all(o is not None and [t for x in outputs[i] for t in x.new_token_ids] == list(o.token_ids)
+                                for i, o in zip(ids, finals)),
+                drafts=sum(o.num_draft_tokens for o in finals if o), accepted=sum(o.num_accepted_tokens for o in finals if o),
+                steps=len(step_seconds), first_step_s=step_seconds[0] if step_seconds else None,
+                ms_per_step=1e3 * float(np.median(decode_s)) if decode_s else None,
+                tokens_per_s=sum(decode_tokens) / sum(decode_s) if decode_s and sum(decode_s) > 0 else None,
+                tokens_per_step=sum(decode_tokens) / len(decode_s) if decode_s else None,
+                unfinished=engine.has_unfinished(), fallbacks=dict(engine.stats.fallbacks),
+                free_blocks_back=engine.num_free_blocks == engine.num_blocks)
+
+
+def _engine_configs(sizes: EngineSizes) -> list[tuple[str, str | None, DecoderConfig]]:
+    """(name, drafter: None / "model" / "ngram", config) per decoder, the reference (no drafter) first."""
+    max_len = sizes.prompt_len + sizes.max_tokens
+    blocks = -(-(max_len + 2 * max(sizes.k, sizes.tree.max_depth)) // sizes.block_size)
+    geometry = dict(block_size=sizes.block_size, max_seq_len=blocks * sizes.block_size,
+                    num_blocks=sizes.batch * blocks + 1, cache_dtype=sizes.model.dtype, prefill_chunk=128,
+                    batch_buckets=(sizes.batch,), context_buckets=(blocks,), backend=sizes.backend)
+    chain = DecoderConfig(k=sizes.k, **geometry)
+    tree = DecoderConfig(tree=sizes.tree, **geometry)
+    t = sizes.tree
+    return [("autoregressive", None, chain), (f"draft-model chain k={sizes.k}", "model", chain),
+            (f"draft-model tree ({t.max_depth} deep, {t.branching} wide, {t.max_nodes} nodes)", "model", tree),
+            (f"n-gram chain k={sizes.k}", "ngram", chain),
+            (f"n-gram trie ({t.max_depth} deep, {t.max_nodes} nodes)", "ngram", tree)]
+
+
+def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, bandwidth_source: str,
+                progress=log) -> dict:
+    """The engine end to end through ``scv_jax.Engine`` for each decoder configuration, greedy and
+    sampled (temperature 1, a seed per request): greedy tokens must equal the target-only engine's
+    (lossless), sampled ones must run to max_tokens with ids in range; steps are timed after a warm-up
+    and an untimed run, beside the memory floor (weights + KV read per step / HBM bandwidth) and the
+    launch floor. Never raises: a failing row is reported with its error."""
+    start = time.perf_counter()
+    target = random_model(sizes.model, seed=0)
+    draft = random_model(dataclasses.replace(sizes.model, num_layers=sizes.draft_layers), seed=1)
+    jax.block_until_ready(jax.tree.leaves(target) + jax.tree.leaves(draft))
+    target_bytes, draft_bytes = weight_bytes_per_forward(target), weight_bytes_per_forward(draft)
+    prompts = engine_prompts(sizes)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens)] * sizes.batch
+    sampled = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=sizes.max_tokens) for i in range(sizes.batch)]
+    mean_context = sizes.prompt_len + sizes.max_tokens / 2
+    kv_bytes = sizes.batch * mean_context * kv_bytes_per_token(sizes.model)
+    draft_kv_bytes = sizes.batch * mean_context * kv_bytes_per_token(draft.config)
+    info = dict(model=dataclasses.asdict(sizes.model), draft_layers=sizes.draft_layers, batch=sizes.batch,
+                prompt_len=sizes.prompt_len, max_tokens=sizes.max_tokens, target_weight_bytes=target_bytes,
+                draft_weight_bytes=draft_bytes, hbm_gbps=hbm_bytes_per_s / 1e9, bandwidth_source=bandwidth_source,
+                launch_floor_us=ceilings["launch_floor_us"], backend=sizes.backend)
+    rows, skipped, reference = [], [], None
+    for name, drafter, config in _engine_configs(sizes):
+        if time.perf_counter() - start > sizes.budget_s:
+            skipped.append(name)
+            progress(f"engine: skip {name} (section budget {sizes.budget_s:.0f} s spent)")
+            continue
+        try:
+            drafting = {None: None, "model": draft, "ngram": NgramDrafter()}[drafter]
+            decoder = SpeculativeDecoder(target, drafting, config=config)
+        except Exception as error:  # noqa: BLE001 - the suite reports every failure and goes on
+            for mode in ("greedy", "sampled"):
+                rows.append(dict(config=name, mode=mode, ok=False, detail=f"setup: {type(error).__name__}: "
+                                 f"{str(error)[:300]}"))
+            progress(f"FAIL engine {name}: {rows[-1]['detail']}")
+            continue
+        # bytes one decode step reads: the target's weights and KV once (one verify forward), plus a draft
+        # model's weights and KV once per draft forward (k of a chain, max_depth of a tree)
+        draft_forwards = 0 if drafter != "model" else (config.tree.max_depth if config.tree else config.k)
+        floor_bytes = target_bytes + kv_bytes + draft_forwards * (draft_bytes + draft_kv_bytes)
+        for mode, params in (("greedy", greedy), ("sampled", sampled)):
+            row = dict(config=name, mode=mode, floor_bytes=int(floor_bytes),
+                       memory_floor_us=floor_bytes / hbm_bytes_per_s * 1e6)
+            try:
+                # the untimed run compiles what the timed one runs (the same shapes): no separate warm-up
+                first = time.perf_counter()
+                untimed = engine_run(decoder, prompts, params)
+                row["first_run_s"] = round(time.perf_counter() - first, 1)
+                timed = engine_run(decoder, prompts, params)
+                problems = []
+                for run in (untimed, timed):
+                    if run["unfinished"] or not run["streamed_ok"] or not run["free_blocks_back"]:
+                        problems.append("unfinished, a stream not adding up or blocks not back")
+                    if run["reasons"] != ["length"] * sizes.batch:
+                        problems.append(f"finish reasons {sorted(set(map(str, run['reasons'])))} (want length)")
+                    if any(len(t) != sizes.max_tokens or not all(0 <= x < sizes.model.vocab_size for x in t)
+                           for t in run["tokens"]):
+                        problems.append("a request's tokens are not max_tokens ids in [0, vocab)")
+                if mode == "greedy":
+                    if drafter is None:
+                        reference = untimed["tokens"]
+                    if reference is None:
+                        problems.append("no reference (the target-only row failed)")
+                    for run in (untimed, timed):
+                        if reference is not None and run["tokens"] != reference:
+                            r = next(i for i, (a, b) in enumerate(zip(run["tokens"], reference)) if a != b)
+                            at = next((j for j, (a, b) in enumerate(zip(run["tokens"][r], reference[r])) if a != b),
+                                      None)
+                            problems.append(f"tokens differ from the target-only engine's (request {r}, "
+                                            f"position {at})")
+                            break
+                if timed["fallbacks"]:
+                    shape, why = next(iter(timed["fallbacks"].items()))
+                    problems.append(f"{len(timed['fallbacks'])} bucket(s) on the XLA fallback, first {shape}: {why}")
+                ok = not problems
+                lossless = ("identical to target-only" if drafter is not None else "reference") if mode == "greedy" \
+                    else ("repeats with its seeds" if timed["tokens"] == untimed["tokens"] else "seeded rerun differs")
+                detail = "; ".join(dict.fromkeys(problems)) if problems else lossless
+                row.update(ok=ok, detail=detail, steps=timed["steps"], ms_per_step=timed["ms_per_step"],
+                           tokens_per_s=timed["tokens_per_s"], tokens_per_step=timed["tokens_per_step"],
+                           first_step_ms=timed["first_step_s"] * 1e3,
+                           acceptance=timed["accepted"] / timed["drafts"] if timed["drafts"] else None,
+                           fallbacks=timed["fallbacks"])
+            except Exception as error:  # noqa: BLE001
+                row.update(ok=False, detail=f"{type(error).__name__}: {str(error)[:300]}")
+            rows.append(row)
+            timing = f"{row['ms_per_step']:.2f} ms/step, {row['tokens_per_s']:.0f} tok/s" \
+                if row.get("ms_per_step") is not None and row.get("tokens_per_s") is not None else ""
+            progress(f"{'PASS' if row['ok'] else 'FAIL'} engine {name} {mode}: {row['detail']} {timing}")
+        del decoder
+    return dict(info=info, rows=rows, skipped=skipped, seconds=round(time.perf_counter() - start, 1))
+
+
+def engine_table(engine: dict) -> str:
+    info = engine["info"]
+    model = info["model"]
+    floor_us = info["launch_floor_us"]
+    lines = ["### Engine end to end (`scv_jax.Engine`: add_request, step until done)", "",
+             f"Random {model['dtype']} target made on the device: {model['num_layers']} layers, hidden "
+             f"{model['d_model']}, {model['num_heads']} query / {model['num_kv_heads']} KV heads, vocab "
+             f"{model['vocab_size']} ({info['target_weight_bytes'] / 1e6:.0f} MB of weights per forward); draft "
+             f"model: {info['draft_layers']} layers of its width ({info['draft_weight_bytes'] / 1e6:.0f} MB); "
+             f"{info['batch']} requests of {info['prompt_len']} prompt tokens (a 16-token pattern repeated) "
+             f"generating {info['max_tokens']} each; backend {info['backend']}. Greedy rows must give the "
+             "target-only engine's tokens exactly (lossless); sampled rows (temperature 1, a seed per "
+             "request) must run to max_tokens with ids in range. ms/step: median host wall time of the decode "
+             "steps of a second, identical run (its first step, which prefills, left out; the first run compiled "
+             "every shape it needs: its wall time is \"first run s\"); tokens/s over those steps. "
+             f"Memory floor: bytes a step must read (target weights + KV once, a draft model's per draft "
+             f"forward) / {info['hbm_gbps']:.0f} GB/s ({info['bandwidth_source']}); launch floor {floor_us:.1f} µs (an empty jitted call). "
+             "Random weights accept few drafts: these rows time the machinery, not the speed-up.", "",
+             "| configuration | mode | result | ms/step | tokens/step | tokens/s | acceptance | memory floor µs | "
+             "x memory floor | x launch floor | first run s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda value, spec: "" if value is None else format(value, spec)  # noqa: E731
+    for r in engine["rows"]:
+        ms, floor = r.get("ms_per_step"), r.get("memory_floor_us")
+        lines.append(" | ".join([
+            f"| {r['config']}", r["mode"], f"{'PASS' if r['ok'] else 'FAIL'}: {r['detail']}", fmt(ms, ".2f"),
+            fmt(r.get("tokens_per_step"), ".2f"), fmt(r.get("tokens_per_s"), ".0f"), fmt(r.get("acceptance"), ".2f"),
+            fmt(floor, ".1f"), fmt(ms * 1e3 / floor if ms is not None and floor else None, ".1f"),
+            fmt(ms * 1e3 / floor_us if ms is not None else None, ".0f"), f"{r.get('first_run_s', '')} |"]))
+    if engine["skipped"]:
+        lines += ["", f"Skipped (section budget): {', '.join(engine['skipped'])}."]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- tables
 
 
@@ -433,9 +703,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output folder for suite.json, suite.md, pytest.xml, peer/")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, interpret backends")
-    parser.add_argument("--budget-s", type=float, default=360.0, help="stop starting new sections after this")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="stop starting new sections after this")
     parser.add_argument("--skip-pytest", action="store_true")
     parser.add_argument("--skip-peer", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true", help="leave out the engine rows")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     left = lambda: args.budget_s - (time.perf_counter() - start)  # noqa: E731
@@ -458,6 +729,18 @@ def main(argv: list[str] | None = None) -> int:
 
     checks = native_checks(kernel, sizes)
     report.set("checks", checks, checks_table(checks, None))
+
+    if sizes.engine is not None and not args.skip_engine:
+        if "H200" in env["device"]:
+            bandwidth, source = H200_HBM_BYTES_PER_S, "H200 HBM, nominal"
+        else:
+            bandwidth, source = ceilings["copy_gbps"] * 1e9, "the measured copy bandwidth"
+        log(f"engine rows (section budget {sizes.engine.budget_s:.0f} s)")
+        engine = engine_rows(sizes.engine, ceilings, bandwidth, source)
+        report.set("engine", engine, engine_table(engine))
+    else:
+        engine = None
+        report.set("engine", dict(status="skipped", reason="--skip-engine"))
 
     # Keep time for the peer (its budget + grace + start-up) and for pytest.
     reserve = (0 if args.skip_peer or peer_unavailable_reason() else sizes.peer_budget_s + 40) + 30
@@ -493,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
     report.set("checks", checks, checks_table(checks, pytest_result))
     report.set("total_seconds", round(time.perf_counter() - start, 1))
     print("\n" + report.text())
-    failed = [c for c in checks if not c["ok"]] or (pytest_result and pytest_result["returncode"] not in (0, 5))
+    failed = ([c for c in checks if not c["ok"]] or (engine and [r for r in engine["rows"] if not r["ok"]])
+              or (pytest_result and pytest_result["returncode"] not in (0, 5)))
     return 1 if failed else 0
 
 

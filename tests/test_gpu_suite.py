@@ -27,8 +27,17 @@ def test_gpu_suite_dry_run(tmp_path):
     assert {r["backend"] for r in timings["attention"]} == {"interpret", "xla"}
     assert any(c["check"].startswith("attention") for c in checks)
     assert report["pytest"]["returncode"] == 0
+    engine = report["engine"]                  # the engine rows ran through scv_jax.Engine, all passing
+    rows = engine["rows"]
+    assert rows and all(r["ok"] for r in rows), rows
+    assert {(r["config"], r["mode"]) for r in rows} >= {("autoregressive", "greedy"), ("autoregressive", "sampled")}
+    assert len(rows) + 2 * len(engine["skipped"]) == 10    # 5 configurations x greedy / sampled, or skipped (budget)
+    assert all(r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["memory_floor_us"] > 0 for r in rows)
+    assert all(r["detail"] == "identical to target-only" for r in rows if r["mode"] == "greedy"
+               and r["config"] != "autoregressive")
     markdown = (tmp_path / "suite.md").read_text()
     assert "Native correctness" in markdown and "Timings" in markdown and "vLLM peer" in markdown
+    assert "Engine end to end" in markdown and "x memory floor" in markdown
 
 
 def test_peer_runs_when_its_script_is_present(tmp_path, monkeypatch):

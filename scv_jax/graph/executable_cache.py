@@ -108,6 +108,50 @@ def _positional(fn: Callable, dynamic: tuple[str, ...], name: str, fixed: frozen
     return call
 
 
+def _error_lines(error: BaseException, limit: int = 300) -> str:
+    """``Type: first line`` of ``error``'s message, plus its last line when that differs (a callback's or
+    a compiler's message often ends with the exception that caused it), at most ``limit`` characters."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = "; ".join(dict.fromkeys(lines[:1] + lines[-1:])) if lines else "(no message)"
+    text = f"{type(error).__name__}: {text}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _failing_op(error: BaseException) -> str:
+    """The op whose lowering raised ``error``, as far as JAX's lowering frames show it: the innermost
+    equation's primitive (with its ``name`` when it has one, e.g. a Pallas call's) and the innermost
+    source location among the equations being lowered (the kernel or op function that emitted it), e.g.
+    "mpmd_map from commit_kv_kernel (pallas_kernels/commit_kv.py:204)"; for an error raised while
+    tracing, the innermost function outside JAX that raised it. "" when neither is found (a run-time
+    failure, or JAX's internals changed): this reads frame locals and never raises."""
+    try:
+        import traceback
+
+        from jax._src import source_info_util
+        primitive, where = "", ""
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            eqn = frame.f_locals.get("eqn")
+            if eqn is None or not hasattr(eqn, "primitive") or not hasattr(eqn, "source_info"):
+                continue
+            name = eqn.params.get("name") if isinstance(getattr(eqn, "params", None), dict) else None
+            primitive = eqn.primitive.name + (f" {name!r}" if isinstance(name, str) and name not in ("", "anonymous")
+                                              else "")
+            frame_info = source_info_util.user_frame(eqn.source_info.traceback)
+            if frame_info is not None:
+                path = "/".join(frame_info.file_name.replace("\\", "/").split("/")[-2:])
+                where = f"{frame_info.function_name} ({path}:{frame_info.start_line})"
+        if primitive:
+            return primitive + (f" from {where}" if where else "")
+        # Raised while tracing (e.g. a kernel refusing its inputs): the innermost frame outside JAX.
+        for summary in reversed(traceback.extract_tb(error.__traceback__)):
+            path = summary.filename.replace("\\", "/")
+            if "/jax/" not in path and "/jaxlib/" not in path and not path.endswith("graph/executable_cache.py"):
+                return f"{summary.name} ({'/'.join(path.split('/')[-2:])}:{summary.lineno})"
+        return ""
+    except Exception:  # noqa: BLE001 - best effort: the reason is still recorded without it
+        return ""
+
+
 def enable_persistent_cache(cache_dir: str, *, min_compile_time_secs: float = 0.0,
                             min_entry_size_bytes: int = 0) -> None:
     """Turns on JAX's persistent compilation cache in ``cache_dir`` (process-wide JAX config)."""
@@ -444,7 +488,7 @@ class ExecutableCache:
             except Exception as error:  # noqa: BLE001 - any capture failure falls back
                 if is_fallback or self._fallback_jitted is None:
                     raise
-                self._mark_failed(key, f"compile failed: {type(error).__name__}: {error}")
+                self._mark_failed(key, self._reason("compile failed", error))
                 continue
             finally:
                 with self._lock:
@@ -457,14 +501,21 @@ class ExecutableCache:
         raise RuntimeError(f"{self.name}: bucket ({self.describe(key)}) has no executable: "
                            f"{self.failed.get(key)}")
 
+    def _reason(self, what: str, error: BaseException) -> str:
+        """Why a bucket moves to the fallback: this executable's name, what failed, the op whose
+        lowering raised (when JAX's frames show it) and the error's first (and last) line, e.g.
+        "decode_step: compile failed in mpmd_map from commit_kv_kernel (pallas_kernels/commit_kv.py:204):
+        ValueError: Only interpret mode is supported on CPU backend"."""
+        op = _failing_op(error)
+        return f"{self.name}: {what}{f' in {op}' if op else ''}: {_error_lines(error)}"
+
     def _mark_failed(self, key: BucketKey, reason: str) -> None:
         with self._lock:
             if key in self.failed:
                 return
             self.failed[key] = reason
             self.stats.failed_buckets += 1
-        logger.warning("%s: bucket (%s) falls back to the reference path: %s",
-                       self.name, self.describe(key), reason)
+        logger.warning("%s; bucket (%s) falls back to the reference path", reason, self.describe(key))
 
     def _check_donation(self, key: BucketKey, compiled: Any, trace_args: dict[str, Any]) -> None:
         donated = sum(_nbytes(leaf) for arg in self.donate_argnames
@@ -645,7 +696,7 @@ class ExecutableCache:
         consumed = [a for a in self.donate_argnames
                     if any(getattr(leaf, "is_deleted", lambda: False)() for leaf in jax.tree.leaves(padded.get(a)))]
         if consumed:
-            self._mark_failed(key, f"run failed: {error}")
+            self._mark_failed(key, self._reason("run failed", error))
             del self._entries[key]   # the next call of this bucket compiles the fallback
             raise DonatedRunError(
                 f"{self.name}: bucket ({self.describe(key)}) failed at run time after its donated arguments "
@@ -656,7 +707,7 @@ class ExecutableCache:
             result = fallback.executable(*dynamic)
         except Exception:
             raise error from None  # the fallback fails too: the inputs are at fault, not the executable
-        self._mark_failed(key, f"run failed: {error}")
+        self._mark_failed(key, self._reason("run failed", error))
         self._entries[key] = fallback
         self.stats.fallbacks += 1
         return result

@@ -97,6 +97,9 @@ def test_a_kernel_that_fails_to_compile_shows_in_the_stats(target, autoregressiv
     shape = "decode_step(batch=4, blocks=8, k=0, greedy=True, logprobs=False, backend=auto, packed_k=0)"
     assert "interpret" in out.stats.fallbacks[shape] and "prefill_step(batch=4, blocks=8, backend=auto)" in \
         out.stats.fallbacks
+    # the reason names the executable and the Pallas kernel whose lowering failed (where it is called)
+    assert re.match(r"decode_step: compile failed in \S+.* from \w+ \(pallas_kernels/\w+\.py:\d+\): ValueError: ",
+                    out.stats.fallbacks[shape]), out.stats.fallbacks[shape]
     with pytest.raises(RuntimeError, match=re.escape("row: 2 step bucket(s) fell back to XLA")):
         out.stats.check_no_fallbacks("row")
     monkeypatch.undo()

@@ -59,19 +59,6 @@ def test_generate_autoregressive_matches_plain_forward(target):
     assert out.tokens[0] == seq[len(prompt):]
 
 
-def test_eos_and_different_finish_steps(target, partial_draft, autoregressive):
-    decoder = SpeculativeDecoder(target, partial_draft, config=DecoderConfig(**{**vars(SMALL), "k": 3}))
-    prompts = _prompts(11, 4)
-    free = autoregressive.generate(prompts, MAX_NEW).tokens
-    cut = lambda eos: [t[:t.index(eos) + 1] if eos in t else t for t in free]  # noqa: E731
-    eos = max(range(TINY.vocab_size), key=lambda v: len({len(t) for t in cut(v)}))
-    expected = cut(eos)
-    assert len({len(t) for t in expected}) > 1                # requests finish at different steps
-    out = decoder.generate(prompts, MAX_NEW, eos_token_id=eos)
-    assert out.tokens == expected
-    assert decoder.pool.num_free == SMALL.num_blocks
-
-
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 def test_sampling_matches_target_distribution(target, drafter):
     """First sampled token over many seeds ~ softmax(target logits / T) (chi-square, tiny vocab), with
@@ -199,29 +186,6 @@ def test_greedy_is_lossless_with_every_kernel_interpreted():
     out = SpeculativeDecoder(target, draft, config=DecoderConfig(k=2, backend="interpret", **geometry)).generate(
         prompts, 6)
     assert out.tokens == want.tokens and 0 < out.stats.acceptance_rate < 1
-
-
-def test_eos_may_be_several_ids_and_tokens_stream(target, partial_draft, autoregressive):
-    """A request stops at the first of several EOS ids (Llama-3-Instruct lists three), in generate and
-    generate_autoregressive; on_tokens sees each step's new tokens, which add up to the output."""
-    prompts = _prompts(11, 4)
-    free = autoregressive.generate(prompts, MAX_NEW).tokens
-    first, second = free[0][3], free[1][2]           # request 0 stops at index 3 (or before), request 1 at 2
-    cut = [t[:min([t.index(e) + 1 for e in (first, second) if e in t] or [len(t)])] for t in free]
-    assert len(cut[0]) <= 4 and len(cut[1]) <= 3
-    decoder = SpeculativeDecoder(target, partial_draft, config=DecoderConfig(**{**vars(SMALL), "k": 3}))
-    streamed = [[] for _ in prompts]
-    calls = []
-
-    def on_tokens(index, tokens):
-        calls.append(len(tokens))
-        streamed[index].extend(tokens)
-
-    out = decoder.generate(prompts, MAX_NEW, eos_token_id=[first, second], on_tokens=on_tokens)
-    assert out.tokens == cut and streamed == cut
-    assert 0 not in calls and len(calls) > len(prompts)          # per step and request, never empty
-    assert generate_autoregressive(target, prompts, MAX_NEW, eos_token_id=(first, second), config=SMALL).tokens == cut
-    assert autoregressive.generate(prompts, MAX_NEW, eos_token_id=np.array([first, second])).tokens == cut
 
 
 @pytest.mark.parametrize("kwargs, match", [

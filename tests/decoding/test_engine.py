@@ -2,8 +2,8 @@
 
 Greedy requests equal autoregressive decoding whatever they share the batch with and whenever they
 arrive; sampled ones follow their filtered target distribution (chi-square, with a draft model and
-with n-gram drafts, in batches with greedy rows) and repeat with their seed; stop ids end a request
-and nothing after them reaches the cache; aborts free blocks; nothing compiles after warm-up while
+with n-gram drafts, in batches with greedy rows) and repeat with their seed (stop ids and eos:
+test_stops.py); aborts free blocks; nothing compiles after warm-up while
 the mix changes; bad input gets one line naming it; threads never get wrong tokens."""
 
 from __future__ import annotations
@@ -104,42 +104,6 @@ def test_a_seeded_request_does_not_depend_on_its_company_or_arrival(with_draft):
     assert tokens(together, "x") == alone == tokens(late, "x")
     other_seed = SamplingParams(temperature=1.5, top_k=10, seed=12, max_tokens=MAX_NEW)
     assert tokens(run(Engine(with_draft), {0: [(prompt, other_seed, "x")]}), "x") != alone
-
-
-def test_stop_ids_eos_and_ignore_eos(with_draft, autoregressive):
-    prompt = prompts(51, 1)[0]
-    free = autoregressive.generate([prompt], MAX_NEW).tokens[0]
-    stop = free[4]
-    cut = free[:free.index(stop) + 1]
-    engine = Engine(with_draft, eos_token_id=[TINY.vocab_size - 1, stop])
-    outputs = run(engine, {0: [(prompt, SamplingParams(max_tokens=MAX_NEW), "eos"),
-                               (prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True), "ignore"),
-                               (prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, stop_token_ids=[stop]),
-                                "stop")]})
-    assert tokens(outputs, "eos") == cut == tokens(outputs, "stop")
-    assert outputs["eos"][-1].finish_reason == outputs["stop"][-1].finish_reason == "stop"
-    if TINY.vocab_size - 1 not in free:
-        assert tokens(outputs, "ignore") == free and outputs["ignore"][-1].finish_reason == "length"
-
-
-def test_tokens_after_a_stop_never_reach_the_cache(target, autoregressive):
-    """A draft equal to the target has every draft accepted: with a stop token among the drafts, the
-    drafts after it are never verified, so no cache position after the stop token's is written."""
-    config = DecoderConfig(**{**vars(SMALL), "k": 3, "batch_buckets": (1,)})
-    # a prompt whose output's second token differs from its first: the stop token, drafted in the first
-    # step with two more drafts after it
-    prompt, free = next((p, f) for p, f in ((p, autoregressive.generate([p], MAX_NEW).tokens[0])
-                                            for p in (prompts(s, 1)[0] for s in range(61, 100))) if f[1] != f[0])
-    stop = free[1]
-    fresh = SpeculativeDecoder(target, tiny_model(TINY, seed=0), config=config)
-    out = tokens(run(Engine(fresh), {0: [(prompt, SamplingParams(max_tokens=MAX_NEW, stop_token_ids=[stop]),
-                                          "r")]}), "r")
-    assert out == free[:free.index(stop) + 1]
-    written_through = len(prompt) - 1 + len(out)           # the stop token's position, at most
-    for cache in fresh.runner.caches.take():                     # the request had blocks 0, 1, ... in order
-        keys = np.asarray(cache.k_pages)
-        positions = keys.reshape(keys.shape[0], -1, *keys.shape[3:])    # [layers, block * size + offset, ...]
-        assert np.all(positions[:, written_through + 1:] == 0) and np.any(positions[:, written_through - 1] != 0)
 
 
 def test_abort_frees_blocks_at_once(with_draft):

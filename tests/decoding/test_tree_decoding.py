@@ -1,6 +1,6 @@
 """Token trees in the decoder (``DecoderConfig(tree=TreeConfig(...))``): greedy output equals autoregressive
-decoding with a draft model's tree and with n-gram tries (odd prompt lengths, requests arriving mid-flight,
-eos); sampled tokens follow the filtered target distribution (chi-square); a step writes the pending
+decoding with a draft model's tree and with n-gram tries (odd prompt lengths, requests arriving mid-flight;
+eos and stop ids: test_stops.py); sampled tokens follow the filtered target distribution (chi-square); a step writes the pending
 token and the accepted path only; nothing compiles after warm-up."""
 
 from __future__ import annotations
@@ -53,18 +53,6 @@ def test_greedy_trees_equal_autoregressive_decoding(tree_decoders, autoregressiv
     assert len(tokens(outputs, "b")) == 9
     assert engine.num_free_blocks == engine.num_blocks and not engine.has_unfinished()
     assert sum(o[-1].num_accepted_tokens for o in outputs.values()) > 0
-
-
-@pytest.mark.parametrize("drafter", ["model", "ngram"])
-def test_generate_with_trees_and_eos(tree_decoders, autoregressive, drafter):
-    """``generate`` with trees equals autoregressive decoding; an eos ends a request with nothing after it."""
-    batch = prompts(35, 4, alphabet=3 if drafter == "ngram" else TINY.vocab_size)
-    free = autoregressive.generate(batch, MAX_NEW).tokens
-    out = tree_decoders[drafter].generate(batch, MAX_NEW)
-    assert out.tokens == free and out.stats.mean_accepted_length > 1.0
-    eos = free[0][3]
-    cut = [f[:f.index(eos) + 1] if eos in f else f for f in free]
-    assert tree_decoders[drafter].generate(batch, MAX_NEW, eos_token_id=eos).tokens == cut
 
 
 def _random_cache(seed: int, num_blocks: int, block_size: int, config) -> PagedKVCache:

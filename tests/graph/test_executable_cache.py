@@ -5,6 +5,7 @@ import functools
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ import chex
 import jax
 import jax.numpy as jnp
 from jax.experimental import io_callback
+from jax.experimental import pallas as pl
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ import scv_jax
 from scv_jax import Buckets, CompileCounter, ExecutableCache, Pad
 from scv_jax.graph.buckets import pad_leaf
 from scv_jax.graph.executable_cache import DonatedRunError
+from scv_jax.ops.registry import cuda_available
 
 KV_SIZE = 64
 
@@ -166,7 +169,37 @@ def test_failed_compile_serves_the_fallback_and_logs_once(caplog):
             np.testing.assert_allclose(np.asarray(out)[:num_requests], np.diff(cu) * weights, rtol=1e-6)
     assert cache.stats.fallbacks == 3 and cache.stats.failed_buckets == 2
     assert len(cache.failed) == 2 and all("no kernel" in why for why in cache.failed.values())
+    # the reason starts with the executable's name and names the function that refused (raised while tracing)
+    assert all(why.startswith("picky_step: compile failed in picky_step (graph/test_executable_cache.py:")
+               and why.endswith("NotImplementedError: no kernel for 4 requests") for why in cache.failed.values())
     assert sum("falls back" in r.message for r in caplog.records) == 2   # once per bucket
+
+
+def doubling_kernel(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+
+def pallas_step(kv, ids, cu, weights, *, k, backend="auto"):
+    """``toy_step`` whose fast path runs a Pallas kernel natively (not interpreted): on CPU its lowering fails."""
+    kv, out = toy_step(kv, ids, cu, weights, k=k)
+    if backend != "xla":
+        out = pl.pallas_call(doubling_kernel, out_shape=jax.ShapeDtypeStruct(out.shape, out.dtype),
+                             name="doubling_kernel")(out) / 2
+    return kv, out
+
+
+@pytest.mark.skipif(cuda_available(), reason="needs a kernel that cannot compile here")
+def test_the_fallback_reason_names_the_op_whose_compile_failed():
+    """A kernel that fails to lower: the reason names the executable, the Pallas call (its name) and where
+    it was called, then the error's first line; ``last_call_fallback`` reports it for the call it served."""
+    cache = make_cache(pallas_step)
+    ids, cu, weights = random_batch(np.random.default_rng(8), 2, 2)
+    kv, out = cache(jnp.zeros(KV_SIZE, jnp.float32), ids, cu, weights, k=2)
+    np.testing.assert_allclose(np.asarray(out)[:2], np.minimum(np.diff(cu), 2) * weights, rtol=1e-6)
+    (why,) = cache.failed.values()
+    assert re.fullmatch(r"pallas_step: compile failed in \S+ 'doubling_kernel' from pallas_step "
+                        r"\(graph/test_executable_cache\.py:\d+\): ValueError: .*", why), why
+    assert cache.last_call_fallback == why
 
 
 def test_failed_compile_without_fallback_raises():
@@ -205,7 +238,8 @@ def test_run_failure_without_donation_is_retried_on_the_fallback():
     ids, cu, weights = random_batch(np.random.default_rng(12), 2, 2)
     kv, out = cache(jnp.zeros(KV_SIZE, jnp.float32), ids, cu, weights, k=2)
     np.testing.assert_allclose(np.asarray(out)[:2], np.diff(cu) * weights, rtol=1e-6)
-    assert len(cache.failed) == 1 and "kernel exploded" in next(iter(cache.failed.values()))
+    (why,) = cache.failed.values()
+    assert why.startswith("exploding_step: run failed") and "kernel exploded" in why, why
 
 
 def test_device_call_under_a_transfer_guard_builds_its_mask_on_the_device():
