@@ -60,7 +60,7 @@ def cut_at(free: list[int], stops) -> list[int]:
 
 def written_positions(decoder: SpeculativeDecoder) -> list[np.ndarray]:
     """bool[layers, positions] per cache (target, then the draft's if any): whether a position's K is
-    written (nonzero). The one use of a private attribute here: the public API does not expose caches."""
+    written (nonzero), read through the decoder's runner (its caches between steps)."""
     caches = decoder.runner.caches.take()
     try:
         out = []
