@@ -100,13 +100,66 @@ class ControllerConfig:
         return tuple(k for k in candidates if self.k_min <= k <= self.k_max)
 
 
+_ANY_LENGTH = np.iinfo(np.int64).max
+
+
 def _int_vector(where: str, name: str, value: Any, longest: int) -> np.ndarray:
-    """``value`` as int64[n] with 0 <= entries and n <= ``longest``, else a ValueError naming it."""
-    array = np.asarray(value)
-    if array.ndim != 1 or array.dtype.kind not in "iu" or array.size > longest or (array.size and array.min() < 0):
+    """``value`` as int64[n] with 0 <= entries and n <= ``longest``, else a ValueError naming it. An int64
+    array comes back as it is (not copied: copy it to keep it)."""
+    array = value if isinstance(value, np.ndarray) else np.asarray(value)
+    if (array.ndim != 1 or array.dtype.kind not in "iu" or array.size > longest
+            or (array.size and np.minimum.reduce(array) < 0)):
         raise ValueError(f"{where}: {name} must be a vector of at most {longest} non-negative ints, got shape "
                          f"{array.shape} dtype {array.dtype}" + (f" min {array.min()}" if array.size else ""))
-    return array.astype(np.int64)
+    return array.astype(np.int64, copy=False)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether int64 vectors ``a`` and ``b`` hold the same values in the same order."""
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+class _Requests:
+    """The last update's requests: their ids (row order, as given) and float64[2, n] decayed accepted
+    drafts and their expectation under the shared a_j; with the ids' argsort, found once when needed."""
+
+    def __init__(self, ids: np.ndarray, counts: np.ndarray):
+        self.ids, self.counts = ids, counts
+        self._order: np.ndarray | None = None
+        self._ascending = self.ids
+        self._distinct = False
+
+    def order(self) -> np.ndarray:
+        """int64[n] ``np.argsort(ids)`` (the ids ascending)."""
+        if self._order is None:
+            self._order = np.argsort(self.ids)
+            self._ascending = self.ids[self._order]
+            self._distinct = not (self._ascending[1:] == self._ascending[:-1]).any()
+        return self._order
+
+    def are(self, ids: np.ndarray) -> bool:
+        """Whether ``ids`` are these requests' ids, distinct and in the same order (row b's counts are
+        then column b's)."""
+        if not (ids.size and _same(ids, self.ids)):
+            return False
+        self.order()
+        return self._distinct
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """float64[2, n] the counts of requests ``ids`` (0 for ids not among these; for an id held twice,
+        the first of its columns in ``order``)."""
+        if self.are(ids):
+            return self.counts
+        if not (self.ids.size and ids.size):
+            return np.zeros((2, ids.size))
+        order = self.order()
+        if self._distinct and _same(ids, self._ascending):    # the same requests, ids ascending
+            return self.counts[:, order]
+        at = order[np.minimum(np.searchsorted(self.ids, ids, sorter=order), self.ids.size - 1)]
+        found = self.ids[at] == ids
+        out = np.zeros((2, ids.size))
+        out[:, found] = self.counts[:, at[found]]
+        return out
 
 
 class AdaptiveController:
@@ -114,45 +167,58 @@ class AdaptiveController:
 
     Build with a ``ControllerConfig`` and/or its fields as keywords: ``AdaptiveController(k_max=6)``.
     Call ``next_k(batch_size)`` before each step and ``update(...)`` with the step's counts after.
+
+    Per step it costs a few dozen small numpy calls: the acceptance estimates are worked out once per
+    update (``_estimates``), the step costs once per timed step (``StepCostTable.predicted``), and a
+    batch of the same requests as the last update is matched by comparing the ids' bytes.
     """
 
     def __init__(self, config: ControllerConfig | None = None, **overrides: Any):
         config = config or ControllerConfig()
         self.config = cfg = replace(config, **overrides) if overrides else config
-        self._allowed = np.array(cfg.allowed)
-        self._k = cfg.k_init if cfg.k_init is not None else cfg.allowed[-1]   # the held k
+        self._allowed_k = cfg.allowed
+        self._allowed = np.array(self._allowed_k)
+        self._column = {k: i for i, k in enumerate(self._allowed_k)}
+        self._k = cfg.k_init if cfg.k_init is not None else self._allowed_k[-1]   # the held k
         self._last_k = self._k
-        self._table = StepCostTable(cfg.allowed, cfg.cost_rate)
+        self._table = StepCostTable(self._allowed_k, cfg.cost_rate)
         self._counts = np.zeros((2, cfg.k_max))   # decayed drafts accepted at / reaching each position
-        # the last update's requests (their ids) and their decayed accepted drafts and expectation under a_j
-        self._requests: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros((2, 0)))
+        # int64[k_max + 1, k_max]: requests that stopped at position i count at positions j + 1 <= i
+        self._tails = np.tri(cfg.k_max + 1, cfg.k_max, -1, np.int64)
+        self._estimated: tuple[np.ndarray, np.ndarray] | None = None   # ``_estimates()`` of ``_counts``
+        self._requests = _Requests(np.zeros(0, np.int64), np.zeros((2, 0)))
         self._decided_for: tuple[int, np.ndarray | None] = (0, None)   # (bucket, sorted ids) of the last decision
+        self._last_ids = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # next_k's last request ids, and sorted
         self._since_decision = self._since_probe = 0
         self._probing = False    # the last k was a never-timed one's: look for the next at once
 
+    def _estimates(self) -> tuple[np.ndarray, np.ndarray]:
+        """(float64[k_max] a_j, float64[k_max + 1] their cumulative sums from 0): kept until the next update."""
+        if self._estimated is None:
+            cfg = self.config
+            strength, prior, total = cfg.prior_strength, cfg.prior_acceptance, 0.0
+            acceptance, cumulative = [], [0.0]
+            for success, trials in zip(*self._counts.tolist()):
+                prior = (success + strength * prior) / (trials + strength)
+                prior = _MAX_ACCEPTANCE if _MAX_ACCEPTANCE < prior else prior     # min(prior, _MAX_ACCEPTANCE)
+                total += prior
+                acceptance.append(prior)
+                cumulative.append(total)
+            self._estimated = (np.array(acceptance, np.float64), np.array(cumulative, np.float64))
+        return self._estimated
+
     def acceptance(self) -> np.ndarray:
         """float64[k_max] estimated a_j for positions j = 1..k_max."""
-        cfg = self.config
-        out, prior = np.empty(cfg.k_max), cfg.prior_acceptance
-        for j, (success, trials) in enumerate(zip(*self._counts.tolist())):
-            prior = out[j] = min((success + cfg.prior_strength * prior) / (trials + cfg.prior_strength),
-                                 _MAX_ACCEPTANCE)
-        return out
+        return self._estimates()[0].copy()
 
     def step_seconds(self, batch_size: int) -> np.ndarray:
         """float64[len(allowed)] measured seconds of a step of each allowed k at ``batch_size`` (nan: never)."""
         return self._table.seconds(batch_size)
 
     def _request_counts(self, ids: np.ndarray) -> np.ndarray:
-        """float64[2, n] the last update's (accepted, expected) counts of requests ``ids`` (0 for others)."""
-        known, counts = self._requests
-        out = np.zeros((2, ids.size))
-        if known.size and ids.size:
-            order = np.argsort(known)
-            at = order[np.minimum(np.searchsorted(known, ids, sorter=order), known.size - 1)]
-            found = known[at] == ids
-            out[:, found] = counts[:, at[found]]
-        return out
+        """float64[2, n] the last update's (accepted, expected) counts of requests ``ids`` (0 for others);
+        may be the controller's own array: not to be modified."""
+        return self._requests.lookup(ids)
 
     def rates(self, batch_size: int, request_ids: np.ndarray | None = None,
               remaining_tokens: np.ndarray | None = None) -> np.ndarray:
@@ -160,21 +226,26 @@ class AdaptiveController:
         With int[n] ``request_ids`` each request's a_j are the shared ones times its own scale (its accepted
         over its expected drafts, shrunk by ``prior_strength``); with int[n] ``remaining_tokens`` too, each
         request's tokens are capped at those it has left (a step's drafts never pass a request's budget)."""
-        a = self.acceptance()[None, :]
+        a = self._estimates()[0][None, :]
         if request_ids is not None and request_ids.size:
             counts = self._request_counts(request_ids) + self.config.prior_strength
-            a = np.minimum(np.outer(counts[0] / counts[1], a), _MAX_ACCEPTANCE)
+            a = np.minimum((counts[0] / counts[1])[:, None] * a, _MAX_ACCEPTANCE)
         elif remaining_tokens is not None and remaining_tokens.size:
             a = np.broadcast_to(a, (remaining_tokens.size, a.shape[1]))
         # accepted drafts of a request with k drafts: sum_{j<=k} reach_j, capped at the tokens it has left
-        reach = np.concatenate([np.zeros((a.shape[0], 1)), np.cumprod(a, axis=1)], axis=1)
-        mean = np.cumsum(reach, axis=1)
-        if remaining_tokens is None or not remaining_tokens.size or a.shape[0] != remaining_tokens.size:
-            per_request = 1.0 + mean[:, self._allowed].mean(axis=0)
+        rows, width = a.shape[0], a.shape[1] + 1
+        mean = np.empty((rows, width))
+        mean[:, 0] = 0.0
+        np.multiply.accumulate(a, axis=1, out=mean[:, 1:])     # reach_j = a_1 ... a_j
+        np.add.accumulate(mean, axis=1, out=mean)
+        if remaining_tokens is None or not remaining_tokens.size or rows != remaining_tokens.size:
+            chosen = mean[:, self._allowed]
         else:
             caps = np.minimum(self._allowed[None, :], np.maximum(remaining_tokens[:, None] - 1, 0))
-            per_request = 1.0 + np.take_along_axis(mean, caps, axis=1).mean(axis=0)
-        return per_request / self._table.seconds(batch_size)
+            caps += np.arange(0, rows * width, width)[:, None]      # flat indices into ``mean``
+            chosen = mean.ravel()[caps]
+        per_request = 1.0 + np.add.reduce(chosen, axis=0) / rows    # the mean over the requests
+        return per_request / self._table.predicted(batch_size)
 
     def next_k(self, batch_size: int, request_ids: Any = None, remaining_tokens: Any = None) -> int:
         """The drafts per request of the coming step of ``batch_size`` rows (padding rows included: the step's
@@ -183,7 +254,8 @@ class AdaptiveController:
         tokens per step are capped there); None: no cap."""
         where = "AdaptiveController.next_k"
         require_int(where, "batch_size", batch_size, minimum=1)
-        ids = None if request_ids is None else np.sort(_int_vector(where, "request_ids", request_ids, batch_size))
+        # (the ids are sorted, the remaining tokens are not: they pair up as given only for ascending ids)
+        ids = None if request_ids is None else self._sorted_ids(request_ids, batch_size)
         remaining = None if remaining_tokens is None else _int_vector(where, "remaining_tokens", remaining_tokens,
                                                                       batch_size)
         if ids is not None and remaining is not None and ids.shape != remaining.shape:
@@ -195,14 +267,14 @@ class AdaptiveController:
         bucket = batch_bucket(batch_size)
         decided_bucket, decided_ids = self._decided_for
         new_batch = bucket != decided_bucket or (ids is not None and (decided_ids is None
-                                                                     or not np.array_equal(ids, decided_ids)))
+                                                                     or not _same(ids, decided_ids)))
         rates, k = None, self._k
         if new_batch or self._probing or self._since_decision >= cfg.decide_every:
-            untimed = np.isnan(self._table.seconds(batch_size)) & (self._table.tries(batch_size) < _TRIES)
-            untimed[self._allowed == self._last_k] = False   # the last step's time is still to come
-            self._probing = bool(untimed.any())
+            untimed = [never and allowed != self._last_k   # the last step's time is still to come
+                       for never, allowed in zip(self._table.untimed(batch_size, _TRIES), self._allowed_k)]
+            self._probing = any(untimed)
             if self._probing:                                 # a k never timed here: time it
-                k = int(self._allowed[np.flatnonzero(untimed)[-1]])
+                k = self._allowed_k[len(untimed) - 1 - untimed[::-1].index(True)]
             else:
                 rates = self.rates(batch_size, ids, remaining)
                 self._decide(rates)
@@ -217,14 +289,30 @@ class AdaptiveController:
         self._last_k = k
         return k
 
+    def _sorted_ids(self, request_ids: Any, batch_size: int) -> np.ndarray:
+        """``request_ids`` checked and sorted; the last call's answer when they hold the same values again
+        (compared by content: a static batch's ids, given anew each step)."""
+        raw = request_ids if isinstance(request_ids, np.ndarray) else np.asarray(request_ids)
+        last_raw, last_sorted = self._last_ids
+        if (raw.dtype == last_raw.dtype and raw.shape == last_raw.shape and raw.size <= batch_size
+                and raw.tobytes() == last_raw.tobytes()):
+            return last_sorted
+        ids = np.sort(_int_vector("AdaptiveController.next_k", "request_ids", raw, batch_size))
+        self._last_ids = (raw.copy(), ids)
+        return ids
+
     def _decide(self, rates: np.ndarray) -> None:
         """Holds the allowed k of the best ``rates`` where it beats the held k's by ``switch_margin``."""
-        if np.isnan(rates).all():
+        values = rates.tolist()
+        best = None                    # the first of the largest non-nan rates (np.nanargmax)
+        for i, rate in enumerate(values):
+            if rate == rate and (best is None or rate > values[best]):
+                best = i
+        if best is None:               # all nan
             return
-        best = int(np.nanargmax(rates))
-        held = rates[self.config.allowed.index(self._k)]
-        if np.isnan(held) or rates[best] > held * (1.0 + self.config.switch_margin):
-            self._k = int(self._allowed[best])
+        held = values[self._column[self._k]]
+        if held != held or values[best] > held * (1.0 + self.config.switch_margin):
+            self._k = self._allowed_k[best]
 
     def update(self, num_draft_tokens: Any, num_accepted: Any, step_seconds: float | None = None,
                batch_size: int | None = None, request_ids: Any = None, *, k: int | None = None) -> None:
@@ -242,12 +330,12 @@ class AdaptiveController:
         """
         where = "AdaptiveController.update"
         cfg = self.config
-        drafts = _int_vector(where, "num_draft_tokens", num_draft_tokens, np.iinfo(np.int64).max)
+        drafts = _int_vector(where, "num_draft_tokens", num_draft_tokens, _ANY_LENGTH)
         accepted = _int_vector(where, "num_accepted", num_accepted, drafts.size)
         if drafts.shape != accepted.shape:
             raise ValueError(f"{where}: num_draft_tokens {drafts.shape} and num_accepted {accepted.shape} must "
                              "have the same shape [B]")
-        if drafts.size and (drafts.max() > cfg.k_max or (accepted > drafts).any()):
+        if drafts.size and (np.maximum.reduce(drafts) > cfg.k_max or (accepted > drafts).any()):
             raise ValueError(f"{where}: num_draft_tokens must be in [0, k_max={cfg.k_max}] and num_accepted in "
                              "[0, num_draft_tokens] per request")
         batch = drafts.size if batch_size is None else batch_size
@@ -255,19 +343,26 @@ class AdaptiveController:
         if k is not None:
             require_int(where, "k", k, minimum=0)
         # request b accepted positions 1..n_b and reached 1..min(d_b, n_b + 1): [2, k_max + 1] how many
-        # requests stopped at each position, summed from the last position down
+        # requests stopped at each position
         width = cfg.k_max + 1
-        stops = np.bincount(np.concatenate([accepted, np.minimum(drafts, accepted + 1) + width]),
-                            minlength=2 * width).reshape(2, width)
+        reached = np.minimum(drafts, accepted + 1)
+        stops = np.bincount(np.concatenate([accepted, reached + width]), minlength=2 * width).reshape(2, width)
         if request_ids is not None:
             ids = _int_vector(where, "request_ids", request_ids, drafts.size)
             if ids.size != drafts.size:
                 raise ValueError(f"{where}: request_ids must have one id per request ({drafts.size}), got {ids.size}")
-            expected = np.concatenate([[0.0], np.cumsum(self.acceptance())])[np.minimum(drafts, accepted + 1)]
-            counts = self._request_counts(ids) * cfg.acceptance_decay + np.stack([accepted, expected])
-            self._requests = (ids, counts)
+            expected = self._estimates()[1][reached]
+            same = self._requests.are(ids)
+            counts = self._requests.lookup(ids) * cfg.acceptance_decay
+            counts[0] += accepted
+            counts[1] += expected
+            if same:     # the same requests: their ids (and argsort) stay
+                self._requests.counts = counts
+            else:
+                self._requests = _Requests(ids.copy(), counts)
         self._counts *= cfg.acceptance_decay
-        self._counts += np.cumsum(stops[:, ::-1], axis=1)[:, -2::-1]
+        self._counts += stops.dot(self._tails)    # [2, k_max] requests that accepted / reached each position
+        self._estimated = None
         self._table.observe(batch, self._last_k if k is None else k,
                             None if step_seconds is None else float(step_seconds))
         self._since_decision += 1

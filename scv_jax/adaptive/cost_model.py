@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -11,6 +12,7 @@ _CLIP = math.log(2.0)   # a step more than 2x off its prediction counts as 2x (a
 _LOAD_RATE = 0.6
 
 
+@functools.lru_cache(maxsize=1024)
 def batch_bucket(batch_size: int) -> int:
     """The power of two nearest to ``batch_size`` in log scale: batch sizes that share a cost row."""
     return 1 << max(round(math.log2(batch_size)), 0)
@@ -26,6 +28,10 @@ class StepCostTable:
     held k at the same load. Predictions are non-decreasing in k (a k that measured dearer than a larger
     k is lowered to it: timing noise is a pause, never a speed-up) and ``nan`` for a k never measured in
     a bucket (the controller measures it before choosing it).
+
+    The rows are Python lists (a step updates one entry: list arithmetic is the same IEEE double
+    arithmetic as numpy's, at a fraction of the per-call cost); ``seconds`` keeps each bucket's
+    predictions until the next timed step changes them.
     """
 
     def __init__(self, k_values: tuple[int, ...], rate: float):
@@ -33,27 +39,30 @@ class StepCostTable:
         self._column = {k: i for i, k in enumerate(k_values)}
         self._rate = rate
         self._log_load = 0.0
-        self._log_costs: dict[int, np.ndarray] = {}   # bucket -> float64[len(k_values)] log seconds at load 1
-        self._tries: dict[int, np.ndarray] = {}       # bucket -> int64[len(k_values)] untimed-or-timed steps run
-        self._timed: dict[int, np.ndarray] = {}       # bucket -> int64[len(k_values)] timed steps
+        self._log_costs: dict[int, list[float]] = {}   # bucket -> [len(k_values)] log seconds at load 1 (nan: never)
+        self._tries: dict[int, list[int]] = {}         # bucket -> [len(k_values)] untimed-or-timed steps run
+        self._timed: dict[int, list[int]] = {}         # bucket -> [len(k_values)] timed steps
+        self._seconds: dict[int, np.ndarray] = {}      # bucket -> predictions since the last timed step
 
-    def _row(self, table: dict[int, np.ndarray], batch_size: int, fill: float, dtype) -> np.ndarray:
+    def _row(self, table: dict[int, list], batch_size: int, fill: float | int) -> list:
         bucket = batch_bucket(batch_size)
-        if bucket not in table:
-            table[bucket] = np.full(len(self.k_values), fill, dtype)
-        return table[bucket]
+        row = table.get(bucket)
+        if row is None:
+            row = table[bucket] = [fill] * len(self.k_values)
+        return row
 
     def observe(self, batch_size: int, k: int, seconds: float | None) -> None:
         """Records a step of ``k`` drafts at ``batch_size`` that took ``seconds`` (None: not timed)."""
         column = self._column.get(k)
         if column is None:
             return
-        self._row(self._tries, batch_size, 0, np.int64)[column] += 1
+        self._row(self._tries, batch_size, 0)[column] += 1
         if seconds is None:
             return
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"StepCostTable.observe: seconds must be a positive finite number, got {seconds!r}")
-        costs, timed = self._row(self._log_costs, batch_size, math.nan, np.float64), self._row(self._timed, batch_size, 0, np.int64)
+        self._seconds.clear()      # the load moves every bucket's predictions
+        costs, timed = self._row(self._log_costs, batch_size, math.nan), self._row(self._timed, batch_size, 0)
         timed[column] += 1
         if math.isnan(costs[column]):
             costs[column] = math.log(seconds) - self._log_load
@@ -62,17 +71,35 @@ class StepCostTable:
         self._log_load += _LOAD_RATE * surprise
         costs[column] += max(self._rate, 1.0 / timed[column]) * (1.0 - _LOAD_RATE) * surprise
 
+    def predicted(self, batch_size: int) -> np.ndarray:
+        """``seconds(batch_size)`` without the copy: the table's own array, not to be modified."""
+        bucket = batch_bucket(batch_size)
+        out = self._seconds.get(bucket)
+        if out is None:
+            costs = self._row(self._log_costs, batch_size, math.nan)
+            measured = [i for i, cost in enumerate(costs) if not math.isnan(cost)]
+            lowest, lowered = math.inf, []      # each measured k's cost lowered to any larger k's, at the load
+            for i in reversed(measured):
+                lowest = costs[i] if costs[i] < lowest else lowest
+                lowered.append(self._log_load + lowest)
+            out = np.full(len(costs), math.nan)
+            out[measured] = np.exp(np.array(lowered[::-1], np.float64))
+            self._seconds[bucket] = out
+        return out
+
     def seconds(self, batch_size: int) -> np.ndarray:
         """float64[len(k_values)] predicted seconds of a step with each k at ``batch_size`` (nan: never timed)."""
-        costs = self._row(self._log_costs, batch_size, math.nan, np.float64)
-        measured = ~np.isnan(costs)
-        out = np.full_like(costs, math.nan)
-        out[measured] = np.exp(self._log_load + np.minimum.accumulate(costs[measured][::-1])[::-1])
-        return out
+        return self.predicted(batch_size).copy()
 
     def tries(self, batch_size: int) -> np.ndarray:
         """int64[len(k_values)] steps run with each k at ``batch_size``'s bucket (timed or not)."""
-        return self._row(self._tries, batch_size, 0, np.int64).copy()
+        return np.array(self._row(self._tries, batch_size, 0), np.int64)
+
+    def untimed(self, batch_size: int, max_tries: int) -> list[bool]:
+        """Per k: never timed at ``batch_size``'s bucket and run fewer than ``max_tries`` steps there
+        (the k whose ``seconds`` are nan and that may still be tried)."""
+        timed, tries = self._row(self._timed, batch_size, 0), self._row(self._tries, batch_size, 0)
+        return [not t and n < max_tries for t, n in zip(timed, tries)]
 
 
 __all__ = ["StepCostTable", "batch_bucket"]
