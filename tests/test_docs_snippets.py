@@ -195,6 +195,12 @@ def test_ci_runs_the_readme_test_command_and_the_docs_build():
     pyproject = (ROOT / "pyproject.toml").read_text()
     docs_extra = re.search(r"^docs = \[(.*)\]$", pyproject, re.M).group(1)
     assert "sphinx" in docs_extra and "myst-parser" in docs_extra
+    # the import contracts, after the docs build and before the tests (tests/test_import_contracts.py)
+    lines = ci.splitlines()
+    lint = lines.index("lint-imports --no-logo --no-cache")
+    assert any(line.startswith("python -m sphinx ") for line in lines[:lint]) and lines.index(test_command) > lint
+    test_extra = re.search(r"^test = \[(.*?)\]$", pyproject, re.M | re.S).group(1)
+    assert "import-linter" in test_extra
 
 
 def test_a_failing_block_fails_the_page(tmp_path):

@@ -7,11 +7,15 @@ import json
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
 import scv_jax
 
+HOST_ONLY_MODULES = next(c["source_modules"] for c in tomllib.loads(
+    (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    if c["name"] == "host-only modules import no jax")
 KERNEL_MODULES = sorted(p.stem for p in (pathlib.Path(__file__).parents[1] / "pallas_kernels").glob("*.py")
                         if p.stem != "__init__")
 
@@ -44,6 +48,17 @@ def test_import_scv_jax_is_cheap_and_lazy():
 def test_the_adaptive_controller_loads_no_jax():
     """The controller is host-side numpy (the simulator and host benchmarks run without jax)."""
     assert _fresh(f"import scv_jax\nscv_jax.AdaptiveController\nresult = {_loaded(('jax',))}") == []
+
+
+@pytest.mark.parametrize("module", HOST_ONLY_MODULES)
+def test_host_only_modules_load_no_jax(module):
+    """What lint-imports checks statically ("host-only modules import no jax", pyproject.toml), at run
+    time: the module, its parent packages' ``__init__`` and, for a package, its submodules."""
+    code = (f"import importlib, pkgutil\nm = importlib.import_module({module!r})\n"
+            "for info in pkgutil.walk_packages(getattr(m, '__path__', []), m.__name__ + '.'):\n"
+            "    importlib.import_module(info.name)\n"
+            f"result = {_loaded(('jax', 'jaxlib', 'flax'))}")
+    assert _fresh(code) == []
 
 
 def test_ops_load_no_flax_and_the_decoder_loads_it():
