@@ -29,8 +29,6 @@ HOST_ONLY = "host-only modules import no jax"
 # removed: delete an entry once its cycle is gone (its xfail test then passes, XPASS). Any other cycle,
 # or one of these growing a module, fails test_no_import_cycle_outside_the_allow_list.
 KNOWN_CYCLES = {
-    # engine.py: Engine.__init__ imports SpeculativeDecoder (function level); decoder.py imports Engine
-    frozenset({"scv_jax.decoding.decoder", "scv_jax.decoding.engine"}),
     # cli.run_serve imports serving.server.serve (function level); server imports cli's
     # _check_memory and _ngram_drafter
     frozenset({"scv_jax.cli", "scv_jax.serving.server"}),
