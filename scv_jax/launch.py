@@ -7,7 +7,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from scv_jax.decoding.config import DecoderConfig
+    from scv_jax.decoding.ngram import NgramDrafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +27,7 @@ class Models:
     position_limit: tuple[int, str] | None
 
 
-def ngram_drafter(args: argparse.Namespace):
+def ngram_drafter(args: argparse.Namespace) -> NgramDrafter:
     """The ``NgramDrafter`` of ``--ngram-min`` / ``--ngram-max`` (checked even without ``--ngram``)."""
     from scv_jax.decoding.ngram import NgramDrafter
 
@@ -65,7 +69,7 @@ def _memory_bytes() -> tuple[int, str]:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of host memory"
 
 
-def check_memory(config, models: Sequence, *, flag: str, advice: str) -> None:
+def check_memory(config: DecoderConfig, models: Sequence, *, flag: str, advice: str) -> None:
     """Raises ValueError before the caches are allocated when they would not fit the memory: K and V,
     every layer of each of ``models``, ``config.num_blocks`` blocks. ``flag`` (the running command's
     flag that sized them) starts the message and ``advice`` (which of its flags to change) ends it."""
