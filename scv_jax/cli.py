@@ -10,11 +10,14 @@ import math
 import os
 import shlex
 import sys
-from typing import Callable, Sequence
+from typing import Callable
 
 from scv_jax.demo import WORKLOADS
+from scv_jax.launch import check_memory, load_models, ngram_drafter
 
 DEFAULT_PROMPT = "import sys\n\n\ndef "
+# what the memory check's error names for demo and generate: the flags that size their caches
+_MEMORY_FLAG, _MEMORY_ADVICE = "--max-new-tokens", "lower --max-new-tokens or shorten --prompt"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,15 +67,6 @@ def _add_ngram_sizes(parser: argparse.ArgumentParser) -> None:
 def _add_packed_verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--packed-verify", action="store_true",
                         help="the target scores only the drafts each step offers (DecoderConfig.packed_verify)")
-
-
-def _ngram_drafter(args: argparse.Namespace):
-    """The ``NgramDrafter`` of ``--ngram-min`` / ``--ngram-max`` (checked even without ``--ngram``)."""
-    from scv_jax.decoding.proposers.ngram import NgramDrafter
-
-    if args.ngram_min > args.ngram_max:
-        raise ValueError(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")
-    return NgramDrafter(min_n=args.ngram_min, max_n=args.ngram_max)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -204,30 +198,6 @@ def _decoder_config(args: argparse.Namespace, prompt_len: int, **fields):
                                num_blocks=max(config.num_blocks, -(-needed // config.block_size)))
 
 
-def _memory_bytes() -> tuple[int, str]:
-    """(bytes, where): the default device's memory limit, or the host's physical memory (CPU)."""
-    import jax
-
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"free on {jax.devices()[0].device_kind}"
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of host memory"
-
-
-def _check_memory(config, models: Sequence) -> None:
-    """Raises ValueError (naming --max-new-tokens) before the caches are allocated when they would not
-    fit the memory: K and V, every layer of each model, ``config.num_blocks`` blocks."""
-    from scv_jax.ops.commit.kv_cache import parse_cache_dtype
-
-    per_position = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim for m in models)
-    needed = config.num_blocks * config.block_size * per_position * parse_cache_dtype(config.cache_dtype).itemsize
-    available, where = _memory_bytes()
-    if needed > available:
-        raise ValueError(f"--max-new-tokens: the KV caches for {config.max_seq_len} positions need "
-                         f"{needed / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB {where}; "
-                         f"lower --max-new-tokens or shorten --prompt")
-
-
 class _TextStream:
     """Prints the text of one request's tokens as ``generate`` emits them (its ``on_tokens``), on stdout.
 
@@ -307,11 +277,12 @@ def run_demo(args: argparse.Namespace) -> int:
     prompt = list(_utf8(args.prompt).encode("utf-8"))
     if not prompt:
         raise ValueError("--prompt must not be empty")
-    ngram = _ngram_drafter(args)     # checks the n-gram sizes before the weights load
+    ngram = ngram_drafter(args)      # checks the n-gram sizes before the weights load
     _clamp_k(args)
     target, draft = load_demo()
     config = _decoder_config(args, len(prompt))
-    _check_memory(config, [target, target] if args.ngram else [target, draft, target])   # two decoders' caches
+    check_memory(config, [target, target] if args.ngram else [target, draft, target],   # two decoders' caches
+                 flag=_MEMORY_FLAG, advice=_MEMORY_ADVICE)
     spec, base = _run_decoders([SpeculativeDecoder(target, ngram if args.ngram else draft, config=config),
                                 SpeculativeDecoder(target, None, config=config)], prompt, args, None,
                                _text(prompt), _text)
@@ -321,34 +292,27 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from scv_jax.decoding.decoder import SpeculativeDecoder
-    from scv_jax.models import load_hf, load_tokenizer
+    from scv_jax.models import load_tokenizer
     from scv_jax.models.hf import eos_token_ids
 
-    ngram = _ngram_drafter(args)
     _clamp_k(args)
     tokenizer = load_tokenizer(args.model)
     prompt = tokenizer.encode(_utf8(args.prompt))
     if not prompt:
         raise ValueError("--prompt encodes to no tokens")
-    target = load_hf(args.model, dtype=args.dtype)
-    draft = load_hf(args.draft, dtype=args.dtype) if args.draft else (ngram if args.ngram else None)
-    models = [target, draft] if args.draft else [target]
-    if args.draft and draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"--draft {args.draft} has vocab_size {draft.config.vocab_size}, the target "
-                         f"{args.model} has {target.config.vocab_size}: they must share the vocabulary")
-    for path, model in zip((args.model, args.draft), models):
-        limit = getattr(model.config, "max_position_embeddings", None)
-        if limit is not None and len(prompt) + args.max_new_tokens > limit:
-            raise ValueError(f"--prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceed "
-                             f"the model's max_position_embeddings {limit} ({path}/config.json)")
+    models = load_models(args)
+    if models.position_limit is not None and len(prompt) + args.max_new_tokens > models.position_limit[0]:
+        limit, path = models.position_limit
+        raise ValueError(f"--prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceed "
+                         f"the model's max_position_embeddings {limit} ({path}/config.json)")
     eos = eos_token_ids(args.model)
     config = _decoder_config(args, len(prompt), cache_dtype=args.dtype)
-    _check_memory(config, models + [target] * args.compare)
-    decoders = [SpeculativeDecoder(target, draft, config=config)]
+    check_memory(config, models.cached + (models.target,) * args.compare, flag=_MEMORY_FLAG, advice=_MEMORY_ADVICE)
+    decoders = [SpeculativeDecoder(models.target, models.drafter, config=config)]
     if args.compare:
-        decoders.append(SpeculativeDecoder(target, None, config=config))
+        decoders.append(SpeculativeDecoder(models.target, None, config=config))
     spec, *base = _run_decoders(decoders, prompt, args, eos or None, args.prompt, tokenizer.decode)
-    _print_stats(args, spec, *base, drafting=draft is not None)
+    _print_stats(args, spec, *base, drafting=models.drafter is not None)
     return 0
 
 

@@ -186,11 +186,18 @@ def test_k_above_the_budget_is_lowered(tiny_demo, capsys):
     (["demo", "--prompt", "\udcff"], "--prompt is not valid UTF-8"),
     (["generate", "--model", FIXTURE, "--prompt", "x " * 500, "--max-new-tokens", "100"],
      "exceed the model's max_position_embeddings 512"),
-    (["demo", "--max-new-tokens", "1000000000"], "--max-new-tokens: the KV caches for 1000000017 positions need"),
+    (["demo", "--max-new-tokens", "1000000000"], "--max-new-tokens: the KV caches for 1000000032 positions need"),
     (["demo", "--seed", str(2 ** 32)], "argument --seed: must be an int in [0, 2**32)"),
 ])
 def test_run_mistakes_are_one_line_errors(tiny_demo, argv, message, capsys):
     _assert_one_line_error(argv, message, capsys)
+
+
+def test_generate_memory_error_names_its_flags(capsys, monkeypatch):
+    """The KV caches that would not fit are a one-line error naming ``generate``'s flags that size them."""
+    monkeypatch.setattr("scv_jax.models.load_hf", lambda path, dtype: tiny_model(BYTE_TARGET))
+    _assert_one_line_error(["generate", "--model", FIXTURE, "--prompt", "x", "--max-new-tokens", str(10 ** 11)],
+                           "lower --max-new-tokens or shorten --prompt", capsys)
 
 
 @pytest.mark.parametrize("broken", ["config", "weights"])

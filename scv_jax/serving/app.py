@@ -25,7 +25,7 @@ from starlette.background import BackgroundTask
 from scv_jax.sampling_params import SamplingParams
 from scv_jax.serving.chat import ChatTemplate, ChatTemplateError
 from scv_jax.serving.detokenize import TextStream
-from scv_jax.serving.engine_loop import EngineLoop
+from scv_jax.serving.engine_loop import Added, EngineFailed, EngineLoop, Output, Refused, Shutdown
 from scv_jax.serving.metrics import ServerMetrics
 from scv_jax.serving.protocol import (ApiError, ChatRequest, CompletionRequest, sampling_params, stop_strings,
                                       validation_error)
@@ -83,13 +83,13 @@ class _Run:
         except BaseException:      # cancelled (the client left) before the engine answered
             self.close()
             raise
-        self.admitted = event[0] == "added"
+        self.admitted = isinstance(event, Added)
         if not self.admitted:
             self.done = True
             self.close()
-            if event[0] == "error":
-                raise ApiError(400, event[1], "max_tokens" if "max_tokens" in event[1] else "prompt")
-            raise ApiError(500, event[1] if len(event) > 1 else "the server is shutting down")
+            if isinstance(event, Refused):
+                raise ApiError(400, event.message, "max_tokens" if "max_tokens" in event.message else "prompt")
+            raise ApiError(500, event.message if isinstance(event, EngineFailed) else "the server is shutting down")
 
     async def pieces(self, request: Request | None = None) -> AsyncIterator[_Piece]:
         """The output as it comes (``request``: poll it for a disconnect, which aborts the request).
@@ -102,15 +102,16 @@ class _Run:
                 if await request.is_disconnected():
                     return
                 continue
-            if event[0] == "failed":
-                self.done, self.finish_reason = True, "error"
-                raise ApiError(500, event[1])
-            if event[0] == "shutdown":
-                self.done, self.finish_reason = True, "abort"
-                break
-            piece = self._output(event[1])
-            if piece.text or piece.token_ids or self.done:
-                yield piece
+            match event:
+                case EngineFailed(message):
+                    self.done, self.finish_reason = True, "error"
+                    raise ApiError(500, message)
+                case Shutdown():
+                    self.done, self.finish_reason = True, "abort"
+                case Output(output):
+                    piece = self._output(output)
+                    if piece.text or piece.token_ids or self.done:
+                        yield piece
 
     def _output(self, output) -> _Piece:
         now = time.monotonic()

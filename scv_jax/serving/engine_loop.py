@@ -2,22 +2,86 @@
 commands, and each request's events come back through the callback it was submitted with (the
 server's callback hands them to the asyncio loop with ``call_soon_threadsafe``).
 
-Only this thread calls the engine. Events: ``("added",)``, ``("error", message)`` (``add_request``
-refused the request: a 400), ``("output", RequestOutput)``, ``("failed", message)`` (a step raised:
-every request in the engine is aborted and failed, a 500, and the loop carries on) and
-``("shutdown",)`` (the server stopped before the request finished).
+Only this thread calls the engine. Events (an ``Event``): ``Added`` (the engine took the request),
+``Refused`` (``add_request`` refused it: a 400), ``Output`` (a ``RequestOutput`` of it),
+``EngineFailed`` (a step raised: every request in the engine is aborted and failed, a 500, and the
+loop carries on; or ``add_request`` raised other than ValueError) and ``Shutdown`` (the server stopped
+before the request finished).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import sys
 import threading
 import traceback
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-Post = Callable[[tuple], None]
+if TYPE_CHECKING:
+    from scv_jax import RequestOutput
+
 IDLE_WAIT_SECONDS = 0.05     # how long an idle loop waits for a command before checking for shutdown
+
+
+@dataclasses.dataclass(frozen=True)
+class Added:
+    """The engine took the request."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """``add_request`` refused the request (ValueError): ``message`` says why."""
+
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """Tokens of the request, or its end (``output.finished``)."""
+
+    output: RequestOutput
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineFailed:
+    """The engine raised: the request is aborted and ends with ``message``."""
+
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Shutdown:
+    """The loop stopped before the request finished."""
+
+
+Event = Added | Refused | Output | EngineFailed | Shutdown
+Post = Callable[[Event], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    """Adds a request; its events go to ``post``."""
+
+    request_id: str
+    prompt: list[int]
+    params: Any
+    post: Post
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abort:
+    """Aborts a request (its handler ended it: no more events)."""
+
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stop:
+    """Aborts what is unfinished and ends the loop."""
+
+
+_Command = _Add | _Abort | _Stop
 
 
 class EngineLoop:
@@ -38,14 +102,14 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: Any, post: Post) -> None:
-        self._commands.put(("add", request_id, list(prompt_token_ids), params, post))
+        self._commands.put(_Add(request_id, list(prompt_token_ids), params, post))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(_Abort(request_id))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Aborts what is unfinished (its requests get ``("shutdown",)``) and ends the thread."""
-        self._commands.put(("stop",))
+        """Aborts what is unfinished (its requests get ``Shutdown``) and ends the thread."""
+        self._commands.put(_Stop())
         self._thread.join(timeout)
 
     def _run(self) -> None:
@@ -56,7 +120,7 @@ class EngineLoop:
                 self._step()
             self._on_queue(self._engine)
 
-    def _take(self, *, block: bool) -> list[tuple]:
+    def _take(self, *, block: bool) -> list[_Command]:
         commands = []
         try:
             if block:
@@ -66,28 +130,28 @@ class EngineLoop:
         except queue.Empty:
             return commands
 
-    def _apply(self, commands: list[tuple]) -> bool:
+    def _apply(self, commands: list[_Command]) -> bool:
         """Runs the commands; False after a stop."""
         for command in commands:
-            if command[0] == "add":
-                _, request_id, prompt, params, post = command
-                try:
-                    self._engine.add_request(prompt, params, request_id=request_id)
-                except ValueError as e:
-                    post(("error", str(e)))
-                    continue
-                except Exception as e:     # noqa: BLE001 (a bug refusing one request must not end the loop)
-                    traceback.print_exc(file=sys.stderr)
-                    post(("failed", f"add_request failed: {type(e).__name__}: {e}"))
-                    continue
-                self._posts[request_id] = post
-                post(("added",))
-            elif command[0] == "abort":
-                if self._posts.pop(command[1], None) is not None:
-                    self._engine.abort(command[1])
-            else:
-                self._abort_all(("shutdown",))
-                return False
+            match command:
+                case _Add(request_id, prompt, params, post):
+                    try:
+                        self._engine.add_request(prompt, params, request_id=request_id)
+                    except ValueError as e:
+                        post(Refused(str(e)))
+                        continue
+                    except Exception as e:     # noqa: BLE001 (a bug refusing one request must not end the loop)
+                        traceback.print_exc(file=sys.stderr)
+                        post(EngineFailed(f"add_request failed: {type(e).__name__}: {e}"))
+                        continue
+                    self._posts[request_id] = post
+                    post(Added())
+                case _Abort(request_id):
+                    if self._posts.pop(request_id, None) is not None:
+                        self._engine.abort(request_id)
+                case _Stop():
+                    self._abort_all(Shutdown())
+                    return False
         return True
 
     def _step(self) -> None:
@@ -95,7 +159,7 @@ class EngineLoop:
             outputs = self._engine.step()
         except Exception as e:     # noqa: BLE001 (the server survives a failed step)
             traceback.print_exc(file=sys.stderr)
-            self._abort_all(("failed", f"the engine step failed: {type(e).__name__}: {e}"))
+            self._abort_all(EngineFailed(f"the engine step failed: {type(e).__name__}: {e}"))
             return
         for output in outputs:
             post = self._posts.get(output.request_id)
@@ -103,9 +167,9 @@ class EngineLoop:
                 continue
             if output.finished:
                 del self._posts[output.request_id]
-            post(("output", output))
+            post(Output(output))
 
-    def _abort_all(self, event: tuple) -> None:
+    def _abort_all(self, event: Event) -> None:
         for request_id, post in list(self._posts.items()):
             try:
                 self._engine.abort(request_id)

@@ -41,39 +41,36 @@ class Served:
 
 def make_engine(args: argparse.Namespace) -> Served:
     """The ``Engine`` of ``args`` (not warmed up). Raises ValueError naming the flag for a bad one."""
-    from scv_jax.cli import _check_memory, _ngram_drafter
     from scv_jax.decoding.config import DecoderConfig
-    from scv_jax.models import load_hf
+    from scv_jax.launch import check_memory, load_models
     from scv_jax.models.hf import eos_token_ids
 
-    ngram = _ngram_drafter(args)
     mesh_shape = parse_mesh(args.mesh) if args.mesh else None
-    target = load_hf(args.model, dtype=args.dtype)
-    draft = load_hf(args.draft, dtype=args.dtype) if args.draft else (ngram if args.ngram else None)
-    if args.draft and draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"--draft {args.draft} has vocab_size {draft.config.vocab_size}, the target "
-                         f"{args.model} has {target.config.vocab_size}: they must share the vocabulary")
-    models = [target, draft] if args.draft else [target]
-    limits = [m.config.max_position_embeddings for m in models if m.config.max_position_embeddings is not None]
-    limit = min(limits, default=None)
+    models = load_models(args)
+    limit = models.position_limit[0] if models.position_limit is not None else None
     max_model_len = args.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
     if limit is not None and max_model_len > limit:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {limit}")
     block_size = DecoderConfig.block_size
     num_blocks = args.num_blocks or args.max_num_seqs * -(-max_model_len // block_size)
-    drafting = draft is not None
+    drafting = models.drafter is not None
     config = DecoderConfig(k=args.k if drafting else 0, adaptive=args.adaptive and drafting,
                            batch_buckets=batch_buckets(args.max_num_seqs), max_seq_len=max_model_len,
                            num_blocks=num_blocks, cache_dtype=args.dtype, packed_verify=args.packed_verify)
-    _check_memory(config, models)
+    if args.num_blocks:
+        check_memory(config, models.cached, flag="--num-blocks", advice="lower --num-blocks")
+    else:       # the default --num-blocks: --max-num-seqs requests of --max-model-len
+        check_memory(config, models.cached, flag="--max-num-seqs",
+                     advice="lower --max-num-seqs or --max-model-len, or pass a smaller --num-blocks")
     mesh = None
     if mesh_shape is not None:
         from scv_jax import decoder_mesh
         mesh = decoder_mesh(*mesh_shape)
     from scv_jax import Engine
 
-    engine = Engine(target, draft, config=config, mesh=mesh, eos_token_id=eos_token_ids(args.model) or None)
-    return Served(engine, max_model_len, target.config.vocab_size)
+    engine = Engine(models.target, models.drafter, config=config, mesh=mesh,
+                    eos_token_id=eos_token_ids(args.model) or None)
+    return Served(engine, max_model_len, models.target.config.vocab_size)
 
 
 def _uvicorn_server(app, host: str, port: int):

@@ -25,6 +25,9 @@ def _one_line_error(argv: list[str], message: str, capsys) -> None:
     (["--mesh", "2"], "--mesh must be DATA,MODEL (two ints >= 1, e.g. 1,8), got '2'"),
     (["--ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min (3) must be <= --ngram-max (2)"),
     (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's max_position_embeddings 512"),
+    # caches that would not fit: the error names the serve flag that sized them
+    (["--num-blocks", str(10 ** 10)], "--num-blocks: the KV caches for 160000000000 positions need"),
+    (["--max-num-seqs", str(10 ** 9)], "; lower --max-num-seqs or --max-model-len, or pass a smaller --num-blocks"),
 ])
 def test_serve_mistakes_are_one_line_errors(checkpoint, argv, message, capsys):
     _one_line_error(["serve", "--model", str(checkpoint), *argv], message, capsys)

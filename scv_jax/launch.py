@@ -1,0 +1,84 @@
+"""What ``scv-jax generate`` and ``scv-jax serve`` share before they decode: the drafter and models their
+flags name (``--model``, ``--draft``, ``--ngram``, ``--ngram-min`` / ``--ngram-max``, ``--dtype``) and
+the check that the KV caches fit the memory, whose error names the running command's flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:
+    from scv_jax.decoding.config import DecoderConfig
+    from scv_jax.decoding.ngram import NgramDrafter
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """The loaded models: the target, the drafter (a draft model, an ``NgramDrafter`` or None: target
+    only), the models that hold KV caches (the target, then a draft model) and ``position_limit``, the
+    smallest ``max_position_embeddings`` among those with the directory whose config.json sets it
+    (None: no limit)."""
+
+    target: Any
+    drafter: Any
+    cached: tuple[Any, ...]
+    position_limit: tuple[int, str] | None
+
+
+def ngram_drafter(args: argparse.Namespace) -> NgramDrafter:
+    """The ``NgramDrafter`` of ``--ngram-min`` / ``--ngram-max`` (checked even without ``--ngram``)."""
+    from scv_jax.decoding.ngram import NgramDrafter
+
+    if args.ngram_min > args.ngram_max:
+        raise ValueError(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")
+    return NgramDrafter(min_n=args.ngram_min, max_n=args.ngram_max)
+
+
+def load_models(args: argparse.Namespace) -> Models:
+    """The target of ``--model`` and the drafter of ``--draft`` / ``--ngram``, in ``--dtype``; the n-gram
+    sizes are checked before any weights load. Raises ValueError naming the flag for a mistake."""
+    from scv_jax.models import load_hf
+
+    ngram = ngram_drafter(args)
+    target = load_hf(args.model, dtype=args.dtype)
+    if not args.draft:
+        return Models(target, ngram if args.ngram else None, (target,), _position_limit([(target, args.model)]))
+    draft = load_hf(args.draft, dtype=args.dtype)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--draft {args.draft} has vocab_size {draft.config.vocab_size}, the target "
+                         f"{args.model} has {target.config.vocab_size}: they must share the vocabulary")
+    return Models(target, draft, (target, draft), _position_limit([(target, args.model), (draft, args.draft)]))
+
+
+def _position_limit(models: list[tuple[Any, str]]) -> tuple[int, str] | None:
+    """The smallest ``max_position_embeddings`` of (model, directory) pairs and its directory."""
+    limits = [(limit, path) for model, path in models
+              if (limit := getattr(model.config, "max_position_embeddings", None)) is not None]
+    return min(limits, key=lambda pair: pair[0], default=None)
+
+
+def _memory_bytes() -> tuple[int, str]:
+    """(bytes, where): the default device's free memory, or the host's physical memory (CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"free on {jax.devices()[0].device_kind}"
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of host memory"
+
+
+def check_memory(config: DecoderConfig, models: Sequence, *, flag: str, advice: str) -> None:
+    """Raises ValueError before the caches are allocated when they would not fit the memory: K and V,
+    every layer of each of ``models``, ``config.num_blocks`` blocks. ``flag`` (the running command's
+    flag that sized them) starts the message and ``advice`` (which of its flags to change) ends it."""
+    from scv_jax.ops.commit.kv_cache import parse_cache_dtype
+
+    per_position = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim for m in models)
+    positions = config.num_blocks * config.block_size
+    needed = positions * per_position * parse_cache_dtype(config.cache_dtype).itemsize
+    available, where = _memory_bytes()
+    if needed > available:
+        raise ValueError(f"{flag}: the KV caches for {positions} positions need {needed / 2**30:.1f} GiB, "
+                         f"more than the {available / 2**30:.1f} GiB {where}; {advice}")
