@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from scv_jax.decoding.config import DecoderConfig
-    from scv_jax.decoding.ngram import NgramDrafter
+    from scv_jax.decoding.proposers.ngram import NgramDrafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Models:
 
 def ngram_drafter(args: argparse.Namespace) -> NgramDrafter:
     """The ``NgramDrafter`` of ``--ngram-min`` / ``--ngram-max`` (checked even without ``--ngram``)."""
-    from scv_jax.decoding.ngram import NgramDrafter
+    from scv_jax.decoding.proposers.ngram import NgramDrafter
 
     if args.ngram_min > args.ngram_max:
         raise ValueError(f"--ngram-min ({args.ngram_min}) must be <= --ngram-max ({args.ngram_max})")

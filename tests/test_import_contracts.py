@@ -25,15 +25,6 @@ LAYERS = "scv_jax layers, top to bottom"
 LEAF = "pallas_kernels is a leaf (no scv_jax, no flax)"
 HOST_ONLY = "host-only modules import no jax"
 
-# The import cycles that exist today, each a strongly connected component of the module graph. Being
-# removed: delete an entry once its cycle is gone (its xfail test then passes, XPASS). Any other cycle,
-# or one of these growing a module, fails test_no_import_cycle_outside_the_allow_list.
-KNOWN_CYCLES = {
-    # cli.run_serve imports serving.server.serve (function level); server imports cli's
-    # _check_memory and _ngram_drafter
-    frozenset({"scv_jax.cli", "scv_jax.serving.server"}),
-}
-
 # ``scv_jax/__init__.py`` resolves its public names with importlib, which no static graph sees: a module
 # that imports the root package may reach any layer. Only the top layer does.
 ROOT_IMPORTERS_ALLOWED = ("scv_jax.__main__", "scv_jax.cli", "scv_jax.serving")
@@ -123,16 +114,11 @@ def test_the_cycle_finder_sees_function_level_and_type_checking_imports(tmp_path
     assert "cyclic.a -> cyclic.b (line 3:" in described and "cyclic.c -> cyclic.a (line 1:" in described
 
 
-def test_no_import_cycle_outside_the_allow_list(graph):
-    new = [c for c in _cycles(graph, "scv_jax") if c not in KNOWN_CYCLES]
-    assert not new, "new import cycles:\n" + "\n".join(_describe(graph, c) for c in new)
-
-
-@pytest.mark.parametrize("cycle", [pytest.param(c, id="<->".join(sorted(c)), marks=pytest.mark.xfail(
-    strict=False, reason="a known cycle, being removed (KNOWN_CYCLES)")) for c in sorted(KNOWN_CYCLES, key=sorted)])
-def test_known_cycle_is_gone(graph, cycle):
-    found = [c for c in _cycles(graph, "scv_jax") if c == cycle]
-    assert not found, _describe(graph, cycle)
+def test_no_import_cycle(graph):
+    """No two scv_jax modules import each other, directly or through others, counting imports inside
+    functions and under TYPE_CHECKING (each cycle is a strongly connected component of the graph)."""
+    cycles = _cycles(graph, "scv_jax")
+    assert not cycles, "import cycles:\n" + "\n".join(_describe(graph, c) for c in cycles)
 
 
 def test_only_the_top_layer_imports_the_lazy_root_package(graph):
