@@ -39,6 +39,7 @@ from scv_jax.decoding.ngram import NgramDrafter
 from scv_jax.decoding.placement import OnMesh, ShardingConfig, SingleDevice
 from scv_jax.decoding.requests import check_eos, check_prompts, check_seed
 from scv_jax.decoding.stats import GenerateStats
+from scv_jax.decoding.verifiers import ChainVerifier, TreeVerifier
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
 from scv_jax.graph.persistent_cache import use_default_cache
@@ -145,7 +146,8 @@ class SpeculativeDecoder:
         # every drafter may run a k = 0 step: at the end of a budget, when no n-gram matches, or by choice
         self._step_ks = tuple(sorted(set(cfg.allowed_k) | {0})) if cfg.tree is None else self._tree_node_counts()
         self._packed_ks = self._packed_draft_counts()
-        self._prefill, self._decode = step_executables(cfg, self._target, self._draft, self._step_ks, self.placement)
+        self._prefill, self._decode = step_executables(cfg, self._target, self._draft, self._step_ks, self.placement,
+                                                       ChainVerifier() if cfg.tree is None else TreeVerifier(cfg.tree))
         self._plans: dict[tuple, BucketPlan] = {}
         self._next_request_id = 0
         self._lock = threading.RLock()        # one step at a time (engines on this decoder, threads)
