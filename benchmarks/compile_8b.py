@@ -29,7 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from harness import publish  # noqa: E402
-from scv_jax.decoding.device_step import SplitModel, StepRow, make_decode_step  # noqa: E402
+from scv_jax.decoding.device_step import SplitModel, StepRow  # noqa: E402
+from scv_jax.decoding.step_fn import make_decode_step  # noqa: E402
+from scv_jax.decoding.verifiers import ChainVerifier  # noqa: E402
 from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig  # noqa: E402
 from scv_jax.ops.commit.kv_cache import PagedKVCache  # noqa: E402
 
@@ -61,7 +63,7 @@ def compile_step(target: TransformerConfig, draft: TransformerConfig | None, *, 
     num_blocks = batch * max_blocks
     target_split, target_params = abstract_model(target)
     draft_split, draft_params = abstract_model(draft) if draft is not None else (None, None)
-    step = jax.jit(make_decode_step(target_split, draft_split, BLOCK_SIZE),
+    step = jax.jit(make_decode_step(target_split, draft_split, BLOCK_SIZE, ChainVerifier()),
                    static_argnames=("k", "greedy", "backend"), donate_argnames=("target_cache", "draft_cache"))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     start = time.perf_counter()

@@ -7,9 +7,10 @@ With ``backend="auto"`` a bucket whose kernels fail to compile or run is served 
 from __future__ import annotations
 
 from scv_jax.decoding.config import DecoderConfig
-from scv_jax.decoding.device_step import SplitModel, make_decode_step, make_prefill_step
+from scv_jax.decoding.device_step import SplitModel, make_prefill_step
 from scv_jax.decoding.placement import SingleDevice
-from scv_jax.decoding.tree_step import make_tree_decode_step
+from scv_jax.decoding.step_fn import make_decode_step
+from scv_jax.decoding.verifiers import Verifier
 from scv_jax.graph.buckets import Buckets, Pad
 from scv_jax.graph.executable_cache import ExecutableCache
 
@@ -17,10 +18,10 @@ _TABLE_PADS = (Pad("batch", axis=0, fill=-1), Pad("blocks", axis=1, fill=-1))
 
 
 def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitModel | None, k_values: tuple[int, ...],
-                     placement: SingleDevice) -> tuple[ExecutableCache, ExecutableCache]:
-    """(prefill, decode) ``ExecutableCache``s for a target (and optional draft) model; decode steps are
-    compiled per k in ``k_values``; the placement (one device or a mesh) wraps the step functions and
-    sets the batch buckets."""
+                     placement: SingleDevice, verifier: Verifier) -> tuple[ExecutableCache, ExecutableCache]:
+    """(prefill, decode) ``ExecutableCache``s for a target (and optional draft) model; decode steps
+    (verified by ``verifier``: ``verifiers.ChainVerifier`` or ``TreeVerifier``) are compiled per k in
+    ``k_values``; the placement (one device or a mesh) wraps the step functions and sets the batch buckets."""
     dims = {"batch": Buckets(placement.batch_buckets(config.batch_buckets)), "blocks": config.block_buckets()}
     common = dict(dims=dims, donate_argnames=("target_cache", "draft_cache"), masks={"request_mask": "batch"},
                   fallback={"backend": "xla"} if config.backend == "auto" else None)
@@ -29,8 +30,7 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
         pads={"block_tables": _TABLE_PADS, "tokens": Pad("batch"), "start": Pad("batch"), "count": Pad("batch")},
         static_argnames=("backend",), name="prefill_step", **common)
     decode = ExecutableCache(
-        placement.step(make_decode_step(target, draft, config.block_size) if config.tree is None
-                       else make_tree_decode_step(target, draft, config.block_size, config.tree)),
+        placement.step(make_decode_step(target, draft, config.block_size, verifier)),
         pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch")},
         bucketed_statics={"k": k_values}, static_argnames=("greedy", "logprobs", "backend", "packed_k"),
         name="decode_step",

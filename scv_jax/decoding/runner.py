@@ -31,6 +31,7 @@ from scv_jax.decoding.plan import DecodeWork, PrefillWork, SamplingColumn, StepR
 from scv_jax.decoding.proposers.base import Proposer
 from scv_jax.decoding.requests import RequestBatch
 from scv_jax.decoding.stats import GenerateStats
+from scv_jax.decoding.verifiers import ChainVerifier, TreeVerifier
 from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
@@ -85,8 +86,9 @@ class StepRunner:
                                   draft_placed.cache_dims, factory=self.placement.new_cache)
         self.step_ks = proposer.step_ks
         self.packed_ks = self._packed_draft_counts()
+        verifier = ChainVerifier() if proposer.verifier == "chain" else TreeVerifier(cfg.tree)
         self.prefill_executable, self.decode_executable = step_executables(
-            cfg, self.target, self.draft, self.step_ks, self.placement)
+            cfg, self.target, self.draft, self.step_ks, self.placement, verifier)
         self._plans: dict[tuple, BucketPlan] = {}
         self.lock = threading.RLock()        # one step at a time (engines on this decoder, threads)
         self.warmed_up = False

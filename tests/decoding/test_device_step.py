@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import scv_jax
-from scv_jax.decoding.device_step import (SamplingColumn, SplitModel, StepRow, compact_drafts, fitting_drafts,
-                                           make_decode_step, make_prefill_step, packed_layout, ragged_slots)
+from scv_jax.decoding.device_step import SamplingColumn, SplitModel, StepRow, make_prefill_step
+from scv_jax.decoding.step_fn import make_decode_step
+from scv_jax.decoding.verifiers import ChainVerifier, compact_drafts, fitting_drafts, packed_layout, ragged_slots
 from tests.models.fixtures import TINY, tiny_model
 
 BLOCK, BLOCKS_PER_REQUEST, BATCH, K = 8, 4, 4, 3
@@ -26,7 +27,8 @@ def setup():
     model = tiny_model(TINY, seed=0)
     split, params = SplitModel.split(model)
     prefill = jax.jit(make_prefill_step(split, None, BLOCK), static_argnames=("backend",))
-    step = jax.jit(make_decode_step(split, None, BLOCK), static_argnames=("k", "greedy", "backend", "packed_k"))
+    step = jax.jit(make_decode_step(split, None, BLOCK, ChainVerifier()),
+                   static_argnames=("k", "greedy", "backend", "packed_k"))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in PROMPT_LENS]
     forward = jax.jit(lambda tokens: model(tokens))

@@ -16,7 +16,8 @@ from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, Specula
 from scv_jax.decoding.device_step import SamplingColumn, SplitModel, StepRow
 from scv_jax.decoding.proposers.ngram import NgramDrafter as _Drafter
 from scv_jax.decoding.proposers.ngram_trie import build_trie, continuations, propose_tries
-from scv_jax.decoding.tree_step import make_tree_decode_step, tree_inputs
+from scv_jax.decoding.step_fn import make_decode_step
+from scv_jax.decoding.verifiers import TreeVerifier, tree_inputs
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.sampling.api import filtered_probs
@@ -95,7 +96,7 @@ def test_a_step_writes_the_pending_token_and_the_accepted_path_only(target, sour
     split_draft, draft_params = SplitModel.split(draft)
     target_cache = _random_cache(1, num_blocks, block_size, TINY)
     draft_cache = _random_cache(1, num_blocks, block_size, TINY)
-    step = jax.jit(make_tree_decode_step(split_target, split_draft, block_size, TREE),
+    step = jax.jit(make_decode_step(split_target, split_draft, block_size, TreeVerifier(TREE)),
                    static_argnames=("k", "greedy", "backend"))
     if source == "model":
         args = dict(draft_params=draft_params, drafts=None)

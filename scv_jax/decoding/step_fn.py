@@ -1,0 +1,143 @@
+"""The decode step: one straight sequence of stages inside one executable, the same for every k and
+every verifier (``verifiers.ChainVerifier``: chains of drafts; ``verifiers.TreeVerifier``: token trees):
+
+0. ``step_inputs``: the per-request row int32[B, StepRow.WIDTH] unpacked once (``StepInputs``: lag,
+   context lengths, num_drafts / depth caps, the last MAX_CATCH_UP tokens, the draft's lag tokens and
+   length, the random keys [B], stop ids [B, MAX_STOP_IDS], the request mask).
+1. ``propose``: the drafts, from host ``drafts`` (chain int32[B, k], tree int32[B, 2, k]) or from the draft
+   model (a chain of k, or a tree of k nodes); with k = 0 nothing runs.
+2. ``score``: the target's forward over the pending token and the proposal, over its cache.
+3. ``accept``: the acceptance (greedy, or lossless rejection sampling on each request's filtered target
+   distribution) and the commit of the target's K/V for the pending token and the accepted tokens.
+4. ``commit_draft``: the draft's K/V of its lag tokens and the accepted drafts it ran.
+
+A k = 0 step (plain autoregressive decoding: the pending token scored, the next one chosen) is the chain
+verifier's for every verifier. No cache receives a rejected token's K/V. The host then fetches the step's
+``StepSummary`` and adapts k. Positions: ``scv_jax.decoding.positions``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from scv_jax.decoding.device_step import SplitModel, StepRow, request_keys
+from scv_jax.decoding.positions import MAX_CATCH_UP
+from scv_jax.decoding.verifiers import ChainVerifier, Verifier
+from scv_jax.ops.sampling.api import token_logprobs
+from scv_jax.sampling_params import MAX_LOGPROBS
+
+_AUTOREGRESSIVE = ChainVerifier()      # every verifier's k = 0 step
+
+
+class StepInputs(NamedTuple):
+    """A decode step's ``rows`` unpacked (B requests).
+
+    Attributes:
+      lag: int32[B] tokens the draft cache lacks, in [1, MAX_CATCH_UP] (0 on padding rows).
+      context_lens: int32[B] positions in the target cache (the pending token's position).
+      num_drafts: int32[B] a chain's drafts to verify, in [0, k]; a tree's depth cap.
+      tail: int32[B, MAX_CATCH_UP] the request's last tokens, the pending one last.
+      lag_tokens: int32[B, MAX_CATCH_UP] the lag tokens, left-aligned (the draft's catch-up forward).
+      keys: [B] typed keys, each request's stream folded with its context length (``request_keys``).
+      draft_lens: int32[B] positions in the draft cache (``context_lens + 1 - lag``).
+      request_mask: bool[B], False = padding.
+      stop_ids: int32[B, MAX_STOP_IDS] the token ids that end each request (-1 = none).
+    """
+
+    lag: jax.Array
+    context_lens: jax.Array
+    num_drafts: jax.Array
+    tail: jax.Array
+    lag_tokens: jax.Array
+    keys: jax.Array
+    draft_lens: jax.Array
+    request_mask: jax.Array
+    stop_ids: jax.Array
+
+    @property
+    def pending(self) -> jax.Array:
+        """int32[B] the token the target scores first (its K/V not yet cached)."""
+        return self.tail[:, -1]
+
+
+def step_inputs(rows: jax.Array, request_mask: jax.Array | None) -> StepInputs:
+    """``StepInputs`` of int32[B, StepRow.WIDTH] rows (``request_mask`` None: every row a request)."""
+    lag, context_lens, num_drafts = rows[:, StepRow.LAG], rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS]
+    tail = rows[:, StepRow.TOKENS:]
+    catch_up = jnp.arange(MAX_CATCH_UP, dtype=jnp.int32)[None, :] + MAX_CATCH_UP - lag[:, None]
+    lag_tokens = jnp.take_along_axis(tail, jnp.clip(catch_up, 0, MAX_CATCH_UP - 1), axis=1)  # left-aligned
+    if request_mask is None:
+        request_mask = jnp.ones((rows.shape[0],), jnp.bool_)
+    keys = request_keys(rows[:, StepRow.KEY:StepRow.KEY + 2], context_lens)
+    return StepInputs(lag, context_lens, num_drafts, tail, lag_tokens, keys, context_lens + 1 - lag, request_mask,
+                      rows[:, StepRow.STOP:StepRow.TOKENS])
+
+
+def _check(verifier: Verifier, drafts, draft_params, *, k: int, logprobs: bool, packed_k: int) -> None:
+    """The step's arguments, checked while tracing (one-line ValueErrors naming the argument)."""
+    verifier.check(k=k, logprobs=logprobs, packed_k=packed_k)
+    if k and drafts is None and draft_params is None:
+        raise ValueError("decode_step: k > 0 needs draft_params (a draft model) or drafts")
+    if drafts is not None and draft_params is not None:
+        raise ValueError("decode_step: give either draft_params (a draft model) or drafts (host drafts), not both")
+    if drafts is not None and tuple(drafts.shape[1:]) != verifier.drafts_shape(k):
+        shape = ", ".join(map(str, verifier.drafts_shape(k)))
+        raise ValueError(f"{verifier.name} decode_step: drafts must be int32[B, {shape}] (k={k}), "
+                         f"got shape {drafts.shape}")
+
+
+def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: int, verifier: Verifier):
+    """``decode_step(...)``: one speculative step verified by ``verifier`` (plain autoregressive decoding at
+    k = 0)."""
+
+    def decode_step(target_params, draft_params, target_cache, draft_cache, block_tables, rows, sampling,
+                    drafts=None, request_mask=None, *, k: int, greedy: bool, logprobs: bool = False,
+                    backend: str = "auto", packed_k: int = 0):
+        """One decoding step of B requests (see ``scv_jax.decoding.positions``).
+
+        Args:
+          target_params, draft_params: the models' parameter leaves (``SplitModel.split``);
+            draft_params None: no draft model runs (k = 0, or given ``drafts``).
+          block_tables: int32[B, max_blocks] (-1 = none); shared by both caches.
+          rows: int32[B, StepRow.WIDTH] per request: its draft lag, target context length, number of
+            drafts to verify (chain: the first ones, in [0, k], cut after a draft that is a stop id;
+            tree: its depth cap), random stream, stop ids and last MAX_CATCH_UP tokens (``StepRow``).
+          sampling: float32[B, SamplingColumn.WIDTH] each request's temperature (0 = greedy), top-k,
+            top-p and min-p (unused when ``greedy``).
+          drafts: drafts proposed on the host (chain: int32[B, k] n-gram drafts; tree: int32[B, 2, k]
+            node tokens then parents), or None (the draft model's; ignored at k = 0).
+          request_mask: bool[B], False = padding.
+          k: drafts computed per request (static; a tree's node count); greedy: every request greedy
+            (static: the argmax fused into the acceptance; False verifies each request against its
+            filtered distribution).
+          logprobs: also return the log-probabilities of the emitted tokens and the top MAX_LOGPROBS
+            (at most V; static; dense chain steps only).
+          packed_k: 0 (a dense [B, k + 1] target forward) or in [1, k): the target scores B *
+            (packed_k + 1) tokens packed (``verifiers.score_packed``), at most B * packed_k drafts in all
+            (static; chain steps only; the last requests' ``num_drafts`` are cut to fit).
+        Returns:
+          (target_cache, draft_cache, ``StepSummary``), with ``logprobs`` then ``TokenLogprobs`` of the
+          [B, k + 1] emitted tokens (-inf past each request's last).
+        """
+        _check(verifier, drafts, draft_params, k=k, logprobs=logprobs, packed_k=packed_k)
+        stages = verifier if k else _AUTOREGRESSIVE
+        inputs = step_inputs(rows, request_mask)
+        draft_model = None if draft_params is None or k == 0 else draft.merge(draft_params)
+        proposal = stages.propose(draft_model, drafts if k else None, draft_cache, block_tables, inputs, sampling,
+                                  k=k, greedy=greedy, backend=backend)
+        scored = stages.score(target.merge(target_params), target_cache, block_tables, inputs, proposal, k=k,
+                              packed_k=packed_k, backend=backend)
+        target_cache, summary, result = stages.accept(target_cache, scored, proposal, inputs, sampling, block_tables,
+                                                      block_size=block_size, greedy=greedy, backend=backend)
+        draft_cache = stages.commit_draft(draft_cache, proposal, result, block_tables, inputs, block_size=block_size,
+                                          backend=backend)
+        if logprobs:        # a dense chain step's [B, k + 1] logits (the verifier refuses the others)
+            num_top = min(MAX_LOGPROBS, scored.output.logits.shape[-1])
+            return target_cache, draft_cache, summary, token_logprobs(scored.output.logits, summary.packed[:, :k + 1],
+                                                                      num_top)
+        return target_cache, draft_cache, summary
+
+    return decode_step
