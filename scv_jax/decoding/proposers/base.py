@@ -36,6 +36,11 @@ class Trie(NamedTuple):
         return max(depth, default=0)
 
 
+def path_trie(chain: Sequence[int]) -> Trie:
+    """A chain of drafts as a one-path tree."""
+    return Trie(list(chain), list(range(-1, len(chain) - 1)))
+
+
 class HostDrafter:
     """Base class of a drafter that proposes tokens on the host (n-gram lookup, suffix trees, a
     retrieval index, your own): override ``propose``, and the lifecycle hooks if it keeps per-request
@@ -64,8 +69,7 @@ class HostDrafter:
                      max_depth: np.ndarray) -> list[Trie]:
         """Each request's draft tree (at most ``max_nodes`` nodes, ``max_depth[i]`` deep) for a tree
         decoder; by default its ``propose`` chain (cut to ``max_nodes``) as a one-path tree."""
-        chains = self.propose(request_ids, token_ids, np.minimum(max_depth, max_nodes))
-        return [Trie(list(chain), list(range(-1, len(chain) - 1))) for chain in chains]
+        return [path_trie(chain) for chain in self.propose(request_ids, token_ids, np.minimum(max_depth, max_nodes))]
 
     def start(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         """Called once when a request is admitted (before its first ``propose``)."""

@@ -9,7 +9,8 @@ from typing import Sequence
 import numpy as np
 
 from scv_jax.decoding.plan import Drafts
-from scv_jax.decoding.proposers.base import HostDrafter, Proposer, checked_chains, checked_tries, smallest_fitting
+from scv_jax.decoding.proposers.base import (HostDrafter, Proposer, checked_chains, checked_tries, path_trie,
+                                             smallest_fitting)
 from scv_jax.decoding.proposers.ngram import draft_grid
 from scv_jax.decoding.proposers.ngram_trie import trie_grid
 
@@ -52,8 +53,12 @@ class HostTrees(Proposer):
         return self.max_depth
 
     def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> Drafts:
-        tries = checked_tries(self.host, self.host.propose_tree(request_ids, token_ids, self.max_nodes, caps),
-                              self.max_nodes, caps, self.vocab_size)
+        if type(self.host).propose_tree is HostDrafter.propose_tree:     # its chains (caps <= max_nodes)
+            tries = [path_trie(chain) for chain in checked_chains(
+                self.host, self.host.propose(request_ids, token_ids, caps), caps, self.vocab_size)]
+        else:
+            tries = checked_tries(self.host, self.host.propose_tree(request_ids, token_ids, self.max_nodes, caps),
+                                  self.max_nodes, caps, self.vocab_size)
         num_drafts = np.minimum([t.depth for t in tries], caps).astype(np.int64)   # the deepest path it offers
         return Drafts(num_drafts, smallest_fitting(self.step_ks, max((len(t.tokens) for t in tries), default=0)), tries)
 
