@@ -61,7 +61,7 @@ class InstantStep:
         drafts = rows[:, StepRow.NUM_DRAFTS]
         width = plan.statics["k"] + 1
         tokens = np.where(np.arange(width) <= drafts[:, None], 65, -1).astype(np.int32)
-        packed = np.concatenate([tokens, drafts[:, None], (drafts + 1)[:, None]], axis=1)
+        packed = np.concatenate([tokens, drafts[:, None], (drafts + 1)[:, None], drafts[:, None]], axis=1)
         summary = StepSummary(jax.device_put(packed).block_until_ready())
         if self._evict is not None:
             self._evict.sum()

@@ -24,6 +24,7 @@ CONTRACTS = {c["name"]: c for c in
 LAYERS = "scv_jax layers, top to bottom"
 LEAF = "pallas_kernels is a leaf (no scv_jax, no flax)"
 HOST_ONLY = "host-only modules import no jax"
+ROLES = "decoding: the roles, top to bottom"
 
 # ``scv_jax/__init__.py`` resolves its public names with importlib, which no static graph sees: a module
 # that imports the root package may reach any layer. Only the top layer does.
@@ -151,7 +152,10 @@ def test_lint_imports_keeps_every_contract():
      LEAF),
     # jax reached indirectly, through scv_jax.checks
     ("scv_jax/decoding/positions.py", "from scv_jax.checks import as_array\n", HOST_ONLY),
-], ids=["upward", "function-level", "type-checking", "indirect-jax"])
+    # the scheduler reaching into the runner (its sibling role): a type hint pointing sideways counts
+    ("scv_jax/decoding/scheduler.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+     "    from scv_jax.decoding.runner import StepRunner\n", ROLES),
+], ids=["upward", "function-level", "type-checking", "indirect-jax", "sideways-role"])
 def test_lint_imports_breaks_a_contract_on_a_bad_import(tmp_path, module, addition, broken):
     assert broken in CONTRACTS
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "weights")

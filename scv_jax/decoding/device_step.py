@@ -21,10 +21,10 @@ from scv_jax.ops.commit.sharded import sharded_commit_draft_kv
 from scv_jax.ops.sampling.api import filtered_probs
 
 # fold_in tags of a request's per-step key
-_ACCEPT, _BONUS, _DRAFT = 0, 1, 2
+ACCEPT_TAG, BONUS_TAG, DRAFT_TAG = 0, 1, 2
 
 
-def _filters(sampling: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def sampling_filters(sampling: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """float32[B, SamplingColumn.WIDTH] -> ``filtered_probs``' (temperature, top_k, top_p, min_p)."""
     return (sampling[:, SamplingColumn.TEMPERATURE], sampling[:, SamplingColumn.TOP_K].astype(jnp.int32),
             sampling[:, SamplingColumn.TOP_P], sampling[:, SamplingColumn.MIN_P])
@@ -68,7 +68,51 @@ def request_keys(key_data: jax.Array, positions: jax.Array) -> jax.Array:
         data, positions.astype(jnp.uint32))
 
 
-def _tagged(keys: jax.Array, tag: int) -> jax.Array:
+class StepInputs(NamedTuple):
+    """A decode step's ``rows`` unpacked (B requests).
+
+    Attributes:
+      lag: int32[B] tokens the draft cache lacks, in [1, MAX_CATCH_UP] (0 on padding rows).
+      context_lens: int32[B] positions in the target cache (the pending token's position).
+      num_drafts: int32[B] a chain's drafts to verify, in [0, k]; a tree's depth cap.
+      tail: int32[B, MAX_CATCH_UP] the request's last tokens, the pending one last.
+      lag_tokens: int32[B, MAX_CATCH_UP] the lag tokens, left-aligned (the draft's catch-up forward).
+      keys: [B] typed keys, each request's stream folded with its context length (``request_keys``).
+      draft_lens: int32[B] positions in the draft cache (``context_lens + 1 - lag``).
+      request_mask: bool[B], False = padding.
+      stop_ids: int32[B, MAX_STOP_IDS] the token ids that end each request (-1 = none).
+    """
+
+    lag: jax.Array
+    context_lens: jax.Array
+    num_drafts: jax.Array
+    tail: jax.Array
+    lag_tokens: jax.Array
+    keys: jax.Array
+    draft_lens: jax.Array
+    request_mask: jax.Array
+    stop_ids: jax.Array
+
+    @property
+    def pending(self) -> jax.Array:
+        """int32[B] the token the target scores first (its K/V not yet cached)."""
+        return self.tail[:, -1]
+
+
+def step_inputs(rows: jax.Array, request_mask: jax.Array | None) -> StepInputs:
+    """``StepInputs`` of int32[B, StepRow.WIDTH] rows (``request_mask`` None: every row a request)."""
+    lag, context_lens, num_drafts = rows[:, StepRow.LAG], rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS]
+    tail = rows[:, StepRow.TOKENS:]
+    catch_up = jnp.arange(MAX_CATCH_UP, dtype=jnp.int32)[None, :] + MAX_CATCH_UP - lag[:, None]
+    lag_tokens = jnp.take_along_axis(tail, jnp.clip(catch_up, 0, MAX_CATCH_UP - 1), axis=1)  # left-aligned
+    if request_mask is None:
+        request_mask = jnp.ones((rows.shape[0],), jnp.bool_)
+    keys = request_keys(rows[:, StepRow.KEY:StepRow.KEY + 2], context_lens)
+    return StepInputs(lag, context_lens, num_drafts, tail, lag_tokens, keys, context_lens + 1 - lag, request_mask,
+                      rows[:, StepRow.STOP:StepRow.TOKENS])
+
+
+def tagged_keys(keys: jax.Array, tag: int) -> jax.Array:
     return jax.vmap(lambda key: jax.random.fold_in(key, tag))(keys)
 
 
@@ -79,12 +123,12 @@ def choose_tokens(logits: jax.Array, keys: jax.Array, sampling: jax.Array, greed
     one-hot of its argmax) with its probs [B, V]."""
     if greedy:
         return argmax_ignoring_nan(logits), None
-    probs = filtered_probs(logits, *_filters(sampling), backend="xla")
+    probs = filtered_probs(logits, *sampling_filters(sampling), backend="xla")
     tokens = jax.vmap(jax.random.categorical)(keys, jnp.log(probs)).astype(jnp.int32)
     return tokens, probs
 
 
-def _flatten_rows(x: jax.Array) -> jax.Array:
+def flatten_rows(x: jax.Array) -> jax.Array:
     """[layers, B, T, ...] -> [layers, B * T, ...]."""
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
@@ -102,7 +146,7 @@ def commit_positions(cache: PagedKVCache, keys: jax.Array, values: jax.Array, bl
     t = jnp.arange(keys.shape[2], dtype=jnp.int32)
     slots = slots_from_block_table(block_tables, first_position[:, None] + t, block_size).reshape(-1)
     mask = (t[None, :] < num_rows[:, None]).reshape(-1)
-    return sharded_commit_draft_kv(cache, _flatten_rows(keys), _flatten_rows(values), slots, mask,
+    return sharded_commit_draft_kv(cache, flatten_rows(keys), flatten_rows(values), slots, mask,
                                    backend=backend)
 
 

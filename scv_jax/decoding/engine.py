@@ -28,7 +28,7 @@ import numpy as np
 
 from scv_jax.arguments import require_int
 from scv_jax.decoding.config import DecoderConfig
-from scv_jax.decoding.outputs import RequestOutput, TokenLogprob  # noqa: F401  (the engine's public records)
+from scv_jax.decoding.outputs import RequestOutput
 from scv_jax.decoding.placement import ShardingConfig
 from scv_jax.decoding.plan import SamplingColumn
 from scv_jax.decoding.proposers.factory import draft_model_of, make_proposer
@@ -255,7 +255,7 @@ class Engine:
             result = runner.fetch(pending)
             fetched = time.perf_counter()
             outputs += scheduler.update(work, result)
-            self.tally.add(work.drafts.num_drafts, result.num_accepted, result.num_emitted)
+            self.tally.add(result.num_verified, result.num_accepted, result.num_emitted)
             runner.record(pending, result, stats, fetched)
             return outputs
 

@@ -88,7 +88,8 @@ class StepResult:
 
     Attributes:
       output_token_ids: int32[B, K + 1] each request's emitted tokens (its first ``num_emitted``);
-      num_emitted, num_accepted: int[B].
+      num_emitted, num_accepted: int[B]; num_verified: int[B] the drafts the device verified (a chain's
+        drafts after a stop token are not).
       logprobs: the emitted tokens' ``TokenLogprobs`` (numpy) when the work asked for them, else None.
       batch: the rows the step computed (padding included: what the controller's costs see).
       seconds: the step's wall time (planning excluded), None when it compiled or first ran an
@@ -98,6 +99,7 @@ class StepResult:
     output_token_ids: np.ndarray
     num_emitted: np.ndarray
     num_accepted: np.ndarray
+    num_verified: np.ndarray
     logprobs: object | None
     batch: int
     seconds: float | None

@@ -205,7 +205,7 @@ class StepRunner:
         host, host_logprobs = pending.layout.fetch(summary, *logprobs)
         cold = self.decode_executable.last_call_first_run        # compiled now or ahead of time, never run
         fetched = time.perf_counter()
-        return StepResult(host.output_token_ids, host.num_emitted, host.num_accepted, host_logprobs,
+        return StepResult(host.output_token_ids, host.num_emitted, host.num_accepted, host.num_verified, host_logprobs,
                           pending.layout.computed, None if cold else fetched - pending.started,
                           pending.dispatched - pending.started)
 

@@ -227,7 +227,7 @@ class Scheduler:
         appended, done, stopped = state.advance(rows, result.output_token_ids, result.num_emitted)
         state.lag[rows] = self.proposer.lag_after_step(lag, result.num_accepted, step_k)
         state.may_lag |= step_k == 0
-        outputs = self._outputs(requests, appended, done, stopped, work.drafts.num_drafts, result)
+        outputs = self._outputs(requests, appended, done, stopped, result)
         if work.kind in self._controllers:
             # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
             # a short one) as a rejection at that position: E(k) is then what a step of k really emits
@@ -242,12 +242,12 @@ class Scheduler:
         return outputs
 
     def _outputs(self, requests: list[Request], appended: np.ndarray, done: np.ndarray, stopped: np.ndarray,
-                 num_drafts: np.ndarray, result: StepResult) -> list[RequestOutput]:
+                 result: StepResult) -> list[RequestOutput]:
         """Each request's output of the step (those that emitted or ended), after recording its tokens."""
         outputs, state, host = [], self.batch, self.proposer.host
         for i, request in enumerate(requests):
             row, count = request.row, int(appended[i])
-            request.drafted += int(num_drafts[i])
+            request.drafted += int(result.num_verified[i])
             request.accepted_at[:int(result.num_accepted[i])] += 1
             new = state.tokens[row, state.length[row] - count:state.length[row]].tolist()
             request.token_ids += new

@@ -18,62 +18,12 @@ verifier's for every verifier. No cache receives a rejected token's K/V. The hos
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import jax
-import jax.numpy as jnp
-
-from scv_jax.decoding.device_step import SplitModel, StepRow, request_keys
-from scv_jax.decoding.positions import MAX_CATCH_UP
+from scv_jax.decoding.device_step import SplitModel, step_inputs
 from scv_jax.decoding.verifiers import ChainVerifier, Verifier
 from scv_jax.ops.sampling.api import token_logprobs
 from scv_jax.sampling_params import MAX_LOGPROBS
 
 _AUTOREGRESSIVE = ChainVerifier()      # every verifier's k = 0 step
-
-
-class StepInputs(NamedTuple):
-    """A decode step's ``rows`` unpacked (B requests).
-
-    Attributes:
-      lag: int32[B] tokens the draft cache lacks, in [1, MAX_CATCH_UP] (0 on padding rows).
-      context_lens: int32[B] positions in the target cache (the pending token's position).
-      num_drafts: int32[B] a chain's drafts to verify, in [0, k]; a tree's depth cap.
-      tail: int32[B, MAX_CATCH_UP] the request's last tokens, the pending one last.
-      lag_tokens: int32[B, MAX_CATCH_UP] the lag tokens, left-aligned (the draft's catch-up forward).
-      keys: [B] typed keys, each request's stream folded with its context length (``request_keys``).
-      draft_lens: int32[B] positions in the draft cache (``context_lens + 1 - lag``).
-      request_mask: bool[B], False = padding.
-      stop_ids: int32[B, MAX_STOP_IDS] the token ids that end each request (-1 = none).
-    """
-
-    lag: jax.Array
-    context_lens: jax.Array
-    num_drafts: jax.Array
-    tail: jax.Array
-    lag_tokens: jax.Array
-    keys: jax.Array
-    draft_lens: jax.Array
-    request_mask: jax.Array
-    stop_ids: jax.Array
-
-    @property
-    def pending(self) -> jax.Array:
-        """int32[B] the token the target scores first (its K/V not yet cached)."""
-        return self.tail[:, -1]
-
-
-def step_inputs(rows: jax.Array, request_mask: jax.Array | None) -> StepInputs:
-    """``StepInputs`` of int32[B, StepRow.WIDTH] rows (``request_mask`` None: every row a request)."""
-    lag, context_lens, num_drafts = rows[:, StepRow.LAG], rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS]
-    tail = rows[:, StepRow.TOKENS:]
-    catch_up = jnp.arange(MAX_CATCH_UP, dtype=jnp.int32)[None, :] + MAX_CATCH_UP - lag[:, None]
-    lag_tokens = jnp.take_along_axis(tail, jnp.clip(catch_up, 0, MAX_CATCH_UP - 1), axis=1)  # left-aligned
-    if request_mask is None:
-        request_mask = jnp.ones((rows.shape[0],), jnp.bool_)
-    keys = request_keys(rows[:, StepRow.KEY:StepRow.KEY + 2], context_lens)
-    return StepInputs(lag, context_lens, num_drafts, tail, lag_tokens, keys, context_lens + 1 - lag, request_mask,
-                      rows[:, StepRow.STOP:StepRow.TOKENS])
 
 
 def _check(verifier: Verifier, drafts, draft_params, *, k: int, logprobs: bool, packed_k: int) -> None:

@@ -37,7 +37,7 @@ No cache receives a rejected token's K/V.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,8 +45,8 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_batch import slot_owner
 from pallas_kernels.sampling_math import argmax_ignoring_nan
 from pallas_kernels.tree_mask import ancestor_mask, depths
-from scv_jax.decoding.device_step import (_ACCEPT, _BONUS, _DRAFT, _filters, _flatten_rows, _tagged, choose_tokens,
-                                          commit_positions)
+from scv_jax.decoding.device_step import (ACCEPT_TAG, BONUS_TAG, DRAFT_TAG, StepInputs, choose_tokens,
+                                          commit_positions, flatten_rows, sampling_filters, tagged_keys)
 from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
 from scv_jax.decoding.tree_config import TreeConfig
 from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
@@ -61,8 +61,6 @@ from scv_jax.sharding.mesh import DATA, active_mesh
 from scv_jax.verify.sharded import sharded_verify_step
 from scv_jax.verify.summary import StepSummary
 
-if TYPE_CHECKING:
-    from scv_jax.decoding.step_fn import StepInputs
 
 
 class Verifier(Protocol):
@@ -135,7 +133,7 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
     stage_k = jnp.zeros(stage_shape, out.keys.dtype).at[:, :, :MAX_CATCH_UP].set(out.keys)
     stage_v = jnp.zeros(stage_shape, out.values.dtype).at[:, :, :MAX_CATCH_UP].set(out.values)
     logits = jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1)[:, 0]
-    first, first_probs = choose_tokens(logits, _tagged(keys, _DRAFT), sampling, greedy)
+    first, first_probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG), sampling, greedy)
     slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
 
     def one_draft(carry, j):
@@ -147,7 +145,7 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
         at_length = (slots[None, :] == lengths[:, None])[None, :, :, None, None]
         stage_k = jnp.where(at_length, o.keys, stage_k)
         stage_v = jnp.where(at_length, o.values, stage_v)
-        nxt, probs = choose_tokens(o.logits[:, 0], _tagged(keys, _DRAFT + j), sampling, greedy)
+        nxt, probs = choose_tokens(o.logits[:, 0], tagged_keys(keys, DRAFT_TAG + j), sampling, greedy)
         return (stage_k, stage_v, lengths + 1, nxt), (nxt, probs)
 
     (stage_k, stage_v, lengths, _), (rest, rest_probs) = jax.lax.scan(
@@ -240,9 +238,9 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
         cu, source = ragged_slots(num_drafts, k, 1 if mesh is None else mesh.shape[DATA])
         draft_logits = lambda: compact_drafts(scored.logits[:, :k], source)  # noqa: E731
         target_probs = lambda: compact_drafts(  # noqa: E731
-            filtered_probs(scored.logits[:, :k], *_filters(sampling), backend="xla"), source)
+            filtered_probs(scored.logits[:, :k], *sampling_filters(sampling), backend="xla"), source)
         after_last = jnp.take_along_axis(scored.logits, num_drafts[:, None, None], axis=1)[:, 0]
-        new_keys, new_values, slots, kv_layout = (_flatten_rows(scored.keys), _flatten_rows(scored.values),
+        new_keys, new_values, slots, kv_layout = (flatten_rows(scored.keys), flatten_rows(scored.values),
                                                   slots.reshape(-1), "grid")
     else:   # draft slot s of request b is token s + b (after b requests' pending tokens)
         num_tokens = packed.rows.shape[0]
@@ -251,12 +249,12 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
                                     num_tokens - 1)
         draft_logits = lambda: scored.logits[token_of_slot]  # noqa: E731
         target_probs = lambda: filtered_probs(  # noqa: E731
-            draft_logits(), *_filters(sampling), rows=packed.rows[token_of_slot], backend="xla")
+            draft_logits(), *sampling_filters(sampling), rows=packed.rows[token_of_slot], backend="xla")
         after_last = scored.logits[cu[1:] + jnp.arange(batch, dtype=jnp.int32)]
         new_keys, new_values, kv_layout = scored.keys, scored.values, "query"
         slots = slots[packed.rows, jnp.minimum(packed.offsets, k)]
     compact = lambda x: compact_drafts(x, source)  # noqa: E731  [B, k, ...] -> [T, ...]
-    bonus, _ = choose_tokens(after_last, _tagged(keys, _BONUS), sampling, greedy)
+    bonus, _ = choose_tokens(after_last, tagged_keys(keys, BONUS_TAG), sampling, greedy)
     # the commit writes the cache as it is after every read (the bonus token comes from the last
     # logits): with k = 0 the acceptance does not depend on them, and XLA:CPU would copy the donated
     # cache instead of updating it in place (tests/decoding: test_decode_steps_update_the_caches_in_place)
@@ -267,7 +265,7 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
     else:
         acceptance = dict(target_probs=target_probs(),
                           draft_probs=None if proposal.probs is None else compact(proposal.probs),
-                          key=_tagged(keys, _ACCEPT))
+                          key=tagged_keys(keys, ACCEPT_TAG))
     return sharded_verify_step(target_cache, new_keys, new_values, slots, compact(proposal.tokens), cu, bonus,
                                request_mask=request_mask, max_spec_len=k, kv_layout=kv_layout, backend=backend,
                                **acceptance)
@@ -447,8 +445,8 @@ def accept_tree(logits: jax.Array, tokens: jax.Array, parents: jax.Array, keys: 
         result = accept_tree_greedy(tokens, parents, num_nodes, argmax_ignoring_nan(logits), max_depth=max_depth,
                                     backend=backend)
     else:
-        probs = filtered_probs(logits, *_filters(sampling), backend="xla")
-        result = tree_rejection_sample(tokens, parents, num_nodes, probs, key=_tagged(keys, _ACCEPT),
+        probs = filtered_probs(logits, *sampling_filters(sampling), backend="xla")
+        result = tree_rejection_sample(tokens, parents, num_nodes, probs, key=tagged_keys(keys, ACCEPT_TAG),
                                        max_depth=max_depth, backend="xla")
     live = request_mask[:, None]
     return TreeAcceptResult(jnp.where(live, result.output_token_ids, -1),
@@ -459,7 +457,7 @@ def accept_tree(logits: jax.Array, tokens: jax.Array, parents: jax.Array, keys: 
 def _commit(cache: PagedKVCache, keys: jax.Array, values: jax.Array, slots: jax.Array, mask: jax.Array,
             backend: str) -> PagedKVCache:
     """Commits rows of [layers, B, T, ...] K/V to ``slots`` int32[B, T] where ``mask`` bool[B, T]."""
-    return sharded_commit_draft_kv(cache, _flatten_rows(keys), _flatten_rows(values), slots.reshape(-1),
+    return sharded_commit_draft_kv(cache, flatten_rows(keys), flatten_rows(values), slots.reshape(-1),
                                    (mask & (slots >= 0)).reshape(-1), backend=backend)
 
 
@@ -534,7 +532,8 @@ class TreeVerifier:
                                     block_size=block_size)
         target_cache = _commit(target_cache, scored.output.keys, scored.output.values, slots,
                                inputs.request_mask[:, None], backend)
-        return target_cache, StepSummary.pack(result.output_token_ids, result.num_accepted), result
+        verified = jnp.where(inputs.request_mask, jnp.clip(inputs.num_drafts, 0, self.tree.max_depth), 0)
+        return target_cache, StepSummary.pack(result.output_token_ids, result.num_accepted, verified), result
 
     def commit_draft(self, draft_cache, proposal, result, block_tables, inputs, *, block_size, backend
                      ) -> PagedKVCache:

@@ -130,4 +130,6 @@ def verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_token_ids, c
     kv_cache = commit_draft_kv(kv_cache, new_keys, new_values, slot_mapping, commit, backend=backend)
     accept_mask = commit if kv_layout == "drafts" else result.accept_mask & request_mask[
         slot_owner(cu, result.accept_mask.shape[0])[0]]
-    return kv_cache, VerifyStepOutput(tokens, num_accepted, accept_mask, StepSummary.pack(tokens, num_accepted))
+    num_verified = jnp.where(request_mask, cu[1:] - cu[:-1], 0)
+    return kv_cache, VerifyStepOutput(tokens, num_accepted, accept_mask,
+                                      StepSummary.pack(tokens, num_accepted, num_verified))

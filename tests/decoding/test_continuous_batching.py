@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from scv_jax import DecoderConfig, Engine, NgramDrafter, SpeculativeDecoder
+from scv_jax import DecoderConfig, NgramDrafter, SpeculativeDecoder
 from scv_jax.decoding.runner import StepRunner
 from tests.decoding.common import MAX_NEW, SMALL, prompts
 from tests.decoding.test_drafting import Spy

@@ -43,11 +43,12 @@ def test_shard_major_rows_and_their_padding():
     assert arranged["lag"].tolist() == [3, 1, 1, 1, 2, 4, 5, 1]
     assert arranged["tables"][[1, 2, 3, 7]].tolist() == [[-1, -1]] * 4 and arranged["tables"][4].tolist() == [0, 1]
     assert arranged["request_mask"].tolist() == [True, False, False, False, True, True, True, False]
-    packed = np.full((8, 4), -1, np.int32)       # one token, then the accepted and emitted counts
+    packed = np.full((8, 5), -1, np.int32)       # one token, then the accepted, emitted and verified counts
     packed[layout.rows, 0], packed[layout.rows, 2], packed[layout.rows, 3] = [10, 11, 12, 13], [0, 1, 0, 0], 1
+    packed[layout.rows, 4] = [1, 2, 0, 3]
     host, logprobs = layout.fetch(StepSummary(jnp.asarray(packed)))
     assert host.token_lists() == [[10], [11], [12], [13]] and host.num_accepted.tolist() == [0, 1, 0, 0]
-    assert logprobs is None
+    assert host.num_verified.tolist() == [1, 2, 0, 3] and logprobs is None
     assert shard_major_rows([0, 0, 0], 2, buckets.bucket).size == 8
     assert shard_major_rows([0] * 5, 2, buckets.bucket).size == 10    # beyond the buckets: unpadded
 

@@ -8,7 +8,8 @@ accepted and a stop token is drafted with more drafts after it:
      end it too; the tokens are autoregressive decoding's, cut after the stop ("stop" / "length");
   3. ``generate``: without eos the tokens are autoregressive decoding's (drafts accepted); with several
      eos ids each request stops at the first of them (requests finishing at different steps), the
-     ``on_tokens`` stream adds up to the output, and every KV block comes back.
+     ``on_tokens`` stream adds up to the output, and every KV block comes back;
+  4. ``num_draft_tokens`` counts only the drafts the step verified (not those after a stop token).
 Replaces the near-copies that were in test_engine.py (test_stop_ids_eos_and_ignore_eos,
 test_tokens_after_a_stop_never_reach_the_cache), test_decoder.py (test_eos_and_different_finish_steps,
 test_eos_may_be_several_ids_and_tokens_stream) and test_tree_decoding.py (test_generate_with_trees_and_eos).
@@ -91,9 +92,11 @@ def test_stop_ids_eos_and_what_follows_a_stop(target, autoregressive, kind):
                                             for p in (prompts(s, 1, alphabet)[0] for s in range(61, 100)))
                         if f[1] != f[0])
     stop = free[1]
-    out = tokens(run(Engine(decoder), [(prompt, SamplingParams(max_tokens=MAX_NEW, stop_token_ids=[stop]), "r")]),
-                 "r")
+    outputs = run(Engine(decoder), [(prompt, SamplingParams(max_tokens=MAX_NEW, stop_token_ids=[stop]), "r")])
+    out = tokens(outputs, "r")
     assert out == cut_at(free, [stop])
+    if kind == "model-chain":     # one step: 3 drafts, the stop second: the third was never verified
+        assert outputs["r"][-1].num_draft_tokens == outputs["r"][-1].num_accepted_tokens == 2
     written_through = len(prompt) - 1 + len(out)                    # the stop token's position, at most
     for written in written_positions(decoder):
         assert not written[:, written_through + 1:].any() and written[:, written_through - 1].any()

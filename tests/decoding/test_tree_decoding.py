@@ -117,7 +117,7 @@ def test_a_step_writes_the_pending_token_and_the_accepted_path_only(target, sour
                                           jnp.asarray(tables), jnp.asarray(rows), jnp.asarray(sampling),
                                           args["drafts"], k=k, greedy=greedy, backend="xla")
     packed = np.asarray(summary.packed)
-    accepted = packed[:, -2]
+    accepted = packed[:, -3]
     assert np.all(accepted <= cap)
     for b, positions in enumerate(_written(target_cache, new_target, tables, block_size)):
         assert positions == set(range(context[b], context[b] + accepted[b] + 1)), (b, accepted)

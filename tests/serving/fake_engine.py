@@ -9,7 +9,7 @@ import collections
 import dataclasses
 import time
 
-from scv_jax.decoding.engine import RequestOutput, TokenLogprob  # the real engine's outputs
+from scv_jax.decoding.outputs import RequestOutput, TokenLogprob  # the real engine's outputs
 
 CYCLE = "héllo wörld € 𝄞 ".encode("utf-8")
 DRAFTS = 3
