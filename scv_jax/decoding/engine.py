@@ -115,10 +115,8 @@ class Engine:
         if isinstance(runner, StepRunner):             # a SpeculativeDecoder: run on its runner
             if draft is not None or config is not None or mesh is not None or sharding is not None:
                 raise ValueError("Engine: given a SpeculativeDecoder, leave draft, config, mesh and sharding out")
-            self.decoder = target
         else:
             runner = build_runner(target, draft, config=config, mesh=mesh, sharding=sharding)
-            self.decoder = None
         self.runner = runner
         cfg = self.config = runner.config
         self._eos = check_eos(eos_token_id, runner.vocab_size, "Engine")
