@@ -165,7 +165,8 @@ class Scheduler:
         budget = state.budget[rows]                         # tokens each request has left
         k = self.proposer.depth_for(self._choose_k(kind, computed_rows, requests, budget))
         caps = np.minimum(budget - 1, k)                    # never draft past a request's budget
-        drafts = self.proposer.drafts(request_ids, self._token_views(rows), caps)
+        views = self._token_views(rows) if self.proposer.host is not None else []   # host drafters read them
+        drafts = self.proposer.drafts(request_ids, views, caps)
         catch_up = None
         if self.proposer.has_draft_model and drafts.step_k and state.may_lag:
             catch_up = self._catch_up(rows)
