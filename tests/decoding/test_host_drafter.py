@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from scv_jax import DecoderConfig, Engine, HostDrafter, SamplingParams, SpeculativeDecoder, TreeConfig
+from scv_jax.decoding.proposers.base import Trie
 from scv_jax.ops.sampling.api import filtered_probs
 from tests.decoding.common import MAX_NEW, SMALL, prompts
 from tests.decoding.test_engine import FILTERS, _chi_square_ok, run, target_logits, tokens  # noqa: F401
@@ -155,12 +156,28 @@ class Bad(HostDrafter):
 ])
 @pytest.mark.parametrize("verifier", list(VERIFIERS))
 def test_bad_proposals_get_one_line_naming_the_drafter(target, answer, match, verifier):
-    decoder = SpeculativeDecoder(target, Bad(answer), config=VERIFIERS[verifier])
-    if verifier == "tree" and "more than" in match:
-        match = r"Bad.propose_tree: request 0's tree must have"
+    decoder = SpeculativeDecoder(target, Bad(answer), config=VERIFIERS[verifier])   # trees: its chains, checked
     with pytest.raises(ValueError, match=match) as error:
         decoder.generate([[1, 2, 3]], 6)
     assert "\n" not in str(error.value)
+
+
+class BadTree(HostDrafter):
+    def __init__(self, tree):
+        self.tree = tree
+
+    def propose_tree(self, request_ids, token_ids, max_nodes, max_depth):
+        return [self.tree for _ in request_ids]
+
+
+@pytest.mark.parametrize("tree", [Trie([1, 2], [-1, 1]), Trie([1] * 7, [-1] * 7), Trie([1, 2, 3, 4], [-1, 0, 1, 2]),
+                                  Trie([TINY.vocab_size], [-1])],
+                         ids=["parent-after-child", "too-many-nodes", "too-deep", "bad-id"])
+def test_bad_trees_get_one_line_naming_the_drafter(target, tree):
+    decoder = SpeculativeDecoder(target, BadTree(tree), config=TREE)
+    with pytest.raises(ValueError, match=r"^BadTree.propose_tree: request 0's tree must have at most 6 nodes, "
+                                         r"depth <= \d, parents in \[-1, node\) and ids in \[0, vocab_size=16\)$"):
+        decoder.generate([[1, 2, 3]], 6)
 
 
 @pytest.mark.parametrize("name", ["T1.5", "all"])
