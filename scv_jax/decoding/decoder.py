@@ -82,6 +82,12 @@ class SpeculativeDecoder:
         return self.runner.graph_stats
 
     @property
+    def drafter(self):
+        """The host drafter (a ``HostDrafter``; ``"ngram"`` made an ``NgramDrafter``), or None (a draft model
+        or none)."""
+        return self.runner.proposer.host
+
+    @property
     def controllers(self) -> dict:
         """The adaptive controllers by kind of step ("greedy", "sampling"); empty without ``adaptive``."""
         return self.runner.controllers

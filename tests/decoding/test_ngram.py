@@ -91,7 +91,7 @@ def test_unverified_proposals_count_the_drafts_the_next_tokens_repeat(requests, 
     caps = np.array([requests[r][3] for r in rows.tolist()], np.int64)
     indexes = [drafter.index(requests[r][0]) for r in rows.tolist()]
     proposals = [reference_proposal(requests[r][0], 1, 2, cap) for r, cap in zip(rows.tolist(), caps.tolist())]
-    pending = UnverifiedProposals.propose(indexes, rows, starts, caps)
+    pending = UnverifiedProposals.of(propose_batch(indexes, caps), rows, starts, caps)
     assert pending.due == max(1, *map(len, proposals))
     offered, accepted = pending.check(tokens, lengths)
     np.testing.assert_array_equal(offered, caps)
