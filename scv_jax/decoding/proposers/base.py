@@ -82,14 +82,27 @@ class HostDrafter:
         """Called once when a started request ends, for any reason (length, stop, abort)."""
 
 
-def checked_chains(drafter: HostDrafter, chains: object, max_drafts: np.ndarray, vocab_size: int) -> list[list[int]]:
-    """``drafter.propose``'s answer as lists of ints; raises a one-line ValueError naming the drafter's
-    class for a wrong count, a chain longer than its ``max_drafts`` or an id outside [0, vocab_size)."""
+def checked_chains(drafter: HostDrafter, chains: object, max_drafts: np.ndarray, vocab_size: int) -> list:
+    """``drafter.propose``'s answer, checked at once over all chains (one array); raises a one-line
+    ValueError naming the drafter's class for a wrong count, a chain longer than its ``max_drafts`` or an
+    id outside [0, vocab_size)."""
     name = type(drafter).__name__
     if not isinstance(chains, (list, tuple)) or len(chains) != len(max_drafts):
         raise ValueError(f"{name}.propose must return a list of one draft chain per request ({len(max_drafts)}), "
                          f"got {type(chains).__name__}{f' of {len(chains)}' if hasattr(chains, '__len__') else ''}")
-    out = []
+    try:
+        lengths = np.array([len(chain) for chain in chains], np.int64)
+        flat = np.asarray([token for chain in chains for token in chain])
+    except (TypeError, ValueError):
+        flat = None
+    if (flat is None or flat.ndim != 1 or (flat.size and not np.issubdtype(flat.dtype, np.integer))
+            or np.any(lengths > max_drafts) or (flat.size and (flat.min() < 0 or flat.max() >= vocab_size))):
+        _raise_first_bad_chain(name, chains, max_drafts, vocab_size)
+    return list(chains)
+
+
+def _raise_first_bad_chain(name: str, chains: Sequence, max_drafts: np.ndarray, vocab_size: int) -> None:
+    """Raises the one-line ValueError of the first bad chain (``checked_chains`` found one)."""
     for i, (chain, cap) in enumerate(zip(chains, max_drafts.tolist())):
         ids = np.asarray(chain)
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
@@ -99,8 +112,7 @@ def checked_chains(drafter: HostDrafter, chains: object, max_drafts: np.ndarray,
         if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
             raise ValueError(f"{name}.propose: request {i} offered a token id outside [0, vocab_size={vocab_size}): "
                              f"{chain!r}")
-        out.append(ids.astype(np.int64).tolist())
-    return out
+    raise ValueError(f"{name}.propose: the drafts must be 1-D sequences of token ids, got {chains!r}")
 
 
 def checked_tries(drafter: HostDrafter, tries: object, max_nodes: int, max_depth: np.ndarray,
