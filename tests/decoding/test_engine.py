@@ -170,6 +170,22 @@ def _chi_square_ok(counts: np.ndarray, probs: np.ndarray) -> None:
     assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof, counts, expected)
 
 
+def first_two_tokens_follow_the_target(sampled: list[list[int]], prompt: list[int], params: SamplingParams,
+                                        target_logits) -> None:
+    """Asserts that tokens 1 and 2 of ``sampled`` sequences fit the filtered target distribution (``params``'
+    filters): token 1's after ``prompt``, and token 2's after the most frequent token 1 (chi-square)."""
+    def probs(sequence: list[int]) -> np.ndarray:
+        p = filtered_probs(target_logits(sequence)[None], np.float32([params.temperature]),
+                           np.int32([params.top_k]), np.float32([params.top_p]), np.float32([params.min_p]))
+        return np.asarray(p)[0]
+
+    vocab = TINY.vocab_size
+    _chi_square_ok(np.bincount([t[0] for t in sampled], minlength=vocab), probs(prompt))
+    first = np.bincount([t[0] for t in sampled], minlength=vocab).argmax()
+    _chi_square_ok(np.bincount([t[1] for t in sampled if t[0] == first], minlength=vocab),
+                   probs(prompt + [int(first)]))
+
+
 FILTERS = {"T0.5": dict(temperature=0.5), "T1.5": dict(temperature=1.5), "top_k": dict(temperature=1.0, top_k=3),
            "top_p": dict(temperature=1.0, top_p=0.6), "min_p": dict(temperature=1.0, min_p=0.3),
            "all": dict(temperature=1.2, top_k=5, top_p=0.8, min_p=0.1)}
@@ -198,17 +214,7 @@ def test_sampled_tokens_follow_the_filtered_target(target_logits, autoregressive
     greedy = autoregressive.generate([prompt], 3).tokens[0]
     sampled = [tokens(outputs, str(i)) for i in range(count) if i % 4]
     assert all(tokens(outputs, str(i)) == greedy for i in range(0, count, 4))
-    vocab = TINY.vocab_size
-
-    def probs(sequence: list[int]) -> np.ndarray:
-        p = filtered_probs(target_logits(sequence)[None], np.float32([params.temperature]),
-                           np.int32([params.top_k]), np.float32([params.top_p]), np.float32([params.min_p]))
-        return np.asarray(p)[0]
-
-    _chi_square_ok(np.bincount([t[0] for t in sampled], minlength=vocab), probs(prompt))
-    first = np.bincount([t[0] for t in sampled], minlength=vocab).argmax()
-    _chi_square_ok(np.bincount([t[1] for t in sampled if t[0] == first], minlength=vocab),
-                   probs(prompt + [int(first)]))
+    first_two_tokens_follow_the_target(sampled, prompt, params, target_logits)
     drafted = sum(outputs[str(i)][-1].num_draft_tokens for i in range(count))
     accepted = sum(outputs[str(i)][-1].num_accepted_tokens for i in range(count))
     assert drafted > 0 and accepted < drafted

@@ -13,9 +13,8 @@ import pytest
 
 from scv_jax import DecoderConfig, Engine, HostDrafter, SamplingParams, SpeculativeDecoder, TreeConfig
 from scv_jax.decoding.proposers.base import Trie
-from scv_jax.ops.sampling.api import filtered_probs
 from tests.decoding.common import MAX_NEW, SMALL, prompts
-from tests.decoding.test_engine import FILTERS, _chi_square_ok, run, target_logits, tokens  # noqa: F401
+from tests.decoding.test_engine import FILTERS, first_two_tokens_follow_the_target, run, target_logits, tokens  # noqa: F401
 from tests.models.fixtures import TINY
 
 CHAIN = DecoderConfig(**{**vars(SMALL), "k": 3})
@@ -191,13 +190,5 @@ def test_sampled_tokens_with_garbage_drafts_follow_the_filtered_target(target, t
                   max_steps=count)
     sampled = [tokens(outputs, str(i)) for i in range(count)]
 
-    def probs(sequence: list[int]) -> np.ndarray:
-        p = filtered_probs(target_logits(sequence)[None], np.float32([params.temperature]),
-                           np.int32([params.top_k]), np.float32([params.top_p]), np.float32([params.min_p]))
-        return np.asarray(p)[0]
-
-    vocab = TINY.vocab_size
-    _chi_square_ok(np.bincount([t[0] for t in sampled], minlength=vocab), probs(prompt))
-    first = np.bincount([t[0] for t in sampled], minlength=vocab).argmax()
-    _chi_square_ok(np.bincount([t[1] for t in sampled if t[0] == first], minlength=vocab), probs(prompt + [int(first)]))
+    first_two_tokens_follow_the_target(sampled, prompt, params, target_logits)
     assert sum(outputs[str(i)][-1].num_accepted_tokens for i in range(count)) > 0

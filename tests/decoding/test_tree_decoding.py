@@ -20,9 +20,8 @@ from scv_jax.decoding.step_fn import make_decode_step
 from scv_jax.decoding.verifiers import TreeVerifier, tree_inputs
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.ops.commit.kv_cache import PagedKVCache
-from scv_jax.ops.sampling.api import filtered_probs
 from tests.decoding.common import MAX_NEW, SMALL, prompts
-from tests.decoding.test_engine import _chi_square_ok, run, target_logits, tokens  # noqa: F401 (a fixture)
+from tests.decoding.test_engine import first_two_tokens_follow_the_target, run, target_logits, tokens  # noqa: F401 (a fixture)
 from scv_jax.models import TransformerConfig
 from tests.models.fixtures import TINY, TINY_DRAFT, tiny_model
 
@@ -225,16 +224,7 @@ def test_sampled_tree_tokens_follow_the_filtered_target(target_logits, autoregre
     sampled = [tokens(outputs, str(i)) for i in range(count) if i % 4]
     assert all(tokens(outputs, str(i)) == greedy for i in range(0, count, 4))
 
-    def probs(sequence: list[int]) -> np.ndarray:
-        p = filtered_probs(target_logits(sequence)[None], np.float32([params.temperature]),
-                           np.int32([params.top_k]), np.float32([params.top_p]), np.float32([params.min_p]))
-        return np.asarray(p)[0]
-
-    vocab = TINY.vocab_size
-    _chi_square_ok(np.bincount([t[0] for t in sampled], minlength=vocab), probs(prompt))
-    first = np.bincount([t[0] for t in sampled], minlength=vocab).argmax()
-    _chi_square_ok(np.bincount([t[1] for t in sampled if t[0] == first], minlength=vocab),
-                   probs(prompt + [int(first)]))
+    first_two_tokens_follow_the_target(sampled, prompt, params, target_logits)
     accepted = sum(outputs[str(i)][-1].num_accepted_tokens for i in range(count))
     assert accepted > 0
 
