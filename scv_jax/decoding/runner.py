@@ -216,10 +216,6 @@ class StepRunner:
                        result.host_seconds + after, pending.scored)
 
     # ------------------------------------------------------------------ plans
-    def step_k(self, most_drafts: int) -> int:
-        """The smallest compiled k that holds ``most_drafts`` drafts."""
-        return next(k for k in self.step_ks if k >= most_drafts)
-
     def decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool, *,
                     logprobs: bool = False, packed_k: int = 0) -> BucketPlan:
         """The decode executable's bucket for a step's sizes (planned once per shape); ``masked``: the
