@@ -1,12 +1,26 @@
 """Shared pytest settings: CPU unless JAX_PLATFORMS says otherwise (benchmarks/gpu_suite.py runs the
-kernel tests on a GPU), hypothesis profiles sized for CI's 2 cores ("ci") and for the GPU suite ("gpu")."""
+kernel tests on a GPU), hypothesis profiles sized for CI's 2 cores ("ci") and for the GPU suite ("gpu"),
+and one persistent compilation cache for the whole run.
+
+The run's cache: many tests build decoders of the same shapes, and the decoder's executables are made
+per decoder; JAX's persistent compilation cache (in a temporary directory shared by the xdist workers
+and the subprocesses the tests start, removed at the end) loads what an earlier test compiled instead of
+compiling it again. Tests that need a real compile take the ``no_persistent_cache`` fixture; counts of
+"nothing compiled" also count loads (``CompileCounter.loads``)."""
 
 import gc
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SCV_JAX_CACHE_DIR", "off")   # tests write no user cache (scv_jax.graph.persistent_cache)
+_RUN_CACHE = "SCV_JAX_TEST_RUN_CACHE"                # set by the process that made the run's cache directory
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:    # the first pytest process (the xdist controller)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="scv_jax_tests_")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -30,3 +44,22 @@ def _release_compiled_code():
         import jax
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture
+def no_persistent_cache():
+    """The test compiles for real: JAX's persistent compilation cache off while it runs."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
+
+
+def pytest_sessionfinish(session):
+    """The process that made the run's cache directory removes it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ and os.environ.get(_RUN_CACHE):
+        shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)

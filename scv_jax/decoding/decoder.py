@@ -101,7 +101,8 @@ class SpeculativeDecoder:
                temperatures: float | Sequence[float] = 0.0, logprobs: bool = False, progress: bool = False) -> int:
         """``StepRunner.warmup``: compiles ahead of time every executable ``generate`` runs for up to
         ``max(batch_sizes)`` requests at once of up to ``max_len`` positions at ``temperatures``; returns
-        the XLA compilations. A ``generate`` within these sizes then compiles nothing."""
+        the executables XLA compiled or loaded from the persistent cache. A ``generate`` within these
+        sizes then compiles nothing."""
         return self.runner.warmup(batch_sizes, max_len, temperatures=temperatures, logprobs=logprobs,
                                   progress=progress)
 

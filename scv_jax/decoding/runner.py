@@ -306,7 +306,8 @@ class StepRunner:
         with ``packed_verify`` each k's packed steps, with ``logprobs`` the (dense) steps of batches
         with a request asking for log-probabilities, and the draft's catch-up prefill when k = 0 can
         be chosen. Counts the executables before compiling them (with
-        ``progress``: one line on stderr, then one per executable); returns the XLA compilations.
+        ``progress``: one line on stderr, then one per executable); returns the executables XLA compiled or
+        loaded from the persistent compilation cache.
         A ``generate`` within these sizes then compiles nothing (``GenerateStats.compiled`` is empty)."""
         cfg = self.config
         sizes = [batch_sizes] if isinstance(batch_sizes, (int, np.integer)) else list(batch_sizes)
@@ -373,4 +374,4 @@ class StepRunner:
                 executable.warmup(**args, progress=progress)
         self.caches.put(target_cache, draft_cache)
         self.warmed_up = True
-        return compiles.count
+        return compiles.count + compiles.loads

@@ -126,7 +126,7 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
     return dict(
         tokens={mode: out.tokens for mode, out in outputs.items()},
         acceptance=outputs["greedy"].stats.acceptance_rate, warmup_compiles=warmup,
-        compiles_after_warmup=compiles.count,
+        compiles_after_warmup=compiles.count + compiles.loads,
         graph={k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)
                for k, s in decoder.graph_stats.items()},
         target_state=_layout(decoder.runner.target.state(decoder.runner.target_params)),

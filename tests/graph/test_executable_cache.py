@@ -99,7 +99,7 @@ def test_warmup_then_no_recompiles_and_padding_is_invisible():
             counts = np.diff(cu)
             np.testing.assert_allclose(np.asarray(out)[:len(counts)], counts * weights, rtol=1e-6)
             assert not np.any(np.asarray(out)[len(counts):])
-    assert (compiles.traces, compiles.count) == (0, 0)
+    assert (compiles.traces, compiles.count, compiles.loads) == (0, 0, 0)
     np.testing.assert_array_equal(np.asarray(kv), expected_kv)
     assert cache.stats.hits == 40 and cache.stats.misses == 0 and cache.stats.compiles == 6
     assert cache.stats.padding_ratio("batch") == padded_batches / real_batches

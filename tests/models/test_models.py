@@ -239,7 +239,8 @@ def test_per_layer_model_computes_what_the_stacked_one_does(model):
             lambda m: list(m.forward_packed(tokens[0], packed, cache, tables, lens))]
     for run in runs:
         for want, got in zip(run(model), run(per_layer), strict=True):
-            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+            # the two are compiled separately, so XLA may fuse (and round) differently: float32 noise only
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     abstract = nnx.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0))).per_layer()    # shapes alone
     assert abstract.blocks[0].mlp.up.kernel.shape == model.blocks.mlp.up.kernel.shape[1:]
 
