@@ -188,7 +188,8 @@ class AdaptiveController:
         self._estimated: tuple[np.ndarray, np.ndarray] | None = None   # ``_estimates()`` of ``_counts``
         self._requests = _Requests(np.zeros(0, np.int64), np.zeros((2, 0)))
         self._decided_for: tuple[int, np.ndarray | None] = (0, None)   # (bucket, sorted ids) of the last decision
-        self._last_ids = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # next_k's last request ids, and sorted
+        # next_k's last request ids, sorted, and the order that sorts them
+        self._last_ids = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
         self._since_decision = self._since_probe = 0
         self._probing = False    # the last k was a never-timed one's: look for the next at once
 
@@ -254,13 +255,14 @@ class AdaptiveController:
         tokens per step are capped there); None: no cap."""
         where = "AdaptiveController.next_k"
         require_int(where, "batch_size", batch_size, minimum=1)
-        # (the ids are sorted, the remaining tokens are not: they pair up as given only for ascending ids)
-        ids = None if request_ids is None else self._sorted_ids(request_ids, batch_size)
+        ids, order = (None, None) if request_ids is None else self._sorted_ids(request_ids, batch_size)
         remaining = None if remaining_tokens is None else _int_vector(where, "remaining_tokens", remaining_tokens,
                                                                       batch_size)
-        if ids is not None and remaining is not None and ids.shape != remaining.shape:
-            raise ValueError(f"{where}: remaining_tokens {remaining.shape} must have one entry per request id "
-                             f"{ids.shape}")
+        if ids is not None and remaining is not None:
+            if ids.shape != remaining.shape:
+                raise ValueError(f"{where}: remaining_tokens {remaining.shape} must have one entry per request id "
+                                 f"{ids.shape}")
+            remaining = remaining[order]          # paired with the sorted ids
         cfg = self.config
         if cfg.mode == "fixed":
             return self._k
@@ -289,17 +291,18 @@ class AdaptiveController:
         self._last_k = k
         return k
 
-    def _sorted_ids(self, request_ids: Any, batch_size: int) -> np.ndarray:
-        """``request_ids`` checked and sorted; the last call's answer when they hold the same values again
-        (compared by content: a static batch's ids, given anew each step)."""
+    def _sorted_ids(self, request_ids: Any, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``request_ids`` checked and sorted, and the order that sorts them; the last call's answer when
+        they hold the same values again (compared by content: a static batch's ids, given anew each step)."""
         raw = request_ids if isinstance(request_ids, np.ndarray) else np.asarray(request_ids)
-        last_raw, last_sorted = self._last_ids
+        last_raw, last_sorted, last_order = self._last_ids
         if (raw.dtype == last_raw.dtype and raw.shape == last_raw.shape and raw.size <= batch_size
                 and raw.tobytes() == last_raw.tobytes()):
-            return last_sorted
-        ids = np.sort(_int_vector("AdaptiveController.next_k", "request_ids", raw, batch_size))
-        self._last_ids = (raw.copy(), ids)
-        return ids
+            return last_sorted, last_order
+        checked = _int_vector("AdaptiveController.next_k", "request_ids", raw, batch_size)
+        order = np.argsort(checked, kind="stable")
+        self._last_ids = (raw.copy(), checked[order], order)
+        return checked[order], order
 
     def _decide(self, rates: np.ndarray) -> None:
         """Holds the allowed k of the best ``rates`` where it beats the held k's by ``switch_margin``."""

@@ -155,6 +155,24 @@ def test_other_requests_in_a_reused_ids_buffer_are_a_new_batch():
     assert ctrl.next_k(4, ids) == 0
 
 
+@given(st.permutations(range(4)))
+def test_each_request_keeps_its_own_remaining_tokens_whatever_the_order_of_its_id(order):
+    """Regression: ``next_k`` sorted the request ids but not their remaining tokens, so with ids out of
+    order one request's cap was applied to another's acceptance. Request 0 accepts every draft and has
+    500 tokens left; the others accept none and have 1 left: the same k in any order, and it drafts."""
+    def trained() -> AdaptiveController:
+        ctrl = AdaptiveController(allowed_k=(0, 2, 8), decide_every=1, probe_every=0)
+        for step in range(40):
+            k = (0, 2, 8)[step % 3]
+            ctrl.update(np.full(4, k), np.array([k, 0, 0, 0]), 0.01 * (1 + 0.02 * k), 4, np.arange(4), k=k)
+        return ctrl
+
+    ids, remaining = np.arange(4), np.array([500, 1, 1, 1])
+    expected = trained().next_k(4, ids, remaining)
+    assert expected == 8
+    assert trained().next_k(4, ids[list(order)], remaining[list(order)]) == expected
+
+
 def test_fixed_mode_is_constant():
     trace = simulate(AdaptiveController(mode="fixed", k_init=2), _scenario(0.6, ticks=300))
     assert np.all(trace.k == 2)

@@ -1,6 +1,7 @@
 """AdaptiveController replays recorded call sequences exactly: the same k at every step and bit-identical
-estimates (acceptance, step seconds, rates) as the controller that recorded them (commit ac1472f, before
-its per-step host cost was cut: fewer small numpy calls, the same arithmetic).
+estimates (acceptance, step seconds, rates) as the controller that recorded them (first recorded at commit
+ac1472f, before its per-step host cost was cut: fewer small numpy calls, the same arithmetic; re-recorded
+when ``next_k`` started pairing each request's remaining tokens with its own id, not the sorted order's).
 
 The sequences are seeded: static batches (ids in row order that is not id order, remaining tokens),
 continuous batching (requests replaced and rows reordered), no ids, counterfactual k = 0 steps, untimed
