@@ -59,7 +59,8 @@ def _probs(key, shape):
     return jax.nn.softmax(logits, axis=-1)
 
 
-def _rejection_inputs(batch: int, k: int, vocab: int, seed: int):
+def rejection_inputs(batch: int, k: int, vocab: int, seed: int):
+    """Rejection-sampling inputs for ``batch`` requests of ``k`` drafts over ``vocab``, made on the device."""
     key = jax.random.key(seed)
     t = batch * k
     q = _probs(jax.random.fold_in(key, 1), (t, vocab))
@@ -69,7 +70,7 @@ def _rejection_inputs(batch: int, k: int, vocab: int, seed: int):
     return draft, cu, q, p, jnp.zeros((batch,), jnp.int32), jax.random.split(jax.random.fold_in(key, 4), batch)
 
 
-def _logits_inputs(batch: int, k: int, vocab: int, seed: int):
+def logits_inputs(batch: int, k: int, vocab: int, seed: int):
     """Target logits [T, V] and drafts equal to their argmax 70% of the time."""
     key = jax.random.key(seed)
     t = batch * k
@@ -132,7 +133,7 @@ def run_greedy_logits(configs: Sequence[tuple[int, int, int]] = VOCAB_CONFIGS, b
     for i, (batch, k, vocab, backend) in enumerate(jobs):
         _log(progress, f"[greedy-logits {i + 1}/{len(jobs)}] B={batch} k={k} V={vocab} {backend}")
         num_bytes = batch * k * vocab * 4
-        input_sets = [_logits_inputs(batch, k, vocab, s) for s in range(_num_sets(num_bytes))]
+        input_sets = [logits_inputs(batch, k, vocab, s) for s in range(_num_sets(num_bytes))]
         timings = dict(repeats=repeats, inner=inner, device_iterations=device_iterations)
         floor = _time(jax.jit(lambda d, cu, lg, bo: jnp.sum(lg)), input_sets, **timings)
         for variant, op in (("fused", scv_jax.accept_greedy_from_logits), ("argmax+accept", _argmax_then_accept)):
@@ -162,7 +163,7 @@ def run_rejection(configs: Sequence[tuple[int, int, int]] = VOCAB_CONFIGS, backe
     for i, (batch, k, vocab, backend) in enumerate(jobs):
         _log(progress, f"[rejection {i + 1}/{len(jobs)}] B={batch} k={k} V={vocab} {backend}")
         num_bytes = 2 * batch * k * vocab * 4
-        input_sets = [_rejection_inputs(batch, k, vocab, s) for s in range(_num_sets(num_bytes))]
+        input_sets = [rejection_inputs(batch, k, vocab, s) for s in range(_num_sets(num_bytes))]
         timings = dict(repeats=repeats, inner=inner, device_iterations=device_iterations)
         floor = _time(jax.jit(lambda d, cu, q, p, bo, key: jnp.sum(p) + jnp.sum(q)), input_sets, **timings)
         fn = jax.jit(lambda d, cu, q, p, bo, key, k=k, backend=backend: scv_jax.rejection_sample(
@@ -176,15 +177,16 @@ def run_rejection(configs: Sequence[tuple[int, int, int]] = VOCAB_CONFIGS, backe
     return rows
 
 
-def _key(r: dict) -> tuple:
+def row_key(r: dict) -> tuple:
+    """What identifies a result row's configuration: (op, variant, batch, k, vocab)."""
     return r["op"], r.get("variant"), r["batch"], r["k"], r.get("vocab")
 
 
 def speedups(rows: list[dict], field: str = "seconds") -> dict[tuple, float]:
     """XLA ``field`` / kernel ``field`` per configuration (where both were timed)."""
-    xla = {_key(r): r[field] for r in rows if r["backend"] == "xla" and field in r}
-    return {_key(r): xla[_key(r)] / r[field] for r in rows
-            if r["backend"] != "xla" and _key(r) in xla and r.get(field)}
+    xla = {row_key(r): r[field] for r in rows if r["backend"] == "xla" and field in r}
+    return {row_key(r): xla[row_key(r)] / r[field] for r in rows
+            if r["backend"] != "xla" and row_key(r) in xla and r.get(field)}
 
 
 def fused_speedups(rows: list[dict], field: str = "seconds") -> dict[tuple, float]:
@@ -195,7 +197,8 @@ def fused_speedups(rows: list[dict], field: str = "seconds") -> dict[tuple, floa
             if r.get("variant") == "fused" and r.get(field) and separate.get(key(r))}
 
 
-def _ratio(ratios: tuple[dict, dict], key: tuple) -> str:
+def ratio_text(ratios: tuple[dict, dict], key: tuple) -> str:
+    """``key``'s ratio in each of two ratio tables, as "1.23x / 4.56x" (a table without it left out)."""
     text = f"{ratios[0][key]:.2f}x" if key in ratios[0] else ""
     return text + (f" / {ratios[1][key]:.2f}x" if key in ratios[1] else "")
 
@@ -217,12 +220,12 @@ def markdown_table(rows: list[dict]) -> str:
         if floor and dev and r.get("floor_device_seconds"):
             floor += f" / {dev / r['floor_device_seconds']:.1f}"
         kernel_row = r["backend"] != "xla"
-        fused = _ratio(vs_separate, (r["batch"], r["k"], r.get("vocab"), r["backend"])) if r.get("variant") == "fused" else ""
+        fused = ratio_text(vs_separate, (r["batch"], r["k"], r.get("vocab"), r["backend"])) if r.get("variant") == "fused" else ""
         gbps = f"{r['gbps']:.1f}" if "gbps" in r else ""
         name = r["op"] + (f" ({r['variant']})" if "variant" in r else "")
         lines.append(f"| {name} | {r['batch']} | {r['k']} | {r.get('vocab', '')} | {r['backend']} | "
                      f"{_us(r['seconds'])} | {_us(dev)} | {floor} | {gbps} | "
-                     f"{_ratio(vs_xla, _key(r)) if kernel_row else ''} | {fused} |")
+                     f"{ratio_text(vs_xla, row_key(r)) if kernel_row else ''} | {fused} |")
     return "\n".join(lines)
 
 

@@ -203,7 +203,7 @@ def _check_greedy(kernel: str, sizes: Sizes) -> str:
 
 def _check_greedy_logits(kernel: str, sizes: Sizes, dtype) -> str:
     batch, k, vocab = 32, 4, sizes.check_vocab
-    draft, cu, logits, bonus = bench_acceptance._logits_inputs(batch, k, vocab, seed=2)
+    draft, cu, logits, bonus = bench_acceptance.logits_inputs(batch, k, vocab, seed=2)
     logits = logits.astype(dtype)
     logits = logits.at[0].set(jnp.nan).at[1, 7].set(jnp.nan).at[2, 5].set(logits[2].max())   # NaN, a tie
     got = scv_jax.accept_greedy_from_logits(draft, cu, logits, bonus, max_spec_len=k, backend=kernel)
@@ -215,7 +215,7 @@ def _check_greedy_logits(kernel: str, sizes: Sizes, dtype) -> str:
 
 def _check_rejection(kernel: str, sizes: Sizes, with_draft_probs: bool, dtype) -> str:
     batch, k, vocab = 32, 4, sizes.check_vocab
-    draft, cu, q, p, bonus, keys = bench_acceptance._rejection_inputs(batch, k, vocab, seed=5)
+    draft, cu, q, p, bonus, keys = bench_acceptance.rejection_inputs(batch, k, vocab, seed=5)
     q = q.astype(dtype) if with_draft_probs else None
     p = p.astype(dtype)
     got = scv_jax.rejection_sample(draft, cu, q, p, bonus, key=keys, max_spec_len=k, backend=kernel)
@@ -639,13 +639,13 @@ def timing_table(accept_rows: list[dict], commit_rows: list[dict], ceilings: dic
         if "floor_seconds" in r:
             floor = f"{r['seconds'] / r['floor_seconds']:.1f}"
             floor += f" / {dev / r['floor_device_seconds']:.1f}" if dev and r.get("floor_device_seconds") else ""
-        key = bench_acceptance._key(r)
-        fused = (bench_acceptance._ratio(vs_separate, (r["batch"], r["k"], r["vocab"], r["backend"]))
+        key = bench_acceptance.row_key(r)
+        fused = (bench_acceptance.ratio_text(vs_separate, (r["batch"], r["k"], r["vocab"], r["backend"]))
                  if r.get("variant") == "fused" else "")
         lines.append(f"| {name} | {size} | {r['backend']} | {_us(r['seconds'])} | {_us(dev)} | "
                      f"{r['seconds'] * 1e6 / floor_us:.1f} | {'' if gbps is None else f'{gbps:.0f}'} | "
                      f"{'' if gbps is None else f'{100 * gbps / copy:.0f}%'} | {floor} | "
-                     f"{bench_acceptance._ratio(vs_xla, key) if r['backend'] != 'xla' else ''} | {fused} |")
+                     f"{bench_acceptance.ratio_text(vs_xla, key) if r['backend'] != 'xla' else ''} | {fused} |")
     shape_key = lambda r: (r["tokens"], r["layers"], r["heads"], r["head_dim"], r["cache_dtype"], r["acceptance"])  # noqa: E731
     xla_commit = {shape_key(r): r for r in commit_rows if r["backend"] == "xla"}
     for r in commit_rows:

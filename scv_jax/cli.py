@@ -10,10 +10,11 @@ import math
 import os
 import shlex
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 from scv_jax.demo import WORKLOADS
 from scv_jax.launch import check_memory, load_models, ngram_drafter
+from scv_jax.serving.detokenize import IncrementalDetokenizer
 
 DEFAULT_PROMPT = "import sys\n\n\ndef "
 # what the memory check's error names for demo and generate: the flags that size their caches
@@ -198,34 +199,21 @@ def _decoder_config(args: argparse.Namespace, prompt_len: int, **fields):
                                num_blocks=max(config.num_blocks, -(-needed // config.block_size)))
 
 
-class _TextStream:
-    """Prints the text of one request's tokens as ``generate`` emits them (its ``on_tokens``), on stdout.
+class TextPrinter:
+    """Prints one request's text on stdout as ``generate`` emits its tokens (it is ``on_tokens``): the
+    server's ``IncrementalDetokenizer``, so never half a UTF-8 character, and a token's cost does not grow
+    with the output. ``decode``: token ids -> text; ``context``: the prompt's ids (a tokenizer that drops
+    a text's leading space keeps the first output token's)."""
 
-    ``decode``: token ids -> text. The text is decoded whole and its new end printed, held back while
-    it ends in U+FFFD (a character whose bytes are still arriving); after a newline decoding restarts
-    from the token that ended the line (so a long output costs no more than its lines, and a tokenizer
-    that drops the leading space of a text's first token drops nothing printed)."""
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self._decode, self._ids, self._printed = decode, [], ""
+    def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int] = ()):
+        self._detokenizer = IncrementalDetokenizer(decode, context)
 
     def __call__(self, index: int, tokens: list[int]) -> None:
-        self._ids += tokens
-        text = self._decode(self._ids)
-        if not text.endswith("\ufffd"):
-            self._emit(text)
-
-    def _emit(self, text: str) -> None:
-        print(text[len(self._printed):], end="", flush=True)
-        self._printed = text
-        if text.endswith("\n"):
-            self._ids = self._ids[-1:]
-            self._printed = self._decode(self._ids)
+        print("".join(self._detokenizer.add(token) for token in tokens), end="", flush=True)
 
     def close(self) -> None:
         """Prints what is held back, then ends the line."""
-        self._emit(self._decode(self._ids))
-        print(flush=True)
+        print(self._detokenizer.flush(), flush=True)
 
 
 def _run_decoders(decoders: list, prompt: list[int], args: argparse.Namespace, eos_token_id: list[int] | None,
@@ -236,7 +224,7 @@ def _run_decoders(decoders: list, prompt: list[int], args: argparse.Namespace, e
     for decoder in decoders:
         decoder.warmup(1, len(prompt) + args.max_new_tokens, temperatures=args.temperature, progress=True)
     print(prompt_text, end="", flush=True)
-    stream = _TextStream(decode)
+    stream = TextPrinter(decode, prompt)
     outputs = []
     for decoder in decoders:
         outputs.append(decoder.generate([prompt], args.max_new_tokens, temperature=args.temperature, seed=args.seed,

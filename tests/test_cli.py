@@ -231,11 +231,11 @@ def test_interrupt_is_one_line_with_status_130():
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "scv-jax generate: interrupted", err
 
 
-def test_text_stream_prints_whole_characters_and_lines(capsys):
+def test_text_printer_prints_whole_characters_and_lines(capsys):
     """Streamed text equals the text decoded at the end: a UTF-8 character split over tokens waits for
     its last byte, and a decoder that strips its text's leading space loses nothing after a newline."""
     text = "héllo\n wörld €\n\n end"
-    stream, printed = cli._TextStream(cli._text), ""
+    stream, printed = cli.TextPrinter(lambda ids: bytes(ids).decode("utf-8", errors="replace")), ""
     for byte in text.encode():
         stream(0, [byte])
         printed += capsys.readouterr().out
@@ -243,7 +243,7 @@ def test_text_stream_prints_whole_characters_and_lines(capsys):
     stream.close()
     assert printed + capsys.readouterr().out == text + "\n"
     pieces = ["a", "\n", " b", "\n", " c"]               # SentencePiece-like: a text's first space is dropped
-    stream = cli._TextStream(lambda ids: "".join(pieces[i] for i in ids).lstrip(" "))
+    stream = cli.TextPrinter(lambda ids: "".join(pieces[i] for i in ids).lstrip(" "))
     for i in range(len(pieces)):
         stream(0, [i])
     stream.close()

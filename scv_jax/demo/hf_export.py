@@ -53,7 +53,7 @@ def write_checkpoint(directory: str | pathlib.Path, *, which: str = "draft", cha
 
     from scv_jax.models import load_demo
     from scv_jax.models.assemble import LAYER_PREFIX
-    from scv_jax.models.hf import _hf_tensor
+    from scv_jax.models.hf import hf_tensor_name
 
     if which not in ("target", "draft"):
         raise ValueError(f"write_checkpoint: which must be 'target' or 'draft', got {which!r}")
@@ -65,7 +65,7 @@ def write_checkpoint(directory: str | pathlib.Path, *, which: str = "draft", cha
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         name, value = "/".join(map(str, path)), np.asarray(var.get_value(), np.float32)
         for layer in range(value.shape[0]) if name.startswith(LAYER_PREFIX) else [None]:
-            hf_name, transposed = _hf_tensor(name, layer)
+            hf_name, transposed = hf_tensor_name(name, layer)
             tensor = value if layer is None else value[layer]
             tensors[hf_name] = np.ascontiguousarray(tensor.T if transposed else tensor)
     save_file(tensors, str(directory / "model.safetensors"))

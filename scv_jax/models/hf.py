@@ -50,7 +50,7 @@ _GLOBAL_TENSORS = {
 }
 
 
-def _hf_tensor(name: str, layer: int | None) -> tuple[str, bool]:
+def hf_tensor_name(name: str, layer: int | None) -> tuple[str, bool]:
     """(Hugging Face tensor name, transposed?) of our parameter ``name`` (of ``layer``)."""
     if layer is None:
         return _GLOBAL_TENSORS[name]
@@ -179,7 +179,7 @@ def _expected_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
         stacked = name.startswith(LAYER_PREFIX)
         shape = spec.shape[1:] if stacked else spec.shape
         for layer in range(spec.shape[0]) if stacked else [None]:
-            hf_name, transposed = _hf_tensor(name, layer)
+            hf_name, transposed = hf_tensor_name(name, layer)
             expected[hf_name] = tuple(reversed(shape)) if transposed else tuple(shape)
     return expected
 
@@ -234,7 +234,7 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16") -> Transformer
         _check_tensors(directory, _expected_shapes(config), files, handles, config)
 
         def read(name: str, layer: int | None) -> tuple[np.ndarray, str]:
-            hf_name, transposed = _hf_tensor(name, layer)
+            hf_name, transposed = hf_tensor_name(name, layer)
             tensor = handles[files[hf_name]].get_tensor(hf_name)
             return (tensor.T if transposed else tensor), f"load_hf: tensor {hf_name} in {files[hf_name]}"
 
