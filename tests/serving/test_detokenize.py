@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from scv_jax.models import load_tokenizer
 from scv_jax.serving.detokenize import IncrementalDetokenizer, TextStream
@@ -49,9 +49,11 @@ def test_a_character_is_emitted_whole_with_its_last_byte(byte_tokenizer):
 
 @given(text=TEXT, stops=st.lists(st.text(st.sampled_from("ab é€𝄞x"), min_size=1, max_size=4), max_size=3),
        chunks=st.lists(st.integers(1, 5), min_size=1, max_size=60))
+@example(text=" a ", stops=["a", " a "], chunks=[1])   # "a" completes first, " a " starts earlier
 def test_stop_strings_end_the_text_at_the_token_completing_one(byte_tokenizer, text, stops, chunks):
-    """Whatever the chunking (accepted runs), the text ends before the first stop string and the tokens
-    used end with the one that completed it."""
+    """Whatever the chunking (accepted runs), the tokens used end with the first one whose text completes
+    a stop string, and the text ends before the earliest stop string in the text up to that token (one
+    that a later token would complete, starting earlier, does not count: it was not there yet)."""
     ids = byte_tokenizer.encode(text)
     stream, emitted, used, position = TextStream(byte_tokenizer.decode, (), stops), "", 0, 0
     for size in chunks * len(ids):
@@ -61,12 +63,12 @@ def test_stop_strings_end_the_text_at_the_token_completing_one(byte_tokenizer, t
         emitted, used, position = emitted + update.text, used + update.num_tokens, position + size
     if not stream.stopped:
         emitted += stream.finish()
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    if hits:
-        end = min(hits)
-        assert emitted == text[:end] and stream.stopped and stream.text == emitted
-        assert used == next(n for n in range(len(ids) + 1)
-                            if any(s in byte_tokenizer.decode(ids[:n]) for s in stops))
+    completing = next((n for n in range(len(ids) + 1) if any(s in byte_tokenizer.decode(ids[:n]) for s in stops)),
+                      None)
+    if completing is not None:
+        upto = byte_tokenizer.decode(ids[:completing])
+        end = min(upto.find(s) for s in stops if s in upto)
+        assert emitted == text[:end] and stream.stopped and stream.text == emitted and used == completing
     else:
         assert emitted == text and not stream.stopped and used == len(ids)
 
