@@ -6,16 +6,14 @@ in test_server_engine.py."""
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics
+from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics, post_error, wait_for
 from tests.serving.fake_engine import expected_tokens
 from tests.serving.harness import ServerProcess
 
@@ -57,13 +55,13 @@ def test_token_id_prompts_and_a_one_prompt_list(server, tokenizer):
 def test_stream_never_splits_a_character(server, tokenizer, prompt):
     """The fake's text has 2-, 3- and 4-byte characters, one byte per token: no chunk carries a broken
     one (but the end of an output cut by max_tokens), and the chunks add up to the decoded tokens."""
-    chunks = list(client(server.url).completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
-                                                        stream=True))
+    *chunks, last = client(server.url).completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                                          stream=True, stream_options={"include_usage": True})
     texts = [c.choices[0].text for c in chunks]
     assert "".join(texts) == _text(tokenizer, prompt, 40) and "\ufffd" not in "".join(texts).rstrip("\ufffd")
     assert len([t for t in texts if t]) > 3                      # it did stream
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
-    assert chunks[-1].usage.completion_tokens == 40
+    assert last.choices == [] and last.usage.completion_tokens == 40
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -74,9 +72,10 @@ def test_stop_strings_across_tokens(server, tokenizer, stop, stream):
     cut = min(i for i in (full.find(s) for s in stops) if i >= 0)
     kwargs = dict(model=NAME, prompt="hello", max_tokens=60, temperature=0, stop=stop)
     if stream:
-        chunks = list(client(server.url).completions.create(**kwargs, stream=True))
+        *chunks, last = client(server.url).completions.create(**kwargs, stream=True,
+                                                              stream_options={"include_usage": True})
         text, reason, usage = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason, \
-            chunks[-1].usage
+            last.usage
     else:
         out = client(server.url).completions.create(**kwargs)
         text, reason, usage = out.choices[0].text, out.choices[0].finish_reason, out.usage
@@ -102,11 +101,12 @@ def test_chat(server, tokenizer, stream):
     prompt = "### system\nbe brief\n### user\nhi\n### assistant\n"
     c = client(server.url)
     if stream:
-        chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
-                                                stream=True))
+        *chunks, last = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+        assert last.object == "chat.completion.chunk" and last.choices == []
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
-        reason, usage = chunks[-1].choices[0].finish_reason, chunks[-1].usage
+        reason, usage = chunks[-1].choices[0].finish_reason, last.usage
     else:
         out = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
         assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
@@ -133,16 +133,6 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health", timeout=REQUEST_TIMEOUT).status_code == 200
 
 
-def _error(server, path: str, body, status: int) -> dict:
-    content = body if isinstance(body, str) else json.dumps(body)
-    response = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"},
-                          timeout=REQUEST_TIMEOUT)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
-
-
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2),
     ("max_tokens", 0), ("max_tokens", 10_000), ("n", 2), ("seed", -1), ("stop", 5), ("logprobs", 21),
@@ -151,7 +141,7 @@ def _error(server, path: str, body, status: int) -> dict:
 ])
 def test_bad_completion_fields_are_400s_naming_them(server, field, value):
     body = {"model": NAME, "prompt": "hello", "max_tokens": 4, field: value}
-    error = _error(server, "/v1/completions", body, 400)
+    error = post_error(server.url, "/v1/completions", body, 400)
     assert error["param"] == field and error["type"] == "invalid_request_error", error
 
 
@@ -164,12 +154,12 @@ def test_bad_completion_fields_are_400s_naming_them(server, field, value):
     ({"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),
 ])
 def test_bad_chat_fields_are_400s_naming_them(server, body, param):
-    assert _error(server, "/v1/chat/completions", {"model": NAME, **body}, 400)["param"] == param
+    assert post_error(server.url, "/v1/chat/completions", {"model": NAME, **body}, 400)["param"] == param
 
 
 def test_bad_json_and_unknown_models(server):
-    assert _error(server, "/v1/completions", "{not json", 400)["param"] is None
-    error = _error(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404)
+    assert post_error(server.url, "/v1/completions", "{not json", 400)["param"] is None
+    error = post_error(server.url, "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404)
     assert error["param"] == "model" and "gpt-9" in error["message"]
     with pytest.raises(openai.NotFoundError):
         client(server.url).chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
@@ -185,15 +175,6 @@ def test_a_failed_step_is_a_500_and_the_server_keeps_serving(server, tokenizer):
     assert out.choices[0].text == _text(tokenizer, "hello", 8)
 
 
-def _wait_for(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server):
     before = metrics(server.url)
     with httpx.Client(timeout=REQUEST_TIMEOUT) as http:
@@ -203,8 +184,8 @@ def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server):
             assert [next(lines) for _ in range(6)]       # a few chunks arrive, then the client goes away
     gone = lambda: metrics(server.url)[("vllm:request_success_total", (("finished_reason", "abort"),))] \
         == before[("vllm:request_success_total", (("finished_reason", "abort"),))] + 1   # noqa: E731
-    assert _wait_for(gone)
-    assert _wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
+    assert wait_for(gone)
+    assert wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
     assert metrics(server.url)[("vllm:num_requests_running", ())] == 0
 
 
@@ -223,7 +204,7 @@ def test_many_concurrent_streams(server, tokenizer):
     for t in threads:
         t.join(REQUEST_TIMEOUT)
     assert results == [_text(tokenizer, p, 24) for p in prompts]
-    assert _wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
+    assert wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
 
 
 def test_metrics_agree_with_the_responses(server):
@@ -259,7 +240,7 @@ def test_a_full_queue_is_a_429(checkpoint, tmp_path):
             c.completions.create(prompt="y", max_tokens=2, model=None)
         for stream in streams:
             stream.close()
-        assert _wait_for(lambda: metrics(process.url)[("vllm:num_requests_running", ())] == 0)
+        assert wait_for(lambda: metrics(process.url)[("vllm:num_requests_running", ())] == 0)
         assert c.completions.create(prompt="y", max_tokens=2, model=None).usage.completion_tokens == 2
     finally:
         assert process.stop(signal.SIGTERM) == 0, process.stderr()
