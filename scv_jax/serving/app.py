@@ -34,8 +34,8 @@ from scv_jax.serving.chat import ChatTemplate, ChatTemplateError
 from scv_jax.serving.detokenize import TextStream
 from scv_jax.serving.engine_loop import Added, EngineFailed, EngineLoop, Output, Refused, Shutdown
 from scv_jax.serving.metrics import ServerMetrics
-from scv_jax.serving.protocol import (ApiError, Body, ChatRequest, CompletionRequest, engine_refusal, parse_request,
-                                      sampling_params, stop_strings, unknown_fields)
+from scv_jax.serving.protocol import (ApiError, BaseRequest, Body, ChatRequest, CompletionRequest, engine_refusal,
+                                      parse_request, sampling_params, stop_strings, unknown_fields)
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"    # with --allow-unknown-fields: the unknown fields ignored
 
@@ -74,7 +74,7 @@ class _Run:
     """One request in the engine: its events turned into text pieces, its end into usage and metrics."""
 
     def __init__(self, ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
-                 body: Body):
+                 body: BaseRequest):
         self.ctx, self.request_id, self.prompt, self.params, self.body = ctx, request_id, prompt, params, body
         self.stream = TextStream(ctx.tokenizer.decode, prompt, stop_strings(body),
                                  include_stop=body.include_stop_str_in_output)
@@ -301,7 +301,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
             raise ApiError(400, f"{where} has {len(text)} characters, more than this server's limit of "
                                 f"{ctx.max_prompt_chars} (--max-prompt-chars)", where)
 
-    def check_length(prompt: list[int], body: Body) -> int:
+    def check_length(prompt: list[int], body: BaseRequest) -> int:
         """The output's length limit (the request's, or the rest of the context), checked against the
         context length."""
         where, max_tokens = body.PROMPT_FIELD, body.max_new_tokens()
@@ -338,7 +338,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
             raise ApiError(400, f"prompt: token id {bad[0]} is outside [0, vocab_size={vocab})", "prompt")
         return list(prompt)
 
-    async def run(request: Request, body: Body, headers: dict[str, str], ids: list[int], params: SamplingParams):
+    async def run(request: Request, body: BaseRequest, headers: dict[str, str], ids: list[int], params: SamplingParams):
         vocab = ctx.tokenizer.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ApiError(400, f"stop_token_ids must be ids in [0, vocab_size={vocab}), got "

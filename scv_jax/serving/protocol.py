@@ -65,7 +65,7 @@ class StreamOptions(BaseModel):
     include_obfuscation: Annotated[bool | None, _only(False)] = None
 
 
-class _Request(BaseModel):
+class BaseRequest(BaseModel):
     """Fields of both endpoints; strict types (a string is not a number, a bool not an int); fields no
     API defines are kept in ``model_extra``."""
 
@@ -123,6 +123,12 @@ class _Request(BaseModel):
     kv_transfer_params: Annotated[_Json, _only()] = None
     vllm_xargs: Annotated[_Json, _only({})] = None
 
+    def check(self) -> None:
+        """400 for a field set to a value this server does not implement, or fields that disagree."""
+        _refuse_unsupported(self)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+
     def max_tokens_field(self) -> str:
         """The field the output's length limit came from."""
         return "max_tokens"
@@ -137,7 +143,7 @@ class _Request(BaseModel):
                 "prompt": self.PROMPT_FIELD}.get(name, name)
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(BaseRequest):
     PROMPT_FIELD: ClassVar[str] = "prompt"
     LOGPROBS_FIELD: ClassVar[str] = "logprobs"
 
@@ -156,7 +162,7 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatRequest(_Request):
+class ChatRequest(BaseRequest):
     PROMPT_FIELD: ClassVar[str] = "messages"
     LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
 
@@ -197,11 +203,18 @@ class ChatRequest(_Request):
     structural_tag: Annotated[str | None, _only(why=_STRUCTURED)] = None
     include_reasoning: bool | None = None     # accepted: the served model does not reason
 
+    def check(self) -> None:
+        super().check()
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                                f"({self.max_completion_tokens}) disagree: send one of them", "max_tokens")
+
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
-Body = TypeVar("Body", CompletionRequest, ChatRequest)
+Body = TypeVar("Body", bound=BaseRequest)
 
 
 def parse_request(raw: bytes, content_type: str | None, model: type[Body]) -> Body:
@@ -220,9 +233,7 @@ def parse_request(raw: bytes, content_type: str | None, model: type[Body]) -> Bo
         request = model.model_validate_json(text)
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
-    _refuse_unsupported(request)
-    if request.stream_options is not None and not request.stream:
-        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    request.check()
     return request
 
 
@@ -244,17 +255,17 @@ def _same(value: Any, accepted: Any) -> bool:
     return value == accepted and isinstance(value, bool) == isinstance(accepted, bool)
 
 
-def unknown_fields(request: _Request) -> list[str]:
+def unknown_fields(request: BaseRequest) -> list[str]:
     """The request's fields that neither OpenAI nor vLLM define."""
     return sorted(request.model_extra or {})
 
 
-def stop_strings(request: _Request) -> tuple[str, ...]:
+def stop_strings(request: BaseRequest) -> tuple[str, ...]:
     stop = request.stop
     return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def sampling_params(request: _Request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(request: BaseRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The request's ``SamplingParams`` (OpenAI's defaults: temperature 1, top_p 1); a bad value is a 400
     naming the request's field."""
     fields = dict(temperature=1.0 if request.temperature is None else request.temperature,
@@ -271,7 +282,7 @@ def sampling_params(request: _Request, max_tokens: int, logprobs: int | None) ->
         raise ApiError(400, message, request.field_of(match.group(1)) if match else None) from None
 
 
-def engine_refusal(request: _Request, message: str) -> ApiError:
+def engine_refusal(request: BaseRequest, message: str) -> ApiError:
     """The 400 of a request the engine's ``add_request`` refused with ``message``, naming the field."""
     match = re.search(r"SamplingParams\.(\w+)", message)
     name = match.group(1) if match else "max_tokens" if "max_tokens" in message else "prompt"

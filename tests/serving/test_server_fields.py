@@ -126,7 +126,9 @@ def test_allow_unknown_fields_ignores_them_and_says_so(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"max_completion_tokens": 10_000}, "max_completion_tokens"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_completion_tokens": 10_000}, "max_completion_tokens"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"max_completion_tokens": 8, "max_tokens": 9}, "max_tokens"),     # not one silently ignored for the other
     ({"max_tokens": 10_000}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
     ({"stop_token_ids": list(range(17))}, "stop_token_ids"), ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
 ])
