@@ -40,11 +40,12 @@ class Unsupported:
     """A field's mark: this server does not implement it; values other than ``accepted`` (those that
     ask for nothing) are a 400 naming it, saying ``why``."""
 
-    accepted: tuple[Any, ...] = (None,)
-    why: str = "is not implemented by this server"
+    accepted: tuple[Any, ...]
+    why: str
 
 
 def _only(*accepted: Any, why: str = "is not implemented by this server") -> Unsupported:
+    """Unsupported but for null and ``accepted``."""
     return Unsupported((None, *accepted), why)
 
 
