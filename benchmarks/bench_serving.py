@@ -55,7 +55,7 @@ class RequestResult:
 
 async def _one(http, url: str, prompt: list[int], args) -> RequestResult:
     body = {"model": None, "prompt": prompt, "max_tokens": args.output_len, "temperature": args.temperature,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     result, last = RequestResult(ok=False), None
     try:
@@ -74,9 +74,10 @@ async def _one(http, url: str, prompt: list[int], args) -> RequestResult:
                     else:
                         result.chunk_gaps += (now - last,)
                     last = now
-                if "usage" in chunk:
+                if chunk.get("usage"):          # the last chunk (stream_options.include_usage)
                     result.output_tokens = chunk["usage"]["completion_tokens"]
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if "spec_decode" in chunk:      # the chunk with the finish reason
                     result.draft_tokens = chunk["spec_decode"]["num_draft_tokens"]
                     result.accepted_tokens = chunk["spec_decode"]["num_accepted_tokens"]
     except Exception as e:     # noqa: BLE001 (a benchmark reports failed requests, it does not stop)

@@ -40,14 +40,19 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 = greedy), got {text!r}")
-    return value
+def _non_negative(note: str = "") -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value >= 0):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0{note}, got {text!r}")
+        return value
+    return parse
+
+
+_temperature = _non_negative(" (0 = greedy)")
 
 
 def _seed(text: str) -> int:
@@ -155,6 +160,15 @@ def _add_serve(sub, formatter) -> None:
     serve.add_argument("--mesh", metavar="DATA,MODEL", help="decode on a device mesh of DATA x MODEL devices")
     serve.add_argument("--no-warmup", action="store_true",
                        help="compile each step shape when first needed (a faster start, slower first requests)")
+    serve.add_argument("--max-request-bytes", type=_int_at_least(1), default=16 * 2 ** 20,
+                       help="largest request body accepted (a larger one is a 413)")
+    serve.add_argument("--max-prompt-chars", type=_int_at_least(1), default=1_000_000,
+                       help="longest prompt (a chat's rendered messages) accepted, checked before tokenizing (a 400)")
+    serve.add_argument("--allow-unknown-fields", action="store_true",
+                       help="ignore request fields neither OpenAI nor vLLM define (logged, and named in the "
+                            "response's X-Ignored-Fields header) instead of answering 400")
+    serve.add_argument("--shutdown-timeout", type=_non_negative(), default=30.0, metavar="SECONDS",
+                       help="on SIGINT / SIGTERM, how long running requests may finish before they are ended")
     _add_ngram_sizes(serve)
     _add_packed_verify(serve)
 

@@ -22,10 +22,11 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds
-        (e.g. Llama's BOS)."""
+        (e.g. Llama's BOS). Releases the GIL while it encodes (the server tokenizes on a worker thread)."""
         if not isinstance(text, str):
             raise ValueError(f"Tokenizer.encode: text must be a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, unlike encode, releases the GIL; the same ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of token ``ids`` (special tokens dropped unless ``skip_special_tokens=False``)."""

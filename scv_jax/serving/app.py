@@ -5,6 +5,11 @@ Each request is submitted to the ``EngineLoop`` and its events read from an asyn
 is answered (or its stream started) once the engine took it, so that a request it refuses is a 400.
 The response carries ``usage`` and, as an extension, ``spec_decode``: the request's drafted and
 accepted token counts.
+
+Bodies are read up to ``--max-request-bytes`` (413 beyond) and parsed by ``protocol.parse_request``;
+prompts longer than ``--max-prompt-chars`` are a 400 before tokenizing, which runs on a worker thread
+(the event loop keeps serving the other requests). A client that disconnects has its request aborted
+at once. Every error, also FastAPI's own (404, 405), is OpenAI's error JSON.
 """
 
 from __future__ import annotations
@@ -13,31 +18,34 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import sys
 import time
 import uuid
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from scv_jax.sampling_params import SamplingParams
 from scv_jax.serving.chat import ChatTemplate, ChatTemplateError
 from scv_jax.serving.detokenize import TextStream
 from scv_jax.serving.engine_loop import Added, EngineFailed, EngineLoop, Output, Refused, Shutdown
 from scv_jax.serving.metrics import ServerMetrics
-from scv_jax.serving.protocol import (ApiError, ChatRequest, CompletionRequest, sampling_params, stop_strings,
-                                      validation_error)
+from scv_jax.serving.protocol import (ApiError, BaseRequest, Body, ChatRequest, CompletionRequest, engine_refusal,
+                                      parse_request, sampling_params, stop_strings, unknown_fields)
 
-DISCONNECT_POLL_SECONDS = 0.5    # how often a non-streamed request checks that its client is still there
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"    # with --allow-unknown-fields: the unknown fields ignored
 
 
 @dataclasses.dataclass
 class ServingContext:
     """What the endpoints need: the engine loop, the tokenizer (``encode`` / ``decode`` / ``vocab_size``),
-    the chat template (None: the model has none), the served name, the context length and the most
-    requests in flight (running + waiting) before a 429."""
+    the chat template (None: the model has none), the served name, the context length, the most
+    requests in flight (running + waiting) before a 429, the limits on a body's bytes and a prompt's
+    characters, and whether unknown request fields are ignored (else a 400)."""
 
     engine_loop: EngineLoop
     tokenizer: Any
@@ -46,6 +54,9 @@ class ServingContext:
     model_name: str
     max_model_len: int
     max_in_flight: int
+    max_request_bytes: int
+    max_prompt_chars: int
+    allow_unknown_fields: bool = False
     in_flight: int = 0
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -63,9 +74,10 @@ class _Run:
     """One request in the engine: its events turned into text pieces, its end into usage and metrics."""
 
     def __init__(self, ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
-                 stop: Sequence[str]):
-        self.ctx, self.request_id, self.prompt, self.params = ctx, request_id, prompt, params
-        self.stream = TextStream(ctx.tokenizer.decode, prompt, stop)
+                 body: BaseRequest):
+        self.ctx, self.request_id, self.prompt, self.params, self.body = ctx, request_id, prompt, params, body
+        self.stream = TextStream(ctx.tokenizer.decode, prompt, stop_strings(body),
+                                 include_stop=body.include_stop_str_in_output)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival, self.first_token_at, self.last_token_at = time.monotonic(), None, None
         self.num_tokens, self.finish_reason, self.done, self.admitted, self.closed = 0, None, False, False, False
@@ -88,26 +100,20 @@ class _Run:
             self.done = True
             self.close()
             if isinstance(event, Refused):
-                raise ApiError(400, event.message, "max_tokens" if "max_tokens" in event.message else "prompt")
-            raise ApiError(500, event.message if isinstance(event, EngineFailed) else "the server is shutting down")
+                raise engine_refusal(self.body, event.message)
+            raise ApiError(500, event.message) if isinstance(event, EngineFailed) else _shutting_down()
 
-    async def pieces(self, request: Request | None = None) -> AsyncIterator[_Piece]:
-        """The output as it comes (``request``: poll it for a disconnect, which aborts the request).
-        Raises ApiError 500 when a step failed."""
+    async def pieces(self) -> AsyncIterator[_Piece]:
+        """The output as it comes. Raises ApiError 500 when a step failed, 503 when the server stopped
+        the request (shutting down)."""
         while not self.done:
-            try:
-                event = await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_SECONDS) if request \
-                    else await self.queue.get()
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return
-                continue
-            match event:
+            match await self.queue.get():
                 case EngineFailed(message):
                     self.done, self.finish_reason = True, "error"
                     raise ApiError(500, message)
                 case Shutdown():
                     self.done, self.finish_reason = True, "abort"
+                    raise _shutting_down()
                 case Output(output):
                     piece = self._output(output)
                     if piece.text or piece.token_ids or self.done:
@@ -117,7 +123,8 @@ class _Run:
         now = time.monotonic()
         new = output.new_token_ids
         # a stop token (eos, stop_token_ids) ends the output: counted, its text not emitted (as vLLM)
-        stop_token = output.finished and output.finish_reason == "stop" and bool(new)
+        stop_token = output.finished and output.finish_reason == "stop" and bool(new) \
+            and not self.body.include_stop_str_in_output
         update = self.stream.add(new[:-1] if stop_token else new)
         used = new if stop_token and not update.stopped else new[:update.num_tokens]
         if used:
@@ -168,6 +175,10 @@ class _Run:
                 m.labels(m.tpot).observe((self.last_token_at - self.first_token_at) / (self.num_tokens - 1))
 
 
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down: the request was aborted after the graceful-shutdown period")
+
+
 def _token_text(tokenizer, token_id: int) -> str:
     """A token's text, or its vocabulary string when it is part of a character (its text alone would
     be U+FFFD, the same for many tokens)."""
@@ -199,6 +210,48 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode("utf-8")
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body; ApiError 413 once it exceeds ``limit`` bytes (by its Content-Length, or as
+    it arrives), before reading the rest."""
+    too_large = ApiError(413, f"the request body exceeds this server's limit of {limit} bytes (--max-request-bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, "the client disconnected while sending the request body") from None
+    return b"".join(chunks)
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has disconnected (its body was read: what comes next is the end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _all_pieces(job: _Run) -> list[_Piece]:
+    return [piece async for piece in job.pieces()]
+
+
+async def _whole(job: _Run, request: Request) -> list[_Piece] | None:
+    """The whole output of ``job``, or None when its client disconnected first (the request is then
+    aborted at once)."""
+    collect, gone = asyncio.ensure_future(_all_pieces(job)), asyncio.ensure_future(_client_gone(request))
+    try:
+        done, _ = await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        collect.cancel()
+        gone.cancel()
+        job.close()
+    return collect.result() if collect in done else None
+
+
 def build_app(ctx: ServingContext) -> FastAPI:
     """The FastAPI application serving ``ctx`` (its lifespan starts and stops the engine loop)."""
 
@@ -214,18 +267,44 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
-        error = validation_error(list(error.errors()))
-        return JSONResponse(error.body(), status_code=error.status)
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        return JSONResponse(ApiError(error.status_code, str(error.detail)).body(), status_code=error.status_code,
+                            headers=error.headers)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name != ctx.model_name:
-            raise ApiError(404, f"The model `{name}` does not exist (this server serves `{ctx.model_name}`)",
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        """A bug: OpenAI's 500 (Starlette then logs the traceback)."""
+        return JSONResponse(ApiError(500, f"internal server error: {type(error).__name__}").body(), status_code=500)
+
+    async def accept(request: Request, model: type[Body]) -> tuple[Body, dict[str, str]]:
+        """The request's body, parsed and checked, and the response's headers (the unknown fields ignored
+        with --allow-unknown-fields, also logged on stderr)."""
+        body = parse_request(await _read_body(request, ctx.max_request_bytes), request.headers.get("content-type"),
+                             model)
+        unknown = unknown_fields(body)
+        if unknown and not ctx.allow_unknown_fields:
+            raise ApiError(400, f"Unknown parameter: '{unknown[0]}' (neither OpenAI nor vLLM defines it; "
+                                "scv-jax serve --allow-unknown-fields ignores such fields)", unknown[0],
+                           "unknown_parameter")
+        if body.model is not None and body.model != ctx.model_name:
+            raise ApiError(404, f"The model `{body.model}` does not exist (this server serves `{ctx.model_name}`)",
                            "model", "model_not_found")
+        if not unknown:
+            return body, {}
+        print(f"scv-jax serve: warning: ignored unknown request fields {', '.join(unknown)} ({request.url.path})",
+              file=sys.stderr, flush=True)
+        return body, {IGNORED_FIELDS_HEADER: ",".join(unknown)}
 
-    def check_length(prompt: list[int], max_tokens: int | None, where: str) -> int:
-        """``max_tokens`` (None: the rest of the context), checked against the context length."""
+    def check_chars(text: str, where: str) -> None:
+        if len(text) > ctx.max_prompt_chars:
+            raise ApiError(400, f"{where} has {len(text)} characters, more than this server's limit of "
+                                f"{ctx.max_prompt_chars} (--max-prompt-chars)", where)
+
+    def check_length(prompt: list[int], body: BaseRequest) -> int:
+        """The output's length limit (the request's, or the rest of the context), checked against the
+        context length."""
+        where, max_tokens = body.PROMPT_FIELD, body.max_new_tokens()
         if not prompt:
             raise ApiError(400, f"{where} must not be empty (it encodes to no tokens)", where)
         room = ctx.max_model_len - len(prompt)
@@ -235,59 +314,61 @@ def build_app(ctx: ServingContext) -> FastAPI:
         if max_tokens is None:
             return room
         if max_tokens > room:
-            raise ApiError(400, f"max_tokens {max_tokens} + the {len(prompt)} tokens of {where} exceed the model's "
-                                f"context of {ctx.max_model_len} tokens", "max_tokens")
+            field = body.max_tokens_field()
+            raise ApiError(400, f"{field} {max_tokens} + the {len(prompt)} tokens of {where} exceed the model's "
+                                f"context of {ctx.max_model_len} tokens", field)
         return max_tokens
 
     def admit() -> None:
         if ctx.in_flight >= ctx.max_in_flight:
             raise ApiError(429, f"the server's queue is full ({ctx.in_flight} requests in flight); retry later")
 
-    def prompt_ids(prompt: Any) -> list[int]:
+    async def prompt_ids(prompt: Any) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: a batch of {len(prompt)} prompts is not supported (one per request)",
                                "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return ctx.tokenizer.encode(prompt)
+            check_chars(prompt, "prompt")
+            return await asyncio.to_thread(ctx.tokenizer.encode, prompt)
         vocab = ctx.tokenizer.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ApiError(400, f"prompt: token id {bad[0]} is outside [0, vocab_size={vocab})", "prompt")
         return list(prompt)
 
-    async def run(request: Request, ids: list[int], params: SamplingParams, stop, kind: str, stream: bool):
+    async def run(request: Request, body: BaseRequest, headers: dict[str, str], ids: list[int], params: SamplingParams):
         vocab = ctx.tokenizer.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ApiError(400, f"stop_token_ids must be ids in [0, vocab_size={vocab}), got "
                                 f"{list(params.stop_token_ids)}", "stop_token_ids")
         admit()
-        request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        job = _Run(ctx, request_id, ids, params, stop)
+        chat = isinstance(body, ChatRequest)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        job = _Run(ctx, request_id, ids, params, body)
         await job.start()
-        shape = _ChatShape(ctx, request_id) if kind == "chat" else _CompletionShape(ctx, request_id)
-        if stream:
+        shape = _ChatShape(ctx, request_id) if chat else _CompletionShape(ctx, request_id)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             # the background task closes a stream whose generator never ran (its client left at once)
-            return StreamingResponse(_stream(job, shape), media_type="text/event-stream",
-                                     background=BackgroundTask(job.close))
-        try:
-            pieces = [piece async for piece in job.pieces(request)]
-        finally:
-            job.close()
-        return JSONResponse(shape.whole(job, pieces))
+            return StreamingResponse(_stream(job, shape, include_usage), media_type="text/event-stream",
+                                     headers=headers, background=BackgroundTask(job.close))
+        pieces = await _whole(job, request)
+        if pieces is None:      # nobody to answer
+            return Response(status_code=499)
+        return JSONResponse(shape.whole(job, pieces), headers=headers)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        check_model(body.model)
-        ids = prompt_ids(body.prompt)
-        max_tokens = check_length(ids, body.max_tokens, "prompt")
-        params = sampling_params(body, max_tokens, body.logprobs)
-        return await run(request, ids, params, stop_strings(body), "completion", body.stream)
+    async def completions(request: Request):
+        body, headers = await accept(request, CompletionRequest)
+        ids = await prompt_ids(body.prompt)
+        params = sampling_params(body, check_length(ids, body), body.logprobs)
+        return await run(request, body, headers, ids, params)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        check_model(body.model)
+    async def chat_completions(request: Request):
+        body, headers = await accept(request, ChatRequest)
         if ctx.chat_template is None:
             raise ApiError(400, f"the model `{ctx.model_name}` has no chat template (tokenizer_config.json's "
                                 "chat_template): use /v1/completions", "messages")
@@ -303,15 +384,16 @@ def build_app(ctx: ServingContext) -> FastAPI:
                 fields["content"] = "".join(p["text"] for p in message.content)
             messages.append(fields)
         try:
-            text = ctx.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+            text = await asyncio.to_thread(ctx.chat_template.render, messages,
+                                           add_generation_prompt=body.add_generation_prompt)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), "messages") from None
-        ids = ctx.tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = check_length(ids, body.max_completion_tokens or body.max_tokens, "messages")
+        check_chars(text, "messages")
+        ids = await asyncio.to_thread(ctx.tokenizer.encode, text, add_special_tokens=False)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        return await run(request, ids, params, stop_strings(body), "chat", body.stream)
+        params = sampling_params(body, check_length(ids, body), (body.top_logprobs or 0) if body.logprobs else None)
+        return await run(request, body, headers, ids, params)
 
     @app.get("/v1/models")
     async def models():
@@ -331,17 +413,20 @@ def build_app(ctx: ServingContext) -> FastAPI:
     return app
 
 
-async def _stream(job: _Run, shape) -> AsyncIterator[bytes]:
-    """The SSE stream of one request: its chunks, a last chunk with the finish reason and usage, then
-    ``[DONE]``; a failed step sends OpenAI's error object instead. A client that goes away cancels this
-    generator, and ``close`` aborts the request."""
+async def _stream(job: _Run, shape, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE stream of one request: its chunks, a chunk with the finish reason and ``spec_decode``,
+    with ``include_usage`` a last chunk with the usage (``choices: []``; the others have ``usage: null``),
+    then ``[DONE]``; a failed step or a shutdown sends OpenAI's error object instead. A client that goes
+    away cancels this generator, and ``close`` aborts the request."""
+    usage = {"usage": None} if include_usage else {}
     try:
-        yield _sse(shape.first_chunk())
+        yield _sse({**shape.first_chunk(), **usage})
         async for piece in job.pieces():
             if piece.text or piece.logprobs:
-                yield _sse(shape.chunk(piece, None))
-        yield _sse({**shape.chunk(_Piece("", (), None), job.finish_reason), "usage": job.usage(),
-                    "spec_decode": job.spec_decode()})
+                yield _sse({**shape.chunk(piece, None), **usage})
+        yield _sse({**shape.chunk(_Piece("", (), None), job.finish_reason), **usage, "spec_decode": job.spec_decode()})
+        if include_usage:
+            yield _sse(shape.usage_chunk(job.usage()))
     except ApiError as error:
         yield _sse(error.body())
     finally:
@@ -360,6 +445,9 @@ class _CompletionShape:
 
     def first_chunk(self) -> dict[str, Any]:
         return self.chunk(_Piece("", (), None), None)
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._base(), "choices": [], "usage": usage}
 
     def chunk(self, piece: _Piece, finish_reason: str | None) -> dict[str, Any]:
         logprobs = None if piece.logprobs is None else _completion_logprobs(self.ctx.tokenizer, piece.logprobs,
@@ -384,6 +472,9 @@ class _ChatShape:
 
     def _base(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": int(time.time()), "model": self.ctx.model_name}
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self._base("chat.completion.chunk"), "choices": [], "usage": usage}
 
     def first_chunk(self) -> dict[str, Any]:
         return {**self._base("chat.completion.chunk"),

@@ -9,8 +9,9 @@ space (sentencepiece) from dropping it mid-output.
 
 ``TextStream`` feeds a request's tokens one at a time through the detokenizer and the stop strings:
 the output ends at the first token whose text completes a stop string (also one spanning tokens or an
-accepted run of drafts), the stop string itself not emitted; while stop strings are set, the last
-``len(longest) - 1`` characters are held back (they may be the start of one).
+accepted run of drafts), the stop string itself not emitted (emitted with ``include_stop``, and nothing
+after it); while stop strings are set, the last ``len(longest) - 1`` characters are held back (they may
+be the start of one).
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ class TextStream:
     ``text`` is everything emitted so far (the final text once finished)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], context: Sequence[int] = (),
-                 stop: Sequence[str] = ()):
+                 stop: Sequence[str] = (), *, include_stop: bool = False):
         self._detokenizer = IncrementalDetokenizer(decode, context)
-        self._stop = tuple(s for s in stop if s)
+        self._stop, self._include_stop = tuple(s for s in stop if s), include_stop
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""     # decoded, not yet emitted (may begin a stop string)
         self.text = ""
@@ -85,9 +86,9 @@ class TextStream:
         for used, token_id in enumerate(token_ids, 1):
             start = len(self._pending)        # a new stop string ends after this (earlier text was checked)
             self._pending += self._detokenizer.add(token_id)
-            hit = self._first_stop(start)
-            if hit is not None:
-                self.text += self._pending[:hit]
+            end = self._stop_end(start)
+            if end is not None:
+                self.text += self._pending[:end]
                 self._pending, self.stopped = "", True
                 return StreamUpdate(self.text[emitted:], used, True)
         cut = max(0, len(self._pending) - self._hold)
@@ -99,13 +100,17 @@ class TextStream:
         if self.stopped:
             return ""
         rest = self._pending + self._detokenizer.flush()
-        hit = self._first_stop(0, rest)
-        rest = rest if hit is None else rest[:hit]
+        end = self._stop_end(0, rest)
+        rest = rest if end is None else rest[:end]
         self._pending, self.text = "", self.text + rest
         return rest
 
-    def _first_stop(self, start: int, text: str | None = None) -> int | None:
-        """Index in ``text`` (default the pending text) of the earliest stop string that ends past ``start``."""
+    def _stop_end(self, start: int, text: str | None = None) -> int | None:
+        """Where ``text`` (default the pending text) ends at the earliest stop string that ends past
+        ``start``: before it, or after it with ``include_stop``; None without one."""
         text = self._pending if text is None else text
-        hits = [i for i in (text.find(s, max(0, start - len(s) + 1)) for s in self._stop) if i >= 0]
-        return min(hits, default=None)
+        hits = [(i, i + len(s)) for s in self._stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
+        if not hits:
+            return None
+        begin, end = min(hits)
+        return end if self._include_stop else begin

@@ -5,8 +5,8 @@ server's callback hands them to the asyncio loop with ``call_soon_threadsafe``).
 Only this thread calls the engine. Events (an ``Event``): ``Added`` (the engine took the request),
 ``Refused`` (``add_request`` refused it: a 400), ``Output`` (a ``RequestOutput`` of it),
 ``EngineFailed`` (a step raised: every request in the engine is aborted and failed, a 500, and the
-loop carries on; or ``add_request`` raised other than ValueError) and ``Shutdown`` (the server stopped
-before the request finished).
+loop carries on; or ``add_request`` raised other than ValueError) and ``Shutdown`` (the loop stopped
+before the request finished, or before it was added: every request submitted gets an answer).
 """
 
 from __future__ import annotations
@@ -76,12 +76,7 @@ class _Abort:
     request_id: str
 
 
-@dataclasses.dataclass(frozen=True)
-class _Stop:
-    """Aborts what is unfinished and ends the loop."""
-
-
-_Command = _Add | _Abort | _Stop
+_Command = _Add | _Abort
 
 
 class EngineLoop:
@@ -92,6 +87,9 @@ class EngineLoop:
         self._engine, self._on_queue = engine, on_queue
         self._commands: queue.Queue = queue.Queue()
         self._posts: dict[str, Post] = {}        # this thread's: the unfinished requests' callbacks
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()             # orders submit against the loop's end
+        self._closed = False                      # the loop ended: submit answers Shutdown itself
         self._thread = threading.Thread(target=self._run, name="scv-jax-engine", daemon=True)
 
     def start(self) -> None:
@@ -102,23 +100,34 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: Any, post: Post) -> None:
-        self._commands.put(_Add(request_id, list(prompt_token_ids), params, post))
+        with self._lock:
+            if not self._closed:
+                self._commands.put(_Add(request_id, list(prompt_token_ids), params, post))
+                return
+        post(Shutdown())
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
     def stop(self, timeout: float | None = None) -> None:
-        """Aborts what is unfinished (its requests get ``Shutdown``) and ends the thread."""
-        self._commands.put(_Stop())
-        self._thread.join(timeout)
+        """Ends the thread after its current step, waiting up to ``timeout`` (0: not waiting); what is
+        unfinished is aborted and its requests get ``Shutdown``."""
+        self._stopping.set()
+        if timeout != 0:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
-        while True:
-            if not self._apply(self._take(block=not self._engine.has_unfinished())):
-                return
+        while not self._stopping.is_set():
+            self._apply(self._take(block=not self._engine.has_unfinished()))
             if self._engine.has_unfinished():
                 self._step()
             self._on_queue(self._engine)
+        with self._lock:
+            self._closed = True
+        for command in self._take(block=False):
+            if isinstance(command, _Add):
+                command.post(Shutdown())
+        self._abort_all(Shutdown())
 
     def _take(self, *, block: bool) -> list[_Command]:
         commands = []
@@ -130,8 +139,7 @@ class EngineLoop:
         except queue.Empty:
             return commands
 
-    def _apply(self, commands: list[_Command]) -> bool:
-        """Runs the commands; False after a stop."""
+    def _apply(self, commands: list[_Command]) -> None:
         for command in commands:
             match command:
                 case _Add(request_id, prompt, params, post):
@@ -149,10 +157,6 @@ class EngineLoop:
                 case _Abort(request_id):
                     if self._posts.pop(request_id, None) is not None:
                         self._engine.abort(request_id)
-                case _Stop():
-                    self._abort_all(Shutdown())
-                    return False
-        return True
 
     def _step(self) -> None:
         try:

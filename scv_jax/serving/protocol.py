@@ -1,17 +1,26 @@
 """OpenAI request bodies (with vLLM's extensions), their check and their ``SamplingParams``; errors in
-OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``)."""
+OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``).
+
+Every field of OpenAI's completions and chat completions and of vLLM's extensions to them is declared:
+one this server implements is honoured; one it does not is marked ``Unsupported``: accepted at the
+values that ask for nothing (e.g. ``"tools": []``, ``"presence_penalty": 0``), a 400 naming it
+otherwise. A field none of them defines is left in ``unknown_fields`` (the server refuses it, or ignores
+it when told to).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from scv_jax.sampling_params import SamplingParams
 
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
-                500: "server_error", 503: "server_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class ApiError(Exception):
@@ -26,37 +35,125 @@ class ApiError(Exception):
                           "param": self.param, "code": self.code or self.status}}
 
 
-class _Request(BaseModel):
-    """Fields shared by both endpoints; strict types (a string is not a number, a bool not an int),
-    unknown fields ignored (as vLLM)."""
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A field's mark: this server does not implement it; values other than ``accepted`` (those that
+    ask for nothing) are a 400 naming it, saying ``why``."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    accepted: tuple[Any, ...]
+    why: str
 
+
+def _only(*accepted: Any, why: str = "is not implemented by this server") -> Unsupported:
+    """Unsupported but for null and ``accepted``."""
+    return Unsupported((None, *accepted), why)
+
+
+_PENALTY = "penalties are not implemented"
+_STRUCTURED = "structured output is not implemented"
+_TOOLS = "tool calls are not implemented"
+_MULTIMODAL = "the server serves text only"
+_Json = dict[str, Any] | None
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage (``choices: []``)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_usage: bool | None = None
+    continuous_usage_stats: Annotated[bool | None, _only(False)] = None
+    include_obfuscation: Annotated[bool | None, _only(False)] = None
+
+
+class BaseRequest(BaseModel):
+    """Fields of both endpoints; strict types (a string is not a number, a bool not an int); fields no
+    API defines are kept in ``model_extra``."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    PROMPT_FIELD: ClassVar[str]           # the field holding the prompt
+    LOGPROBS_FIELD: ClassVar[str]         # the field SamplingParams.logprobs comes from
+
+    # OpenAI, honoured
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None                  # an end-user id: accepted, no effect on the output
+    # OpenAI, not implemented
+    n: Annotated[int | None, _only(1, why="must be 1 (one choice per request)")] = 1
+    best_of: Annotated[int | None, _only(1, why="must be 1 (one choice per request)")] = None
+    echo: Annotated[bool | None, _only(False)] = False
+    presence_penalty: Annotated[float | None, _only(0.0, why=_PENALTY)] = None
+    frequency_penalty: Annotated[float | None, _only(0.0, why=_PENALTY)] = None
+    logit_bias: Annotated[_Json, _only({})] = None
+    response_format: Annotated[_Json, _only({"type": "text"}, why=_STRUCTURED)] = None
+    # vLLM, honoured
+    top_k: int | None = None
+    min_p: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    user: str | None = None
+    include_stop_str_in_output: bool = False
+    cache_salt: str | None = None            # accepted: no KV cache is shared between requests
+    # vLLM, not implemented
+    repetition_penalty: Annotated[float | None, _only(1.0, why=_PENALTY)] = None
+    length_penalty: Annotated[float | None, _only(1.0, why="beam search is not implemented")] = None
+    use_beam_search: Annotated[bool | None, _only(False, why="beam search is not implemented")] = False
+    min_tokens: Annotated[int | None, _only(0)] = 0
+    skip_special_tokens: Annotated[bool | None, _only(True)] = True
+    spaces_between_special_tokens: Annotated[bool | None, _only(True)] = True
+    truncate_prompt_tokens: Annotated[int | None, _only()] = None
+    allowed_token_ids: Annotated[list[int] | None, _only()] = None
+    bad_words: Annotated[list[str] | None, _only([])] = None
+    prompt_logprobs: Annotated[int | None, _only()] = None
+    guided_json: Annotated[str | dict[str, Any] | None, _only(why=_STRUCTURED)] = None
+    guided_regex: Annotated[str | None, _only(why=_STRUCTURED)] = None
+    guided_choice: Annotated[list[str] | None, _only(why=_STRUCTURED)] = None
+    guided_grammar: Annotated[str | None, _only(why=_STRUCTURED)] = None
+    guided_decoding_backend: Annotated[str | None, _only(why=_STRUCTURED)] = None
+    guided_whitespace_pattern: Annotated[str | None, _only(why=_STRUCTURED)] = None
+    structured_outputs: Annotated[_Json, _only(why=_STRUCTURED)] = None
+    priority: Annotated[int | None, _only(0, why="priority scheduling is not implemented")] = 0
+    request_id: Annotated[str | None, _only()] = None
+    logits_processors: Annotated[list[Any] | None, _only([])] = None
+    return_tokens_as_token_ids: Annotated[bool | None, _only(False)] = None
+    return_token_ids: Annotated[bool | None, _only(False)] = None
+    kv_transfer_params: Annotated[_Json, _only()] = None
+    vllm_xargs: Annotated[_Json, _only({})] = None
+
+    def check(self) -> None:
+        """400 for a field set to a value this server does not implement, or fields that disagree."""
+        _refuse_unsupported(self)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+    def max_tokens_field(self) -> str:
+        """The field the output's length limit came from."""
+        return "max_tokens"
+
+    def max_new_tokens(self) -> int | None:
+        """The output's length limit (None: the rest of the context)."""
+        return getattr(self, self.max_tokens_field())
+
+    def field_of(self, name: str) -> str:
+        """The request field that a ``SamplingParams`` (or the engine's) ``name`` comes from."""
+        return {"max_tokens": self.max_tokens_field(), "logprobs": self.LOGPROBS_FIELD,
+                "prompt": self.PROMPT_FIELD}.get(name, name)
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(BaseRequest):
+    PROMPT_FIELD: ClassVar[str] = "prompt"
+    LOGPROBS_FIELD: ClassVar[str] = "logprobs"
+
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    suffix: Annotated[str | None, _only("")] = None
+    prompt_embeds: Annotated[str | list[str] | None, _only(why=_MULTIMODAL)] = None
+    add_special_tokens: Annotated[bool | None, _only(True)] = True
 
 
 class ChatMessage(BaseModel):
@@ -66,43 +163,112 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
-class ChatRequest(_Request):
+class ChatRequest(BaseRequest):
+    PROMPT_FIELD: ClassVar[str] = "messages"
+    LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # OpenAI, accepted: ids and a cache key, no effect on the output (no cache is shared)
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    parallel_tool_calls: bool | None = None  # qualifies tools, which are refused
+    # OpenAI, not implemented
+    tools: Annotated[list[Any] | None, _only([], why=_TOOLS)] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, _only("none", "auto", why=_TOOLS)] = None
+    functions: Annotated[list[Any] | None, _only([], why=_TOOLS)] = None
+    function_call: Annotated[str | dict[str, Any] | None, _only("none", "auto", why=_TOOLS)] = None
+    reasoning_effort: Annotated[str | None, _only(why="the served model does not reason")] = None
+    prediction: Annotated[_Json, _only(why="predicted outputs are not implemented")] = None
+    audio: Annotated[_Json, _only(why=_MULTIMODAL)] = None
+    modalities: Annotated[list[str] | None, _only(["text"], why=_MULTIMODAL)] = None
+    web_search_options: Annotated[_Json, _only(why="web search is not implemented")] = None
+    verbosity: Annotated[str | None, _only()] = None
+    moderation: Annotated[_Json, _only()] = None
+    metadata: Annotated[dict[str, str] | None, _only({}, why="requests are not stored")] = None
+    store: Annotated[bool | None, _only(False, why="requests are not stored")] = None
+    service_tier: Annotated[str | None, _only("auto", "default")] = None
+    prompt_cache_retention: Annotated[str | None, _only()] = None
+    prompt_cache_options: Annotated[_Json, _only()] = None
+    # vLLM, not implemented
+    continue_final_message: Annotated[bool | None, _only(False)] = False
+    add_special_tokens: Annotated[bool | None, _only(False)] = False
+    chat_template: Annotated[str | None, _only(why="only the model's chat template is served")] = None
+    chat_template_kwargs: Annotated[_Json, _only({})] = None
+    documents: Annotated[list[Any] | None, _only([])] = None
+    mm_processor_kwargs: Annotated[_Json, _only({}, why=_MULTIMODAL)] = None
+    structural_tag: Annotated[str | None, _only(why=_STRUCTURED)] = None
+    include_reasoning: bool | None = None     # accepted: the served model does not reason
+
+    def check(self) -> None:
+        super().check()
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                                f"({self.max_completion_tokens}) disagree: send one of them", "max_tokens")
+
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
-def _unsupported(request: _Request) -> None:
-    """400 for fields whose non-default values this server does not implement."""
-    if request.n != 1:
-        raise ApiError(400, f"n must be 1 (one choice per request), got {request.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(request, name)
-        if value not in (None, 0, 0.0):
-            raise ApiError(400, f"{name} is not supported (only 0), got {value}", name)
-    if request.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", "logit_bias")
-    if isinstance(request, CompletionRequest):
-        if request.echo:
-            raise ApiError(400, "echo is not supported", "echo")
-        if request.best_of not in (None, 1):
-            raise ApiError(400, f"best_of must be 1, got {request.best_of}", "best_of")
-        if request.suffix:
-            raise ApiError(400, "suffix is not supported", "suffix")
+Body = TypeVar("Body", bound=BaseRequest)
 
 
-def stop_strings(request: _Request) -> tuple[str, ...]:
+def parse_request(raw: bytes, content_type: str | None, model: type[Body]) -> Body:
+    """The request of a JSON body, its fields checked: a 400 for a body that is not JSON (or not sent as
+    JSON), not UTF-8 or holds a lone surrogate escape, for a field of the wrong type or a value this
+    server does not implement, each naming the field where one is involved."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise ApiError(400, f"the request body must be JSON, sent with Content-Type: application/json (got "
+                            f"{'Content-Type: ' + content_type if content_type else 'no Content-Type'})")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        request = model.model_validate_json(text)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+    request.check()
+    return request
+
+
+def _refuse_unsupported(model: BaseModel, param: str | None = None) -> None:
+    """400 for a field marked ``Unsupported`` set to a value other than its accepted ones."""
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        for mark in field.metadata:
+            if isinstance(mark, Unsupported) and not any(_same(value, a) for a in mark.accepted):
+                shown = " or ".join(json.dumps(a) for a in mark.accepted)
+                raise ApiError(400, f"{name} {mark.why}: leave it out or send {shown}, got {json.dumps(value)}",
+                               param or name, "unsupported_parameter")
+        if isinstance(value, BaseModel):
+            _refuse_unsupported(value, param or name)
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """``value == accepted`` where True is not 1 (nor False 0)."""
+    return value == accepted and isinstance(value, bool) == isinstance(accepted, bool)
+
+
+def unknown_fields(request: BaseRequest) -> list[str]:
+    """The request's fields that neither OpenAI nor vLLM define."""
+    return sorted(request.model_extra or {})
+
+
+def stop_strings(request: BaseRequest) -> tuple[str, ...]:
     stop = request.stop
     return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def sampling_params(request: _Request, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(request: BaseRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
     """The request's ``SamplingParams`` (OpenAI's defaults: temperature 1, top_p 1); a bad value is a 400
     naming the request's field."""
-    _unsupported(request)
     fields = dict(temperature=1.0 if request.temperature is None else request.temperature,
                   top_p=1.0 if request.top_p is None else request.top_p,
                   top_k=0 if request.top_k is None else request.top_k,
@@ -113,22 +279,30 @@ def sampling_params(request: _Request, max_tokens: int, logprobs: int | None) ->
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
         match = re.match(r"SamplingParams\.(\w+)", str(e))
-        name = match.group(1) if match else None
-        if name == "logprobs" and isinstance(request, ChatRequest):
-            name = "top_logprobs"
         message = str(e).replace("SamplingParams.", "", 1) if match else str(e)
-        raise ApiError(400, message, name) from None
+        raise ApiError(400, message, request.field_of(match.group(1)) if match else None) from None
+
+
+def engine_refusal(request: BaseRequest, message: str) -> ApiError:
+    """The 400 of a request the engine's ``add_request`` refused with ``message``, naming the field."""
+    match = re.search(r"SamplingParams\.(\w+)", message)
+    name = match.group(1) if match else "max_tokens" if "max_tokens" in message else "prompt"
+    return ApiError(400, message, request.field_of(name))
 
 
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:
-    """The 400 of FastAPI's body validation errors: the first one, naming its field."""
+    """The 400 of pydantic's validation errors: the first one, naming its field."""
     if not errors:
         return ApiError(400, "invalid request body")
     error = errors[0]
-    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    loc = [str(part) for part in error.get("loc", ())]
     param = loc[0] if loc else None
     where = ".".join(p for p in loc if not re.fullmatch(r"(str|int|list\[.*\]|dict\[.*\]|float|bool|none)", p))
     message = error.get("msg", "invalid value")
     if error.get("type") == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON: {message}")
-    return ApiError(400, f"{where}: {message}" if where else message, param)
+        return ApiError(400, f"the request body is not valid JSON: {error.get('ctx', {}).get('error', message)}")
+    if error.get("type") == "extra_forbidden":
+        return ApiError(400, f"{where}: unknown field", param, "unknown_parameter")
+    if not loc:
+        return ApiError(400, f"the request body must be a JSON object ({message})")
+    return ApiError(400, f"{where}: {message}", param)

@@ -1,20 +1,21 @@
 """``scv-jax serve``: loads the checkpoint(s), builds an ``Engine``, warms it up (progress on stderr),
 then serves the app with uvicorn and prints ``scv-jax serve: listening on http://HOST:PORT`` on stdout.
 
-SIGINT / SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for up to
-``GRACEFUL_SHUTDOWN_SECONDS`` (then cancels them, which aborts them in the engine), the engine loop
-stops, and the process exits with status 0.
+SIGINT / SIGTERM: uvicorn stops accepting connections and lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds; then the engine loop stops, which ends each request still running with
+a 503 (a stream: OpenAI's error object, then ``[DONE]``), and the process exits with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import sys
-from typing import Any
+from typing import Any, Callable
 
-GRACEFUL_SHUTDOWN_SECONDS = 30
 DEFAULT_MAX_MODEL_LEN = 2048     # the context served when --max-model-len is not given (at most the model's)
+CANCEL_AFTER_SECONDS = 10        # past --shutdown-timeout, uvicorn cancels what has still not ended
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
@@ -73,13 +74,15 @@ def make_engine(args: argparse.Namespace) -> Served:
     return Served(engine, max_model_len, models.target.config.vocab_size)
 
 
-def _uvicorn_server(app, host: str, port: int):
+def _uvicorn_server(app, host: str, port: int, grace: float, end_requests: Callable[[], None]):
+    """uvicorn's server of ``app``; at shutdown, ``end_requests()`` runs once in-flight requests had
+    ``grace`` seconds to finish."""
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server that prints its address once listening and exits normally on a signal
-        (uvicorn re-raises SIGINT / SIGTERM after its graceful shutdown, which would end the process
-        with the signal's status)."""
+        """uvicorn's server that prints its address once listening, ends the requests still running
+        after the grace period, and exits normally on a signal (uvicorn re-raises SIGINT / SIGTERM after
+        its graceful shutdown, which would end the process with the signal's status)."""
 
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
@@ -91,8 +94,15 @@ def _uvicorn_server(app, host: str, port: int):
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
 
+        async def shutdown(self, sockets=None) -> None:
+            timer = asyncio.get_running_loop().call_later(grace, end_requests)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS, lifespan="on")
+                            timeout_graceful_shutdown=grace + CANCEL_AFTER_SECONDS, lifespan="on")
     return Server(config)
 
 
@@ -116,10 +126,13 @@ def serve(args: argparse.Namespace) -> int:
         served.engine.warmup(args.max_num_seqs, served.max_model_len, progress=True)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
-    ctx = ServingContext(engine_loop=EngineLoop(served.engine, metrics.observe_engine), tokenizer=tokenizer,
-                         chat_template=chat_template, metrics=metrics, model_name=name,
-                         max_model_len=served.max_model_len, max_in_flight=args.max_num_seqs + args.max_waiting)
-    server = _uvicorn_server(build_app(ctx), args.host, args.port)
+    engine_loop = EngineLoop(served.engine, metrics.observe_engine)
+    ctx = ServingContext(engine_loop=engine_loop, tokenizer=tokenizer, chat_template=chat_template, metrics=metrics,
+                         model_name=name, max_model_len=served.max_model_len,
+                         max_in_flight=args.max_num_seqs + args.max_waiting, max_request_bytes=args.max_request_bytes,
+                         max_prompt_chars=args.max_prompt_chars, allow_unknown_fields=args.allow_unknown_fields)
+    server = _uvicorn_server(build_app(ctx), args.host, args.port, args.shutdown_timeout,
+                             lambda: engine_loop.stop(timeout=0))
     server.run()
     if not server.started:
         raise OSError(f"could not listen on {args.host}:{args.port} (see the message above)")

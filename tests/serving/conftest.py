@@ -1,9 +1,12 @@
-"""Fixtures of the server tests: the tiny checkpoint (written once per session) and an OpenAI client
-factory (127.0.0.1 only, every call with a timeout and no retries)."""
+"""Fixtures of the server tests: the tiny checkpoint (written once per session), an OpenAI client
+factory (127.0.0.1 only, every call with a timeout and no retries), raw error requests and bounded waits."""
 
 from __future__ import annotations
 
+import json
 import pathlib
+import time
+from typing import Any, Callable
 
 import pytest
 
@@ -39,3 +42,27 @@ def metrics(url: str) -> dict[tuple[str, tuple], float]:
     text = httpx.get(f"{url}/metrics", timeout=REQUEST_TIMEOUT).text
     return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def post_error(url: str, path: str, body: Any, status: int, headers: dict[str, str] | None = None) -> dict:
+    """POSTs ``body`` (JSON unless bytes or str) raw and checks that the answer is ``status`` with OpenAI's
+    error object; that object."""
+    import httpx
+
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    response = httpx.post(f"{url}{path}", content=content,
+                          headers={"content-type": "application/json"} if headers is None else headers,
+                          timeout=REQUEST_TIMEOUT)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    return error
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False

@@ -10,6 +10,7 @@ import dataclasses
 import time
 
 from scv_jax.decoding.outputs import RequestOutput, TokenLogprob  # the real engine's outputs
+from scv_jax.sampling_params import MAX_STOP_IDS
 
 CYCLE = "héllo wörld € 𝄞 ".encode("utf-8")
 DRAFTS = 3
@@ -57,6 +58,9 @@ class FakeEngine:
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt or not all(0 <= t < 256 for t in prompt):
             raise ValueError("Engine.add_request: prompt_token_ids must be a non-empty list of ids in [0, 256)")
+        if len(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)) > MAX_STOP_IDS:
+            raise ValueError(f"add_request: SamplingParams.stop_token_ids must hold ids in [0, vocab_size=256), "
+                             f"at most {MAX_STOP_IDS} with the model's eos ids, got {params.stop_token_ids!r}")
         needed = len(prompt) + params.max_tokens
         if needed > self.max_seq_len:
             raise ValueError(f"Engine.add_request: prompt ({len(prompt)} tokens) + max_tokens {params.max_tokens} "

@@ -1,6 +1,6 @@
 """``EngineLoop``'s typed events, on the fake engine: ``Added`` then ``Output`` until finished, ``Refused``
 for a request ``add_request`` rejects, ``EngineFailed`` for the requests of a step that raised and
-``Shutdown`` for what is unfinished when the loop stops."""
+``Shutdown`` for what is unfinished when the loop stops, or submitted after."""
 
 from __future__ import annotations
 
@@ -93,3 +93,11 @@ def test_stopping_shuts_down_the_unfinished_requests(events):
     while isinstance(event := take(), Output):
         assert not event.output.finished
     assert event == Shutdown() and not loop.alive
+
+
+def test_a_request_submitted_after_the_stop_gets_shutdown(events):
+    post, take = events
+    loop = _loop(FakeEngine(max_num_seqs=2, max_seq_len=64, num_blocks=8))
+    loop.stop(TIMEOUT)
+    loop.submit("late", [1], SamplingParams(max_tokens=4), post)
+    assert take() == Shutdown()

@@ -23,6 +23,9 @@ def _one_line_error(argv: list[str], message: str, capsys) -> None:
     (["--k", "2", "--adaptive"], "argument --adaptive: not allowed with argument --k"),
     (["--draft", "x", "--ngram"], "argument --ngram: not allowed with argument --draft"),
     (["--mesh", "2"], "--mesh must be DATA,MODEL (two ints >= 1, e.g. 1,8), got '2'"),
+    (["--max-request-bytes", "0"], "argument --max-request-bytes: must be an int >= 1, got 0"),
+    (["--max-prompt-chars", "x"], "argument --max-prompt-chars: must be an int >= 1, got 'x'"),
+    (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be a finite number >= 0, got '-1'"),
     (["--ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min (3) must be <= --ngram-max (2)"),
     (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's max_position_embeddings 512"),
     # caches that would not fit: the error names the serve flag that sized them

@@ -1,8 +1,10 @@
 """``scv-jax serve``'s HTTP behaviour with the real ``openai`` client, on the fake engine
 (``fake_engine``: a fixed text, accepted runs of 1-4 tokens per step): response shapes, streaming
-(UTF-8 characters split across tokens, stop strings across tokens and runs), logprobs, every 400 /
-404 / 429 / 500 case, disconnects, metrics, graceful exit. The outputs of the real engine are checked
-in test_server_engine.py."""
+(UTF-8 characters split across tokens, stop strings across tokens and runs, ``stream_options``),
+logprobs, every 400 / 404 / 413 / 429 / 500 / 503 case (malformed bodies too, with raw httpx), the
+limits on bodies and prompts, disconnects, metrics, graceful exit and the end of the grace period.
+The request fields are checked in test_server_fields.py, the outputs of the real engine in
+test_server_engine.py."""
 
 from __future__ import annotations
 
@@ -15,17 +17,21 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics
+from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics, post_error, wait_for
 from tests.serving.fake_engine import expected_tokens
 from tests.serving.harness import ServerProcess
 
 NAME = "tiny"
+MAX_BYTES, MAX_CHARS = 2_000_000, 800_000
+JSON = {"content-type": "application/json"}
+RUNNING = ("vllm:num_requests_running", ())
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     process = ServerProcess(["--model", str(checkpoint), "--served-model-name", NAME, "--max-num-seqs", "8",
-                             "--max-waiting", "512"], tmp_path_factory.mktemp("logs") / "fake.log", fake=True,
+                             "--max-waiting", "512", "--max-request-bytes", str(MAX_BYTES), "--max-prompt-chars",
+                             str(MAX_CHARS)], tmp_path_factory.mktemp("logs") / "fake.log", fake=True,
                             fault_on="FAULT")
     yield process
     assert process.stop(signal.SIGINT) == 0, process.stderr()
@@ -57,13 +63,13 @@ def test_token_id_prompts_and_a_one_prompt_list(server, tokenizer):
 def test_stream_never_splits_a_character(server, tokenizer, prompt):
     """The fake's text has 2-, 3- and 4-byte characters, one byte per token: no chunk carries a broken
     one (but the end of an output cut by max_tokens), and the chunks add up to the decoded tokens."""
-    chunks = list(client(server.url).completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
-                                                        stream=True))
+    *chunks, last = client(server.url).completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
+                                                          stream=True, stream_options={"include_usage": True})
     texts = [c.choices[0].text for c in chunks]
     assert "".join(texts) == _text(tokenizer, prompt, 40) and "\ufffd" not in "".join(texts).rstrip("\ufffd")
     assert len([t for t in texts if t]) > 3                      # it did stream
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
-    assert chunks[-1].usage.completion_tokens == 40
+    assert last.choices == [] and last.usage.completion_tokens == 40
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -74,9 +80,10 @@ def test_stop_strings_across_tokens(server, tokenizer, stop, stream):
     cut = min(i for i in (full.find(s) for s in stops) if i >= 0)
     kwargs = dict(model=NAME, prompt="hello", max_tokens=60, temperature=0, stop=stop)
     if stream:
-        chunks = list(client(server.url).completions.create(**kwargs, stream=True))
+        *chunks, last = client(server.url).completions.create(**kwargs, stream=True,
+                                                              stream_options={"include_usage": True})
         text, reason, usage = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason, \
-            chunks[-1].usage
+            last.usage
     else:
         out = client(server.url).completions.create(**kwargs)
         text, reason, usage = out.choices[0].text, out.choices[0].finish_reason, out.usage
@@ -102,11 +109,12 @@ def test_chat(server, tokenizer, stream):
     prompt = "### system\nbe brief\n### user\nhi\n### assistant\n"
     c = client(server.url)
     if stream:
-        chunks = list(c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
-                                                stream=True))
+        *chunks, last = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
         assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+        assert last.object == "chat.completion.chunk" and last.choices == []
         text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
-        reason, usage = chunks[-1].choices[0].finish_reason, chunks[-1].usage
+        reason, usage = chunks[-1].choices[0].finish_reason, last.usage
     else:
         out = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
         assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
@@ -133,16 +141,6 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health", timeout=REQUEST_TIMEOUT).status_code == 200
 
 
-def _error(server, path: str, body, status: int) -> dict:
-    content = body if isinstance(body, str) else json.dumps(body)
-    response = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"},
-                          timeout=REQUEST_TIMEOUT)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
-
-
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2),
     ("max_tokens", 0), ("max_tokens", 10_000), ("n", 2), ("seed", -1), ("stop", 5), ("logprobs", 21),
@@ -151,7 +149,7 @@ def _error(server, path: str, body, status: int) -> dict:
 ])
 def test_bad_completion_fields_are_400s_naming_them(server, field, value):
     body = {"model": NAME, "prompt": "hello", "max_tokens": 4, field: value}
-    error = _error(server, "/v1/completions", body, 400)
+    error = post_error(server.url, "/v1/completions", body, 400)
     assert error["param"] == field and error["type"] == "invalid_request_error", error
 
 
@@ -164,12 +162,12 @@ def test_bad_completion_fields_are_400s_naming_them(server, field, value):
     ({"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),
 ])
 def test_bad_chat_fields_are_400s_naming_them(server, body, param):
-    assert _error(server, "/v1/chat/completions", {"model": NAME, **body}, 400)["param"] == param
+    assert post_error(server.url, "/v1/chat/completions", {"model": NAME, **body}, 400)["param"] == param
 
 
 def test_bad_json_and_unknown_models(server):
-    assert _error(server, "/v1/completions", "{not json", 400)["param"] is None
-    error = _error(server, "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404)
+    assert post_error(server.url, "/v1/completions", "{not json", 400)["param"] is None
+    error = post_error(server.url, "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404)
     assert error["param"] == "model" and "gpt-9" in error["message"]
     with pytest.raises(openai.NotFoundError):
         client(server.url).chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
@@ -185,15 +183,6 @@ def test_a_failed_step_is_a_500_and_the_server_keeps_serving(server, tokenizer):
     assert out.choices[0].text == _text(tokenizer, "hello", 8)
 
 
-def _wait_for(predicate, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
-
-
 def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server):
     before = metrics(server.url)
     with httpx.Client(timeout=REQUEST_TIMEOUT) as http:
@@ -203,8 +192,8 @@ def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server):
             assert [next(lines) for _ in range(6)]       # a few chunks arrive, then the client goes away
     gone = lambda: metrics(server.url)[("vllm:request_success_total", (("finished_reason", "abort"),))] \
         == before[("vllm:request_success_total", (("finished_reason", "abort"),))] + 1   # noqa: E731
-    assert _wait_for(gone)
-    assert _wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
+    assert wait_for(gone)
+    assert wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
     assert metrics(server.url)[("vllm:num_requests_running", ())] == 0
 
 
@@ -223,7 +212,7 @@ def test_many_concurrent_streams(server, tokenizer):
     for t in threads:
         t.join(REQUEST_TIMEOUT)
     assert results == [_text(tokenizer, p, 24) for p in prompts]
-    assert _wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
+    assert wait_for(lambda: metrics(server.url)[("vllm:kv_cache_usage_perc", ())] == 0)
 
 
 def test_metrics_agree_with_the_responses(server):
@@ -259,7 +248,7 @@ def test_a_full_queue_is_a_429(checkpoint, tmp_path):
             c.completions.create(prompt="y", max_tokens=2, model=None)
         for stream in streams:
             stream.close()
-        assert _wait_for(lambda: metrics(process.url)[("vllm:num_requests_running", ())] == 0)
+        assert wait_for(lambda: metrics(process.url)[("vllm:num_requests_running", ())] == 0)
         assert c.completions.create(prompt="y", max_tokens=2, model=None).usage.completion_tokens == 2
     finally:
         assert process.stop(signal.SIGTERM) == 0, process.stderr()
@@ -276,3 +265,136 @@ def test_sigterm_lets_in_flight_requests_finish_and_exits_0(checkpoint, tmp_path
     assert text == _text(tokenizer, "hello", 100)
     assert process.stop(signal.SIGTERM) == 0
     assert "stopped" in process.stderr()
+
+
+@pytest.mark.parametrize("include_usage", [None, False, True])
+def test_stream_options_include_usage(server, include_usage):
+    options = {} if include_usage is None else {"stream_options": {"include_usage": include_usage}}
+    body = {"model": NAME, "prompt": "hello", "max_tokens": 7, "stream": True, **options}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT) as response:
+        events = [line[len("data: "):] for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    if not include_usage:
+        assert all("usage" not in c for c in chunks) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        return
+    *chunks, last = chunks
+    assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+
+
+@pytest.mark.parametrize("path,first", [("/v1/completions", {"prompt": "x"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_stream_options_need_stream(server, path, first):
+    body = {"model": NAME, **first, "stream_options": {"include_usage": True}}
+    assert post_error(server.url, path, body, 400)["param"] == "stream_options"
+    assert post_error(server.url, path, {**body, "stream": False}, 400)["param"] == "stream_options"
+
+
+@pytest.mark.parametrize("content,headers,param,says", [
+    (b'{"model": "tiny", "prompt": "caf\xe9"}', JSON, None, "not valid UTF-8"),
+    (b'{"model": "tiny", "prompt": "\\ud800"}', JSON, None, "not valid JSON"),
+    (b'{"model": "tiny", "prompt": "\\udfff x"}', JSON, None, "not valid JSON"),
+    (b'{"model": "tiny", "prompt": "x"}', {}, None, "Content-Type: application/json"),
+    (b'{"model": "tiny", "prompt": "x"}', {"content-type": "text/plain"}, None, "Content-Type: application/json"),
+    (b'[1, 2]', JSON, None, "JSON object"),
+    (b'', JSON, None, "not valid JSON"),
+    (b'{"model": "tiny"}', JSON, "prompt", "prompt: Field required"),
+    (b'{"model": "tiny", "prompt": "x", "max_tokens": "3"}', JSON, "max_tokens", "max_tokens"),
+    (b'{"model": "tiny", "prompt": {"text": "x"}}', JSON, "prompt", "prompt"),
+])
+def test_malformed_bodies_are_openai_400s(server, content, headers, param, says):
+    tracebacks = server.stderr().count("Traceback")
+    error = post_error(server.url, "/v1/completions", content, 400, headers)
+    assert error["param"] == param and says in error["message"] and error["type"] == "invalid_request_error", error
+    assert server.stderr().count("Traceback") == tracebacks
+
+
+def test_unknown_paths_and_methods_are_openai_errors(server):
+    assert post_error(server.url, "/v1/nothing", {}, 404)["type"] == "invalid_request_error"
+    response = httpx.get(f"{server.url}/v1/completions", timeout=REQUEST_TIMEOUT)
+    assert response.status_code == 405 and response.json()["error"]["code"] == 405
+
+
+def test_bodies_and_prompts_are_bounded(server):
+    error = post_error(server.url, "/v1/completions", {"model": NAME, "prompt": "x" * MAX_BYTES}, 413)
+    assert "--max-request-bytes" in error["message"]
+    chunks = iter([b'{"model": "tiny", "prompt": "', *[b"x" * 100_000] * 21, b'"}'])    # no Content-Length
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks, headers=JSON, timeout=REQUEST_TIMEOUT)
+    assert response.status_code == 413 and "--max-request-bytes" in response.json()["error"]["message"]
+    # checked before tokenizing: the error is the character limit's, not the context's
+    error = post_error(server.url, "/v1/completions", {"model": NAME, "prompt": "x" * (MAX_CHARS + 1)}, 400)
+    assert error["param"] == "prompt" and "--max-prompt-chars" in error["message"]
+    body = {"model": NAME, "messages": [{"role": "user", "content": "x" * MAX_CHARS}]}
+    error = post_error(server.url, "/v1/chat/completions", body, 400)
+    assert error["param"] == "messages" and "--max-prompt-chars" in error["message"]
+
+
+def test_a_long_prompt_does_not_hold_up_the_server(server):
+    """Tokenizing the longest prompt allowed (over a second here) leaves /health answering at once."""
+    prompt = "héllo wörld " * (MAX_CHARS // 12)
+    result = {}
+
+    def send() -> None:
+        start = time.monotonic()
+        response = httpx.post(f"{server.url}/v1/completions", json={"model": NAME, "prompt": prompt},
+                              timeout=REQUEST_TIMEOUT)
+        result.update(status=response.status_code, param=response.json()["error"]["param"],
+                      seconds=time.monotonic() - start)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    latencies = []
+    while thread.is_alive() and len(latencies) < 10_000:
+        start = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=REQUEST_TIMEOUT).status_code == 200
+        latencies.append(time.monotonic() - start)
+    thread.join(REQUEST_TIMEOUT)
+    assert (result["status"], result["param"]) == (400, "prompt")        # tokenized: too long for the context
+    assert result["seconds"] > 1.0 and max(latencies) < result["seconds"] / 3, (result, max(latencies))
+
+
+def _slow_server(checkpoint, log, *flags: str) -> ServerProcess:
+    """A server whose fake engine steps every 50 ms: a request of 1500 tokens runs for ~30 s."""
+    return ServerProcess(["--model", str(checkpoint), "--max-model-len", "2048", *flags], log, fake=True,
+                         env={"SCV_FAKE_STEP_SECONDS": "0.05"})
+
+
+def test_a_client_leaving_a_whole_response_aborts_it_at_once(checkpoint, tmp_path):
+    process = _slow_server(checkpoint, tmp_path / "gone.log")
+    abort = ("vllm:request_success_total", (("finished_reason", "abort"),))
+    try:
+        with pytest.raises(httpx.ReadTimeout):      # the client gives up after 1 s and closes the connection
+            httpx.post(f"{process.url}/v1/completions", json={"prompt": "x", "max_tokens": 1500},
+                       timeout=httpx.Timeout(REQUEST_TIMEOUT, read=1.0))
+        assert wait_for(lambda: metrics(process.url).get(abort) == 1, timeout=5)
+        assert wait_for(lambda: metrics(process.url)[RUNNING] == 0, timeout=5)
+    finally:
+        assert process.stop(signal.SIGTERM) == 0, process.stderr()
+
+
+def test_requests_past_the_shutdown_timeout_end_saying_why(checkpoint, tmp_path):
+    process = _slow_server(checkpoint, tmp_path / "shutdown.log", "--shutdown-timeout", "1")
+    body, whole = {"prompt": "x", "max_tokens": 1500}, {}
+    thread = threading.Thread(target=lambda: whole.update(response=httpx.post(
+        f"{process.url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT)))
+    try:
+        with httpx.stream("POST", f"{process.url}/v1/completions", json={**body, "stream": True},
+                          timeout=REQUEST_TIMEOUT) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: {")
+            thread.start()
+            assert wait_for(lambda: metrics(process.url)[RUNNING] == 2, timeout=10)
+            process.process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            events = [line for line in lines if line]
+        ended = time.monotonic() - signalled
+        thread.join(REQUEST_TIMEOUT)
+    finally:
+        assert process.stop(signal.SIGTERM) == 0, process.stderr()
+    assert events[-1] == "data: [DONE]" and 1 <= ended < 10, (events[-3:], ended)
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"]
+    assert whole["response"].status_code == 503 and "shutting down" in whole["response"].json()["error"]["message"]
+    assert "Traceback" not in process.stderr() and "stopped" in process.stderr()
