@@ -216,10 +216,16 @@ def test_broken_checkpoints_are_one_line_errors(tmp_path, capsys, broken):
 
 def test_interrupt_is_one_line_with_status_130():
     """Ctrl-C (SIGINT) while the command works: one line on stderr, exit status 130, no traceback."""
-    # nice (it execs the command): on a busy machine this test gets to signal before the command is done
-    process = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "scv_jax", "generate", "--model", FIXTURE,
-                                "--prompt", "hello", "--max-new-tokens", "500", "--dtype", "float32"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # nice (it execs the command): on a busy machine this test gets to signal before the command is done.
+    # A SIGINT this process ignores (as a pytest-xdist worker may) would be ignored by the command too:
+    # a handler (unlike SIG_IGN) is not inherited, so the command starts with SIGINT at its default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "scv_jax", "generate", "--model",
+                                    FIXTURE, "--prompt", "hello", "--max-new-tokens", "500", "--dtype", "float32"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         while not process.stderr.readline().startswith("compiling"):    # the model is loaded: it works now
             assert process.poll() is None
