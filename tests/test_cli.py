@@ -42,12 +42,12 @@ def test_demo_sampling_and_adaptive(tiny_demo, capsys):
 def test_bench_appends_table(tiny_demo, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("scv_jax.demo.e2e.benchmark_prompts", lambda batch, **_: [[100, 101, 102]] * batch)
     results = tmp_path / "RESULTS.md"
-    argv = ["bench", "--batch-sizes", "2", "--temperatures", "0", "--modes", "2", "adaptive", "--max-new-tokens", "5",
+    argv = ["bench", "--batch-sizes", "2", "--temperatures", "0", "--modes", "2", "adaptive", "--max-new-tokens", "5", "--repeats", "1",
             "--packed", "--workloads", "stdlib", "stream", "--append", str(results)]
     assert cli.main(argv) == 0
     table, err = capsys.readouterr()
     assert "stdlib] batch 2 T=0 case 1/2: compiling and warming up autoregressive (1/" in err   # progress
-    assert "stdlib] batch 2 T=0 timed round 1/3" in err
+    assert "stdlib] batch 2 T=0 timed round 1/1" in err
     assert "| 2 | 0 | autoregressive |" in table and "| 2 | 0 | k=2 |" in table and "| 2 | 0 | k=2 packed |" in table
     assert "| stream | model | 8 | 0 | k=2 packed |" in table      # 32 requests, 8 running at once
     written = results.read_text()
