@@ -301,8 +301,9 @@ class AdaptiveController:
             return last_sorted, last_order
         checked = _int_vector("AdaptiveController.next_k", "request_ids", raw, batch_size)
         order = np.argsort(checked, kind="stable")
-        self._last_ids = (raw.copy(), checked[order], order)
-        return checked[order], order
+        ids = checked[order]
+        self._last_ids = (raw.copy(), ids, order)
+        return ids, order
 
     def _decide(self, rates: np.ndarray) -> None:
         """Holds the allowed k of the best ``rates`` where it beats the held k's by ``switch_margin``."""
