@@ -69,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "TokenLogprob": "scv_jax.decoding.outputs",
     "HostDrafter": "scv_jax.decoding.proposers.base",
     "NgramDrafter": "scv_jax.decoding.proposers.ngram",
+    "SuffixDrafter": "scv_jax.decoding.proposers.suffix",
     "generate_autoregressive": "scv_jax.decoding.decoder",
     "ShardingConfig": "scv_jax.decoding.placement",
     # many devices
