@@ -8,13 +8,17 @@ target alone, on the demo pair, three workloads served one request after another
 * ``editing``: a source snippet, a blank line and the snippet's first line again (the target's greedy
   continuation echoes the snippet with small changes, as an editing answer does).
 
+Modes: the target alone, n-gram (``NgramDrafter(1, 3)``) and suffix chains of ``--k`` drafts, the draft
+model at ``--k-model``, and suffix trees (``--k`` deep, 2 x ``--k`` nodes).
+
 Each round draws new prompts (seed = round), so no mode sees a request it served in an earlier round;
 modes run interleaved, round by round, after a warm-up that compiles every executable. Reported per
 workload and mode: tokens/s (median over rounds), mean accepted length (tokens per request per decode
 step), and the ratio to n-gram's tokens/s; greedy outputs are checked against the target's alone.
 
 ``--host-cost``: the drafter's host work alone (no model): µs per request per step to propose for a
-batch of 64 requests whose histories are 1k, 8k and 32k tokens of standard-library text, µs per token to
+batch of 64 requests (``--batch``) whose histories are 1k, 8k and 32k tokens (``--histories``) of
+standard-library text, µs per token to
 index a prompt and to extend, and the memory (tracemalloc) of the finished-output cache holding
 ``--cached`` requests of 256 tokens.
 
@@ -37,7 +41,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, SuffixDrafter  # noqa: E402
+from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, SuffixDrafter, TreeConfig  # noqa: E402
 from scv_jax.demo.corpus import split_corpus, stdlib_bytes  # noqa: E402
 from scv_jax.demo.report import append_markdown, results_header  # noqa: E402
 
@@ -114,12 +118,15 @@ def e2e(args) -> str:
     else:
         from scv_jax.models import load_demo
         target, draft = load_demo()
-    modes = {"target only": (None, 0), f"n-gram k={args.k}": ("ngram", args.k),
-             f"draft model k={args.k_model}": ("model", args.k_model), f"suffix k={args.k}": ("suffix", args.k)}
+    tree = TreeConfig(max_depth=args.k, max_nodes=2 * args.k)
+    modes = {"target only": (None, 0, None), f"n-gram k={args.k}": ("ngram", args.k, None),
+             f"draft model k={args.k_model}": ("model", args.k_model, None), f"suffix k={args.k}": ("suffix", args.k, None),
+             f"suffix tree ({tree.max_depth} deep, {tree.max_nodes} nodes)": ("suffix", 0, tree)}
     engines = {}
-    for name, (kind, k) in modes.items():
+    for name, (kind, k, trees) in modes.items():
         drafter = {None: None, "ngram": NgramDrafter(1, 3), "model": draft, "suffix": SuffixDrafter()}[kind]
-        config = DecoderConfig(k=k, max_seq_len=MAX_LEN, batch_buckets=(1,), context_buckets=(MAX_LEN // 16,))
+        config = DecoderConfig(k=k, max_seq_len=MAX_LEN, batch_buckets=(1,), context_buckets=(MAX_LEN // 16,),
+                               tree=trees)
         engines[name] = Engine(target, drafter, config=config)
         if not args.dry_run:
             engines[name].warmup(1, MAX_LEN, temperatures=0.0)
@@ -137,7 +144,7 @@ def e2e(args) -> str:
                 tokens = sum(map(len, outputs))
                 rows[workload, name]["tps"].append(tokens / seconds)
                 rows[workload, name]["mal"].append(tokens / steps)
-                print(f"round {r} {workload:8s} {name:18s} {tokens / seconds:8.1f} tok/s  "
+                print(f"round {r} {workload:8s} {name:34s} {tokens / seconds:8.1f} tok/s  "
                       f"accepted length {tokens / steps:.2f}", file=sys.stderr, flush=True)
     lines = ["| workload | mode | tokens/s (median) | mean accepted length | tokens/s vs n-gram |", "|---|---|---|---|---|"]
     for workload in WORKLOADS:
@@ -151,30 +158,31 @@ def e2e(args) -> str:
 
 def host_cost(args) -> str:
     """The drafter's own host work (see the module docstring)."""
-    text = np.asarray(stdlib_bytes(max_bytes=64 * 32_768 + 1_000_000, seed=1), np.int64)
+    batch = args.batch
+    text = np.asarray(stdlib_bytes(max_bytes=batch * max(args.histories) + 1_000_000, seed=1), np.int64)
     rng = np.random.default_rng(0)
-    lines = ["| history (tokens) | index a prompt (µs/token) | extend (µs/token) | propose, batch 64, k=8 (µs/request/step) |",
-             "|---|---|---|---|"]
-    for history in (1024, 8192, 32768):
+    lines = [f"| history (tokens) | index a prompt (µs/token) | extend (µs/token) | propose, batch {batch}, k=8 "
+             "(µs/request/step) |", "|---|---|---|---|"]
+    for history in args.histories:
         drafter = SuffixDrafter()
-        starts = rng.integers(0, len(text) - history - 64, 64)
-        ids = [str(i) for i in range(64)]
+        starts = rng.integers(0, len(text) - history - 64, batch)
+        ids = [str(i) for i in range(batch)]
         began = time.perf_counter()
         for rid, s in zip(ids, starts.tolist()):
             drafter.start(rid, text[s:s + history - 8].tolist())
-        index_us = (time.perf_counter() - began) / (64 * (history - 8)) * 1e6
+        index_us = (time.perf_counter() - began) / (batch * (history - 8)) * 1e6
         began = time.perf_counter()
         for rid, s in zip(ids, starts.tolist()):
             drafter.extend(rid, text[s + history - 8:s + history].tolist())
-        extend_us = (time.perf_counter() - began) / (64 * 8) * 1e6
+        extend_us = (time.perf_counter() - began) / (batch * 8) * 1e6
         histories = [text[s:s + history] for s in starts.tolist()]
-        caps = np.full(64, 8)
+        caps = np.full(batch, 8)
         times = []
         for _ in range(args.repeats):
             began = time.perf_counter()
             drafter.propose(ids, histories, caps)
             times.append(time.perf_counter() - began)
-        lines.append(f"| {history} | {index_us:.2f} | {extend_us:.2f} | {statistics.median(times) / 64 * 1e6:.1f} |")
+        lines.append(f"| {history} | {index_us:.2f} | {extend_us:.2f} | {statistics.median(times) / batch * 1e6:.1f} |")
     tracemalloc.start()
     drafter = SuffixDrafter(max_cached_requests=args.cached)
     for i in range(args.cached + 100):             # past the bound: the oldest outputs are dropped
@@ -198,12 +206,16 @@ def main() -> None:
     parser.add_argument("--k-model", type=int, default=4, help="drafts per step of the draft model")
     parser.add_argument("--host-cost", action="store_true")
     parser.add_argument("--repeats", type=int, default=20, help="--host-cost: timed proposals per history")
+    parser.add_argument("--batch", type=int, default=64, help="--host-cost: requests proposed for at once")
+    parser.add_argument("--histories", type=int, nargs="+", default=[1024, 8192, 32768],
+                        help="--host-cost: each request's history length (tokens)")
     parser.add_argument("--cached", type=int, default=10000, help="--host-cost: requests in the output cache")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--append", action="store_true")
     args = parser.parse_args()
     if args.dry_run:
         args.rounds, args.requests, args.max_tokens, args.repeats, args.cached = 1, 3, 8, 2, 50
+        args.batch, args.histories = 4, [256]
     table = host_cost(args) if args.host_cost else e2e(args)
     print(table)
     if args.append and not args.dry_run:

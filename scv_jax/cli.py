@@ -70,6 +70,27 @@ def _add_ngram_sizes(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-max", type=_int_at_least(1), default=3, help="longest n-gram matched (--ngram)")
 
 
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
+def _add_suffix_settings(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suffix-max-depth", type=_int_at_least(1), default=24,
+                        help="longest suffix of a request's text matched (--suffix)")
+    parser.add_argument("--suffix-max-spec-factor", type=_non_negative(), default=1.0,
+                        help="drafts per step at most this x the match length (--suffix)")
+    parser.add_argument("--suffix-min-token-prob", type=_probability, default=0.1,
+                        help="a draft's cumulative empirical probability stays at least this (--suffix)")
+    parser.add_argument("--suffix-max-cached-requests", type=_int_at_least(0), default=10000,
+                        help="finished requests whose outputs are kept to draft from (--suffix)")
+
+
 def _add_packed_verify(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--packed-verify", action="store_true",
                         help="the target scores only the drafts each step offers (DecoderConfig.packed_verify)")
@@ -100,6 +121,8 @@ def _parser() -> argparse.ArgumentParser:
     drafter.add_argument("--draft", metavar="DIR", help="a draft model's directory (same vocabulary)")
     drafter.add_argument("--ngram", action="store_true",
                          help="draft by prompt lookup (n-gram matches in the text so far), no draft model")
+    drafter.add_argument("--suffix", action="store_true",
+                         help="suffix decoding: draft from the text so far and earlier outputs, no draft model")
     generate.add_argument("--prompt", required=True, help="text to continue")
     generate.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens to generate")
     generate.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
@@ -110,9 +133,10 @@ def _parser() -> argparse.ArgumentParser:
                           help="also run the target alone and report the speedup")
     generate_mode = generate.add_mutually_exclusive_group()
     generate_mode.add_argument("--k", type=_int_at_least(0), default=4,
-                               help="fixed drafts per step (with --draft or --ngram; at most max-new-tokens - 1)")
+                               help="fixed drafts per step (with a drafter; at most max-new-tokens - 1)")
     generate_mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
     _add_ngram_sizes(generate)
+    _add_suffix_settings(generate)
     _add_packed_verify(generate)
     bench = sub.add_parser("bench", help="end-to-end benchmark on the demo models (with progress)",
                            formatter_class=formatter)
@@ -142,8 +166,11 @@ def _add_serve(sub, formatter) -> None:
     drafter = serve.add_mutually_exclusive_group()
     drafter.add_argument("--draft", metavar="DIR", help="a draft model's directory (same vocabulary)")
     drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup, no draft model")
+    drafter.add_argument("--suffix", action="store_true",
+                         help="suffix decoding: draft from the text so far and the outputs served before (kept "
+                              "for the server's life), no draft model")
     mode = serve.add_mutually_exclusive_group()
-    mode.add_argument("--k", type=_int_at_least(0), default=4, help="fixed drafts per step (with --draft or --ngram)")
+    mode.add_argument("--k", type=_int_at_least(0), default=4, help="fixed drafts per step (with a drafter)")
     mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
     serve.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                        help="parameter, activation and KV-cache dtype")
@@ -170,6 +197,7 @@ def _add_serve(sub, formatter) -> None:
     serve.add_argument("--shutdown-timeout", type=_non_negative(), default=30.0, metavar="SECONDS",
                        help="on SIGINT / SIGTERM, how long running requests may finish before they are ended")
     _add_ngram_sizes(serve)
+    _add_suffix_settings(serve)
     _add_packed_verify(serve)
 
 
@@ -254,7 +282,8 @@ def _print_stats(args: argparse.Namespace, spec, base=None, *, drafting: bool = 
     """The stats table of a speculative run (``drafting``: a drafter was given), against an autoregressive
     one when given."""
     s = spec.stats
-    mode = ("adaptive k" if args.adaptive else f"k={args.k}") + (", n-gram" if args.ngram else "")
+    mode = ("adaptive k" if args.adaptive else f"k={args.k}") + (", n-gram" if args.ngram else "") + \
+        (", suffix" if getattr(args, "suffix", False) else "")
     label = f"speculative ({mode})" if drafting else "target only (no drafter)"
     per_position = " ".join(_ratio(a, ".2f") for a in s.acceptance_per_position) or "-"
     rows = [(label, f"{s.tokens_per_second:8.1f} tokens/s", f"{s.wall_seconds:.2f} s")]

@@ -1,5 +1,6 @@
 """What ``scv-jax generate`` and ``scv-jax serve`` share before they decode: the drafter and models their
-flags name (``--model``, ``--draft``, ``--ngram``, ``--ngram-min`` / ``--ngram-max``, ``--dtype``) and
+flags name (``--model``, ``--draft``, ``--ngram`` with ``--ngram-min`` / ``--ngram-max``, ``--suffix`` with
+``--suffix-*``, ``--dtype``) and
 the check that the KV caches fit the memory, whose error names the running command's flags."""
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from scv_jax.decoding.config import DecoderConfig
+    from scv_jax.decoding.proposers.base import HostDrafter
     from scv_jax.decoding.proposers.ngram import NgramDrafter
 
 
 @dataclasses.dataclass(frozen=True)
 class Models:
-    """The loaded models: the target, the drafter (a draft model, an ``NgramDrafter`` or None: target
+    """The loaded models: the target, the drafter (a draft model, a ``HostDrafter`` or None: target
     only), the models that hold KV caches (the target, then a draft model) and ``position_limit``, the
     smallest ``max_position_embeddings`` among those with the directory whose config.json sets it
     (None: no limit)."""
@@ -36,15 +38,31 @@ def ngram_drafter(args: argparse.Namespace) -> NgramDrafter:
     return NgramDrafter(min_n=args.ngram_min, max_n=args.ngram_max)
 
 
-def load_models(args: argparse.Namespace) -> Models:
-    """The target of ``--model`` and the drafter of ``--draft`` / ``--ngram``, in ``--dtype``; the n-gram
-    sizes are checked before any weights load. Raises ValueError naming the flag for a mistake."""
-    from scv_jax.models import load_hf
+def host_drafter(args: argparse.Namespace) -> HostDrafter | None:
+    """The host drafter the flags name: ``--ngram``'s ``NgramDrafter`` (its sizes checked even without the
+    flag), ``--suffix``'s ``SuffixDrafter`` or None."""
+    from scv_jax.decoding.proposers.suffix import SuffixDrafter
 
     ngram = ngram_drafter(args)
+    if args.ngram:
+        return ngram
+    if args.suffix:
+        return SuffixDrafter(max_depth=args.suffix_max_depth, max_spec_factor=args.suffix_max_spec_factor,
+                             min_token_prob=args.suffix_min_token_prob,
+                             max_cached_requests=args.suffix_max_cached_requests)
+    return None
+
+
+def load_models(args: argparse.Namespace) -> Models:
+    """The target of ``--model`` and the drafter of ``--draft`` / ``--ngram`` / ``--suffix``, in ``--dtype``;
+    the host drafter's settings are checked before any weights load. Raises ValueError naming the flag for
+    a mistake."""
+    from scv_jax.models import load_hf
+
+    host = host_drafter(args)
     target = load_hf(args.model, dtype=args.dtype)
     if not args.draft:
-        return Models(target, ngram if args.ngram else None, (target,), _position_limit([(target, args.model)]))
+        return Models(target, host, (target,), _position_limit([(target, args.model)]))
     draft = load_hf(args.draft, dtype=args.dtype)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"--draft {args.draft} has vocab_size {draft.config.vocab_size}, the target "

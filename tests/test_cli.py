@@ -124,12 +124,13 @@ def test_module_entry_point_help():
 FIXTURE = "tests/models/hf_fixtures/qwen2"
 
 
-def test_generate_continues_text_with_a_checkpoint(capsys):
-    argv = ["generate", "--model", FIXTURE, "--draft", FIXTURE, "--prompt", "hello", "--max-new-tokens", "8",
+@pytest.mark.parametrize("drafter, label", [(["--draft", FIXTURE], "k=3"), (["--suffix"], "k=3, suffix")])
+def test_generate_continues_text_with_a_checkpoint(capsys, drafter, label):
+    argv = ["generate", "--model", FIXTURE, *drafter, "--prompt", "hello hello hello", "--max-new-tokens", "8",
             "--dtype", "float32", "--k", "3", "--compare"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith("hello") and "speculative (k=3)" in out and "speedup" in out
+    assert out.startswith("hello") and f"speculative ({label})" in out and "speedup" in out
     assert "greedy outputs identical  yes" in out
 
 

@@ -119,13 +119,13 @@ def test_a_fault_in_a_real_step_fails_its_request_and_the_server_goes_on(server,
     assert out.choices[0].text == tokenizer.decode(offline(tokenizer.encode("def main("), 12))
 
 
-@pytest.mark.parametrize("flags", [["--ngram", "--adaptive"]], ids=["ngram-adaptive"])
-def test_ngram_and_adaptive_greedy_outputs_equal_offline_decoding(checkpoint, tmp_path, offline, tokenizer, flags):
+@pytest.mark.parametrize("flags", [["--ngram", "--adaptive"], ["--suffix"]], ids=["ngram-adaptive", "suffix"])
+def test_host_drafters_greedy_outputs_equal_offline_decoding(checkpoint, tmp_path, offline, tokenizer, flags):
     process = ServerProcess(["--model", str(checkpoint), *COMMON, *flags], tmp_path / "ngram.log")
     try:
         c = client(process.url)
-        prompt = "x = 1\nx = 1\nx = 1\n"          # repetitive: n-gram matches to draft from
-        for stream in (False, True):
+        prompt = "x = 1\nx = 1\nx = 1\n"          # repetitive: matches to draft from (and, the second
+        for stream in (False, True):                # time, the first answer for suffix decoding)
             kwargs = dict(model=NAME, prompt=prompt, max_tokens=32, temperature=0)
             text = "".join(ch.choices[0].text for ch in c.completions.create(**kwargs, stream=True)) if stream \
                 else c.completions.create(**kwargs).choices[0].text
