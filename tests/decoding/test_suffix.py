@@ -136,8 +136,8 @@ def reference_propose(drafter: SuffixDrafter, text: list[int], finished: list[li
         return []
     context = text[-drafter.max_depth:]
     best: tuple[list[int], float] = ([], 0.0)
-    for segments, exclude_end in (([text], True), (finished[len(finished) - drafter.max_cached_requests:]
-                                                     if drafter.max_cached_requests else [], False)):
+    kept = finished[max(0, len(finished) - drafter.max_cached_requests):] if drafter.max_cached_requests else []
+    for segments, exclude_end in (([text], True), (kept, False)):
         found = reference_match(segments, context, exclude_end) if segments else None
         if found is None or found[0] == 0:
             continue

@@ -217,7 +217,7 @@ class SuffixDrafter(HostDrafter):
         running = self._running.get(request_id)
         if running is None:                       # a request this drafter was not told of: index it now
             running = _Running(TokenIndex(), len(tokens))
-            running.index.extend(tokens.tolist())
+            running.index.extend(tokens)
         context = tokens[-self.max_depth:].tolist()
         found = [(running.index, running.index.match(context, before=running.index.end)),
                  (self._finished, self._finished.match(context))]

@@ -2,12 +2,14 @@
 suffix matching on the host; ``SuffixDrafter`` (``suffix.py``) keeps one per running request and one
 across requests.
 
-Each n-gram (n in ``LEVELS``) of a segment maps to the positions just after its occurrences (ascending).
+Each n-gram (n in ``LEVELS``) of a segment maps to the positions just after its occurrences (ascending),
+keyed by a 64-bit polynomial hash (from the text's prefix hashes as tokens arrive, directly for a
+lookup's context).
 A lookup takes the longest of the context's last 16, 4 or 1 tokens (``LEVELS``) that occurred, then
 measures its ``MAX_CANDIDATES`` most recent occurrences backwards against the context: the longest match
 is the context's longest suffix found there (at most the context's length), and the occurrences that
-reach it are the suffix tree's node for it. Appending a token costs one dictionary append per level
-(O(tokens appended), not a rebuild); a lookup costs at most O(candidates x context) whatever the text's
+reach it are the suffix tree's node for it. Appending tokens costs one dictionary append per token and
+level (O(tokens appended), not a rebuild); a lookup costs at most O(candidates x context) whatever the text's
 length, less where candidates fall short early. Positions are absolute (they survive dropping the oldest
 segments); a separator (-1) ends each closed segment, so neither a match nor a continuation crosses
 into another request's text.
@@ -23,6 +25,17 @@ from typing import NamedTuple, Sequence
 LEVELS = (1, 4, 16)         # the n-gram lengths indexed (an occurrence of the longest found is a candidate)
 MAX_CANDIDATES = 64         # the most recent occurrences of that n-gram measured against the context
 _SEPARATOR = -1
+_MULTIPLIER = 0x9E3779B97F4A7C15         # odd: the hash's base, arithmetic modulo 2**64
+_MASK = 2 ** 64 - 1
+
+
+def context_hash(tokens: Sequence[int]) -> int:
+    """The hash of one n-gram (a list of ids): sum over j of (tokens[j] + 1) x _MULTIPLIER ** (n - 1 - j),
+    modulo 2**64 (``TokenIndex`` computes the same from its prefix hashes)."""
+    value = 0
+    for token in tokens:
+        value = (value * _MULTIPLIER + token + 1) & _MASK
+    return value
 
 
 class Match(NamedTuple):
@@ -40,8 +53,11 @@ class TokenIndex:
     def __init__(self, levels: Sequence[int] = LEVELS):
         self.levels = tuple(sorted(levels))
         self._tokens = array("q")             # tokens (and separators) from absolute position ``_first`` on
+        self._prefix = array("Q", [0])       # [i]: the hash of ``_tokens[:i]`` (differences give n-grams')
+        self._powers = tuple(pow(_MULTIPLIER, n, 2 ** 64) for n in self.levels)
         self._first = 0
-        self._after: dict[int, list[int]] = {}               # hash(n-gram) -> positions after its occurrences
+        # per level: n-gram hash -> the position just after its one occurrence, or a list of them (ascending)
+        self._after: tuple[dict[int, int | list[int]], ...] = tuple({} for _ in self.levels)
         self._closed: deque[tuple[int, int]] = deque()       # the closed segments' [start, stop)
         self._open_start = 0
 
@@ -66,36 +82,50 @@ class TokenIndex:
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Appends ``tokens`` to the open segment, indexing each n-gram that ends at a new token."""
-        text, after, levels, first = self._tokens, self._after, self.levels, self._first
-        segment = self._open_start - first
+        text, prefix, first = self._tokens, self._prefix, self._first
+        levels = tuple(zip(self.levels, self._powers, self._after))
+        segment, last = self._open_start - first, prefix[-1]
         for token in tokens:
+            token = int(token)
             text.append(token)
+            last = (last * _MULTIPLIER + token + 1) & _MASK
+            prefix.append(last)
             end = len(text)
-            for n in levels:
+            for n, power, after in levels:
                 if end - n < segment:
                     break
-                after.setdefault(hash(tuple(text[end - n:end])), []).append(end + first)
+                key = (last - prefix[end - n] * power) & _MASK
+                seen = after.get(key)
+                if seen is None:
+                    after[key] = end + first
+                elif type(seen) is int:
+                    after[key] = [seen, end + first]
+                else:
+                    seen.append(end + first)
 
     def close_segment(self) -> None:
         """Ends the open segment (a separator follows it); the next ``extend`` starts a new one."""
         if self.end > self._open_start:
             self._closed.append((self._open_start, self.end))
             self._tokens.append(_SEPARATOR)
+            self._prefix.append((self._prefix[-1] * _MULTIPLIER + _SEPARATOR + 1) & _MASK)
         self._open_start = self.end
 
     def drop_oldest(self) -> None:
         """Forgets the oldest closed segment: its occurrences leave the index (they lead each list)."""
-        start, stop = self._closed.popleft()
-        text = self._tokens[start - self._first:stop - self._first]
-        keys = {hash(tuple(text[end - n:end])) for end in range(1, len(text) + 1) for n in self.levels if n <= end}
-        for key in keys:
-            positions = self._after[key]
-            del positions[:bisect.bisect_right(positions, stop)]
-            if not positions:
-                del self._after[key]
+        start, stop = (at - self._first for at in self._closed.popleft())
+        prefix = self._prefix
+        for n, power, after in zip(self.levels, self._powers, self._after):
+            for key in {(prefix[end] - prefix[end - n] * power) & _MASK for end in range(start + n, stop + 1)}:
+                positions = after[key]
+                if type(positions) is int or positions[-1] <= stop + self._first:
+                    del after[key]
+                else:
+                    del positions[:bisect.bisect_right(positions, stop + self._first)]
         held = (self._closed[0][0] if self._closed else self._open_start) - self._first
         if held > len(self._tokens) // 2:          # compact: drop what no segment holds any more
             del self._tokens[:held]
+            del self._prefix[:held]
             self._first += held
 
     def match(self, context: Sequence[int], before: int | None = None) -> Match | None:
@@ -109,7 +139,8 @@ class TokenIndex:
         longest, reaching, tail = 0, [], pattern[:0]
         for end in ends:
             at = end - first
-            if longest and (at < longest or text[at - longest:at] != tail):
+            if longest and (at < longest or text[at - longest] != pattern[width - longest]
+                            or text[at - longest:at] != tail):
                 continue                                  # falls short of the longest so far
             length = longest
             while length < width and length < at and text[at - length - 1] == pattern[width - length - 1]:
@@ -131,12 +162,14 @@ class TokenIndex:
     def _candidates(self, context: Sequence[int], before: int | None) -> list[int]:
         """The positions after the most recent ``MAX_CANDIDATES`` occurrences (ending below ``before``) of
         the longest indexed n-gram ending ``context``, most recent first; [] if none occurred."""
-        for n in reversed(self.levels):
+        for n, after in zip(reversed(self.levels), reversed(self._after)):
             if n > len(context):
                 continue
-            positions = self._after.get(hash(tuple(context[-n:])))
-            if not positions:
+            positions = after.get(context_hash(context[-n:]))
+            if positions is None:
                 continue
+            if type(positions) is int:
+                positions = [positions]
             stop = len(positions) if before is None else bisect.bisect_left(positions, before)
             if stop:
                 return positions[max(0, stop - MAX_CANDIDATES):stop][::-1]
