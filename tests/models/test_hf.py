@@ -1,6 +1,7 @@
 """``load_hf`` against transformers on tiny checkpoints of every architecture (``hf_fixtures/``, made
-by ``hf_fixtures/make_fixtures.py``): logits, paged forward, greedy generation (autoregressive and
-speculative), float32 vs bfloat16 losslessness, loader errors; ``load_tokenizer``."""
+by ``hf_fixtures/make_fixtures.py``): logits, paged forward (and packed, for Qwen3's q/k norms),
+greedy generation (autoregressive and speculative), float32 vs bfloat16 losslessness, loader errors;
+``load_tokenizer``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hypothesis import given, settings, strategies as st
 
 import scv_jax
 from scv_jax import DecoderConfig, SpeculativeDecoder
-from scv_jax.models import StagedKV, Transformer, load_hf, load_tokenizer
+from scv_jax.models import PackedTokens, StagedKV, Transformer, load_hf, load_tokenizer
 from tests.models.fixtures import commit_prefix, perturbed_copy
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "hf_fixtures"
@@ -95,6 +96,26 @@ def test_paged_forward_matches_transformers(name):
                  StagedKV(middle.keys, middle.values, jnp.asarray([staged], jnp.int32)))
     got = np.concatenate([np.asarray(out.logits[0]) for out in (first, middle, last)])
     np.testing.assert_allclose(got, reference_logits(name, 0), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_forward_matches_transformers():
+    """``forward_packed`` (the decoder's packed verification) applies Qwen3's q/k norms as the full and
+    paged forwards do: a committed prefix, then the rest packed in reversed order with padding tokens."""
+    name = "qwen3"
+    seq, block_size = sequence(name, 0), 4
+    committed = len(seq) - 9
+    config = model(name).config
+    cache = scv_jax.PagedKVCache.create(config.num_layers, 16, block_size, config.num_kv_heads, config.head_dim,
+                                        dtype="float32")
+    tables = jnp.asarray(np.random.default_rng(1).permutation(16)[None, :12], jnp.int32)
+    first = model(name).forward_paged(jnp.asarray([seq[:committed]]), cache, tables, jnp.zeros(1, jnp.int32))
+    cache = commit_prefix(cache, first, tables, [committed], block_size)
+    offsets = np.array([-1] + list(range(8, -1, -1)) + [9], np.int32)       # padding at both ends
+    tokens = np.array([0] + seq[committed:][::-1] + [5], np.int32)
+    packed = PackedTokens(jnp.zeros(len(tokens), jnp.int32), jnp.asarray(offsets), 9)
+    out = model(name).forward_packed(jnp.asarray(tokens), packed, cache, tables, jnp.asarray([committed], jnp.int32))
+    got = np.asarray(out.logits)[1:-1][::-1]
+    np.testing.assert_allclose(got, reference_logits(name, 0)[committed:], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", NAMES)
