@@ -1,5 +1,5 @@
 """Models the speculative decoder can drive: a Llama-style Flax NNX transformer, the demo pair and
-Hugging Face checkpoints (Llama, Qwen2, Mistral) with their tokenizers."""
+Hugging Face checkpoints (Llama, Qwen2, Qwen3, Mistral) with their tokenizers."""
 
 from scv_jax.models.config import Llama3RopeScaling, TransformerConfig
 from scv_jax.models.hf import load_hf

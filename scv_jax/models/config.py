@@ -54,11 +54,13 @@ class TransformerConfig:
     ``num_heads`` query heads share ``num_kv_heads`` K/V heads (``num_heads % num_kv_heads == 0``).
     ``dtype`` ("float32", "bfloat16" or "float16"; any spelling ``jnp.dtype`` accepts) is the dtype of
     the parameters and activations; norms, the attention softmax and the logits are float32 whatever
-    it is. ``qkv_bias``: biases on the q/k/v projections (Qwen2). ``rope_scaling``: None or
-    ``Llama3RopeScaling``. ``sliding_window``: None (full causal attention) or W, a query at position
-    i sees keys at positions i - W < j <= i (Mistral). ``tie_embeddings``: the LM head is the
-    embedding matrix. ``max_position_embeddings``: None or the most positions (prompt + generated) the
-    model was trained for (Hugging Face's field of that name); ``generate`` refuses longer requests.
+    it is. ``qkv_bias``: biases on the q/k/v projections (Qwen2). ``qk_norm``: an RMSNorm over each
+    query and key head (a ``head_dim`` scale shared by the heads, ``norm_eps``) before RoPE (Qwen3).
+    ``rope_scaling``: None or ``Llama3RopeScaling``. ``sliding_window``: None (full causal attention)
+    or W, a query at position i sees keys at positions i - W < j <= i (Mistral). ``tie_embeddings``:
+    the LM head is the embedding matrix. ``max_position_embeddings``: None or the most positions
+    (prompt + generated) the model was trained for (Hugging Face's field of that name); ``generate``
+    refuses longer requests.
     """
 
     vocab_size: int = 256
@@ -73,6 +75,7 @@ class TransformerConfig:
     tie_embeddings: bool = True
     dtype: str = "float32"
     qkv_bias: bool = False
+    qk_norm: bool = False
     rope_scaling: Llama3RopeScaling | None = None
     sliding_window: int | None = None
     max_position_embeddings: int | None = None

@@ -1,4 +1,4 @@
-"""Loading Hugging Face checkpoints (Llama 2/3/3.1/3.2, Qwen2, Mistral) from a local directory.
+"""Loading Hugging Face checkpoints (Llama 2/3/3.1/3.2, Qwen2, Qwen3, Mistral) from a local directory.
 
     model = scv_jax.models.load_hf("/path/to/Llama-3.2-1B", dtype="bfloat16")
 
@@ -23,7 +23,7 @@ from scv_jax.models.assemble import LAYER_PREFIX, assemble_transformer, paramete
 from scv_jax.models.config import Llama3RopeScaling, TransformerConfig, canonical_dtype
 from scv_jax.models.transformer import Transformer
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -39,6 +39,8 @@ _LAYER_TENSORS = {
     "attn/k/bias": ("self_attn.k_proj.bias", False),
     "attn/v/bias": ("self_attn.v_proj.bias", False),
     "attn/o/kernel": ("self_attn.o_proj.weight", True),
+    "attn/q_norm/scale": ("self_attn.q_norm.weight", False),
+    "attn/k_norm/scale": ("self_attn.k_norm.weight", False),
     "mlp/gate/kernel": ("mlp.gate_proj.weight", True),
     "mlp/up/kernel": ("mlp.up_proj.weight", True),
     "mlp/down/kernel": ("mlp.down_proj.weight", True),
@@ -84,11 +86,13 @@ def _reject_unsupported(hf: dict, architecture: str) -> None:
         raise ValueError("quantization_config is set: quantized checkpoints are not supported")
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor {hf['partial_rotary_factor']!r} is not supported (only 1.0)")
-    for field in ("attention_bias", "mlp_bias"):
-        if architecture == "LlamaForCausalLM" and hf.get(field):
-            raise ValueError(f"{field}: true is not supported for LlamaForCausalLM")
-    if hf.get("use_sliding_window") and architecture == "Qwen2ForCausalLM":
-        raise ValueError("use_sliding_window: true (sliding-window layers in Qwen2) is not supported")
+    # biases the model has no place for (Qwen3's attention_bias would add one to o_proj too)
+    for field in {"LlamaForCausalLM": ("attention_bias", "mlp_bias"),
+                  "Qwen3ForCausalLM": ("attention_bias",)}.get(architecture, ()):
+        if hf.get(field):
+            raise ValueError(f"{field}: true is not supported for {architecture}")
+    if hf.get("use_sliding_window") and architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        raise ValueError(f"use_sliding_window: true (sliding-window layers) is not supported for {architecture}")
     other_layers = sorted({t for t in hf.get("layer_types") or [] if t != "full_attention"})
     if other_layers:
         raise ValueError(f"layer_types {other_layers} are not supported (only 'full_attention')")
@@ -126,8 +130,8 @@ def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
     architecture = architectures[0]
     _reject_unsupported(hf, architecture)
     hidden, heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
-    # Mistral attends within a sliding window (MistralConfig's default is 4096); Qwen2 only with
-    # use_sliding_window (rejected above); Llama never.
+    # Mistral attends within a sliding window (MistralConfig's default is 4096); Qwen2 and Qwen3 only
+    # with use_sliding_window (rejected above); Llama never.
     window = _optional({"sliding_window": 4096, **hf}, "sliding_window", None) \
         if architecture == "MistralForCausalLM" else None
     return TransformerConfig(
@@ -136,8 +140,9 @@ def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
         head_dim=_optional(hf, "head_dim", hidden // heads), ffn_dim=_required(hf, "intermediate_size"),
         rope_theta=_number(hf, "rope_theta", 10000.0), norm_eps=_number(hf, "rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
-        qkv_bias=architecture == "Qwen2ForCausalLM", rope_scaling=_rope_scaling(hf.get("rope_scaling")),
-        sliding_window=window, max_position_embeddings=_optional(hf, "max_position_embeddings", None))
+        qkv_bias=architecture == "Qwen2ForCausalLM", qk_norm=architecture == "Qwen3ForCausalLM",
+        rope_scaling=_rope_scaling(hf.get("rope_scaling")), sliding_window=window,
+        max_position_embeddings=_optional(hf, "max_position_embeddings", None))
 
 
 # ---------------------------------------------------------------------------------------- tensors
@@ -208,7 +213,8 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16") -> Transformer
     Args:
       path: a local model directory with ``config.json`` and ``model.safetensors`` or
         ``model.safetensors.index.json`` plus its shards. Architectures: LlamaForCausalLM (incl.
-        ``rope_scaling`` type "llama3"), Qwen2ForCausalLM, MistralForCausalLM (sliding window honoured).
+        ``rope_scaling`` type "llama3"), Qwen2ForCausalLM, Qwen3ForCausalLM (q/k norms),
+        MistralForCausalLM (sliding window honoured).
       dtype: parameter and activation dtype, "bfloat16" (default), "float16" or "float32"; the
         checkpoint's tensors are cast one at a time.
     Returns:

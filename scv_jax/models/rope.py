@@ -1,4 +1,4 @@
-"""Rotary position embeddings (rotate-half form, as in Hugging Face Llama/Qwen2/Mistral checkpoints)."""
+"""Rotary position embeddings (rotate-half form, as in Hugging Face Llama/Qwen2/Qwen3/Mistral checkpoints)."""
 
 from __future__ import annotations
 

@@ -62,15 +62,21 @@ class Attention(nnx.Module):
         self.k = _linear(c, c.d_model, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
         self.v = _linear(c, c.d_model, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
         self.o = _linear(c, c.num_heads * c.head_dim, c.d_model, rngs)
+        # Qwen3: each query / key head RMS-normalised (one scale for all heads) before RoPE
+        self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.jnp_dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.jnp_dtype) if c.qk_norm else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend):
         """x: [B, T, d_model] at positions int32[B, T]. Returns the output [B, T, d_model] and the new
-        tokens' keys (RoPE applied), values [B, T, kv_heads, D]."""
+        tokens' keys (normed when ``qk_norm``, RoPE applied), values [B, T, kv_heads, D]."""
         c = self.config
         batch, num_tokens, _ = x.shape
         inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
-        q = apply_rope(self.q(x).reshape(batch, num_tokens, c.num_heads, c.head_dim), positions, inv_freq)
-        k = apply_rope(self.k(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim), positions, inv_freq)
+        q = self.q(x).reshape(batch, num_tokens, c.num_heads, c.head_dim)
+        k = self.k(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         v = self.v(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
         return self.o(attend(q, k, v).reshape(batch, num_tokens, -1)), k, v
 

@@ -2,9 +2,9 @@
 
 q/k/v and gate/up are split by columns (heads, FFN units), o and down by rows, so a layer needs two
 all-reduces (after o and after down), which XLA's SPMD partitioner inserts from these shardings;
-attention is local to a shard's heads. Norms are replicated. The embedding and the LM head are
-vocabulary-parallel (rows / columns split over "model", when the vocabulary divides) or replicated.
-Everything is replicated over "data".
+attention is local to a shard's heads. Norms are replicated (Qwen3's q/k norms too: one scale
+shared by all heads). The embedding and the LM head are vocabulary-parallel (rows / columns split
+over "model", when the vocabulary divides) or replicated. Everything is replicated over "data".
 
 KV heads: with at least as many KV heads as shards, each shard holds ``kv_heads / model`` of them;
 with fewer, each KV head is replicated ``model / kv_heads`` times (vLLM's rule) so every shard holds

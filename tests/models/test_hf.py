@@ -1,6 +1,7 @@
 """``load_hf`` against transformers on tiny checkpoints of every architecture (``hf_fixtures/``, made
-by ``hf_fixtures/make_fixtures.py``): logits, paged forward, greedy generation (autoregressive and
-speculative), float32 vs bfloat16 losslessness, loader errors; ``load_tokenizer``."""
+by ``hf_fixtures/make_fixtures.py``): logits, paged forward (and packed, for Qwen3's q/k norms),
+greedy generation (autoregressive and speculative), float32 vs bfloat16 losslessness, loader errors;
+``load_tokenizer``."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from hypothesis import given, settings, strategies as st
 
 import scv_jax
 from scv_jax import DecoderConfig, SpeculativeDecoder
-from scv_jax.models import StagedKV, Transformer, load_hf, load_tokenizer
+from scv_jax.models import PackedTokens, StagedKV, Transformer, load_hf, load_tokenizer
 from tests.models.fixtures import commit_prefix, perturbed_copy
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "hf_fixtures"
-NAMES = ("llama", "llama3_scaled", "qwen2", "mistral")
+NAMES = ("llama", "llama3_scaled", "qwen2", "mistral", "qwen3")
 NEW_TOKENS = 32
 VOCAB = 96
 # One bucket per dimension: one prefill and one step executable per decoder.
@@ -95,6 +96,26 @@ def test_paged_forward_matches_transformers(name):
                  StagedKV(middle.keys, middle.values, jnp.asarray([staged], jnp.int32)))
     got = np.concatenate([np.asarray(out.logits[0]) for out in (first, middle, last)])
     np.testing.assert_allclose(got, reference_logits(name, 0), rtol=1e-4, atol=1e-4)
+
+
+def test_packed_forward_matches_transformers():
+    """``forward_packed`` (the decoder's packed verification) applies Qwen3's q/k norms as the full and
+    paged forwards do: a committed prefix, then the rest packed in reversed order with padding tokens."""
+    name = "qwen3"
+    seq, block_size = sequence(name, 0), 4
+    committed = len(seq) - 9
+    config = model(name).config
+    cache = scv_jax.PagedKVCache.create(config.num_layers, 16, block_size, config.num_kv_heads, config.head_dim,
+                                        dtype="float32")
+    tables = jnp.asarray(np.random.default_rng(1).permutation(16)[None, :12], jnp.int32)
+    first = model(name).forward_paged(jnp.asarray([seq[:committed]]), cache, tables, jnp.zeros(1, jnp.int32))
+    cache = commit_prefix(cache, first, tables, [committed], block_size)
+    offsets = np.array([-1] + list(range(8, -1, -1)) + [9], np.int32)       # padding at both ends
+    tokens = np.array([0] + seq[committed:][::-1] + [5], np.int32)
+    packed = PackedTokens(jnp.zeros(len(tokens), jnp.int32), jnp.asarray(offsets), 9)
+    out = model(name).forward_packed(jnp.asarray(tokens), packed, cache, tables, jnp.asarray([committed], jnp.int32))
+    got = np.asarray(out.logits)[1:-1][::-1]
+    np.testing.assert_allclose(got, reference_logits(name, 0)[committed:], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -187,10 +208,15 @@ def test_bfloat16_model(name):
 
 
 def test_load_hf_reads_tied_biased_sharded_and_scaled_checkpoints():
-    """The fixtures cover what they claim: a sharded index, tied heads, q/k/v biases, llama3 RoPE."""
+    """The fixtures cover what they claim: a sharded index, tied heads, q/k/v biases, q/k norms, llama3
+    RoPE."""
     assert (FIXTURES / "llama" / "model.safetensors.index.json").exists()
-    assert model("llama").lm_head is not None and model("qwen2").lm_head is None
+    assert model("llama").lm_head is not None and model("qwen2").lm_head is None and model("qwen3").lm_head is None
     assert model("qwen2").config.qkv_bias and not model("llama").config.qkv_bias
+    assert [(model(name).config.qkv_bias, model(name).config.qk_norm) for name in ("qwen2", "qwen3", "llama")] == \
+        [(True, False), (False, True), (False, False)]
+    assert model("qwen3").config.head_dim * model("qwen3").config.num_heads != model("qwen3").config.d_model
+    assert model("qwen3").config.num_kv_heads < model("qwen3").config.num_heads
     assert model("llama3_scaled").config.rope_scaling.factor == 8.0
     assert model("llama3_scaled").config.head_dim * 4 != model("llama3_scaled").config.d_model
     assert model("mistral").config.sliding_window == 12
@@ -227,6 +253,16 @@ def _broken_copy(tmp_path: pathlib.Path, name: str, **config_changes) -> pathlib
     ("llama", dict(num_key_value_heads=3), "num_heads \\(4\\) must be a multiple of num_kv_heads \\(3\\)"),
     ("qwen2", dict(use_sliding_window=True), "use_sliding_window: true"),
     ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types \\['sliding_attention'\\]"),
+    ("qwen3", dict(use_sliding_window=True), "use_sliding_window: true .* not supported for Qwen3ForCausalLM"),
+    ("qwen3", dict(layer_types=["full_attention", "sliding_attention"]), "layer_types \\['sliding_attention'\\]"),
+    ("qwen3", dict(attention_bias=True), "attention_bias: true is not supported for Qwen3ForCausalLM"),
+    # the architecture decides which tensors are read: norms without biases, or biases without norms
+    ("qwen2", dict(architectures=["Qwen3ForCausalLM"]), "tensor model.layers.0.self_attn.k_norm.weight is missing"),
+    ("qwen3", dict(architectures=["Qwen2ForCausalLM"]), "tensor model.layers.0.self_attn.k_proj.bias is missing"),
+    ("qwen3", dict(architectures=["LlamaForCausalLM"]), "tensor model.layers.0.self_attn.k_norm.weight in .* is not used"),
+    # head_dim 16, not hidden_size / num_attention_heads = 8
+    ("qwen3", dict(head_dim=None), "tensor model.layers.0.self_attn.k_proj.weight in .* has shape \\[32, 32\\], "
+                                   "config.json implies \\[16, 32\\]"),
     ("llama", dict(intermediate_size=48), "tensor model.layers.0.mlp.down_proj.weight in .* has shape \\[32, 64\\], "
                                          "config.json implies \\[32, 48\\]"),
     ("qwen2", dict(tie_word_embeddings=False), "tensor lm_head.weight is missing"),

@@ -148,9 +148,10 @@ def test_transformer_is_a_paged_model(model):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_weights_round_trip(tmp_path, dtype):
-    """Every config field (dtype, biases, RoPE scaling, window) and parameter survives save + load."""
-    config = TransformerConfig(**{**TINY.to_dict(), "dtype": dtype, "qkv_bias": True, "tie_embeddings": False,
-                                  "sliding_window": 5, "rope_scaling": SCALING})
+    """Every config field (dtype, biases, q/k norms, RoPE scaling, window) and parameter survives save +
+    load."""
+    config = TransformerConfig(**{**TINY.to_dict(), "dtype": dtype, "qkv_bias": True, "qk_norm": True,
+                                  "tie_embeddings": False, "sliding_window": 5, "rope_scaling": SCALING})
     model = tiny_model(config, seed=4)
     save_model(model, tmp_path / "m.npz", dtype=np.float32)
     loaded = load_model(tmp_path / "m.npz")

@@ -22,7 +22,7 @@ from tests.models.fixtures import tiny_model
 ])
 def test_laid_out_model_computes_the_same_logits(heads, kv_heads, model_size, expected):
     config = TransformerConfig(vocab_size=32, num_layers=1, d_model=32, num_heads=heads, num_kv_heads=kv_heads,
-                               head_dim=8, ffn_dim=64, qkv_bias=True)
+                               head_dim=8, ffn_dim=64, qkv_bias=True, qk_norm=True)
     model = tiny_model(config, seed=0)
     laid_out = nnx.merge(*tensor_parallel_split(model, model_size, "test"))
     assert (laid_out.config.num_heads, laid_out.config.num_kv_heads) == expected

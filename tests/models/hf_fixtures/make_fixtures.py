@@ -3,6 +3,7 @@
 For each architecture (``llama``: Llama 2 style, sharded float32; ``llama3_scaled``: Llama 3.2
 style, GQA, explicit head_dim, rope_scaling "llama3", tied embeddings, bfloat16 on disk; ``qwen2``:
 q/k/v biases, tied embeddings; ``mistral``: GQA, sliding window shorter than the sequences,
+bfloat16 on disk; ``qwen3``: q/k RMS norms, GQA, head_dim 16 (not hidden / heads), tied embeddings,
 bfloat16 on disk) it writes ``<name>/`` with
 
 - ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards + index),
@@ -21,9 +22,12 @@ deterministic for a given torch/transformers version), from the repository root:
     PYENV_VERSION=3.11.7 python3 -m venv /tmp/fixture-venv
     /tmp/fixture-venv/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu  # or a CPU wheel
     /tmp/fixture-venv/bin/pip install transformers==4.57.6 safetensors tokenizers numpy
-    /tmp/fixture-venv/bin/python tests/models/hf_fixtures/make_fixtures.py
+    /tmp/fixture-venv/bin/python tests/models/hf_fixtures/make_fixtures.py [NAME ...]
 
-(made with torch 2.13.0+cpu, transformers 4.57.6, tokenizers 0.22.2).
+(NAMEs: make only those fixtures; each has its own seeds, so the others stay as they are). Made with
+torch 2.13.0+cpu, transformers 4.57.6, tokenizers 0.22.2; ``qwen3`` later, alone, with torch
+2.14.1+cu130 (PyPI's wheel, run on the CPU, Python 3.12), transformers 4.57.6, tokenizers 0.22.2
+(each fixture's ``expected.json`` records its versions).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import sys
 
 import numpy as np
 import torch
@@ -74,12 +79,16 @@ FIXTURES = {
         config=transformers.MistralConfig(**COMMON, num_key_value_heads=1, rope_theta=10000.0, rms_norm_eps=1e-5,
                                           sliding_window=12, tie_word_embeddings=False),
         dtype=torch.bfloat16, shard_size=None, style="metaspace"),
+    "qwen3": dict(
+        config=transformers.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
+                                        rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=True),
+        dtype=torch.bfloat16, shard_size=None, style="bytelevel"),
 }
 
 
 def make_tokenizer(style: str) -> Tokenizer:
     """A BPE tokenizer with exactly VOCAB ids: sentencepiece-like (Metaspace, BOS added: Llama,
-    Mistral) or byte-level pre-tokenisation without BOS (Qwen2)."""
+    Mistral) or byte-level pre-tokenisation without BOS (Qwen2, Qwen3)."""
     specials = ["<unk>", "<s>", "</s>"]
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>" if style == "metaspace" else None))
     if style == "metaspace":
@@ -125,7 +134,7 @@ def make(name: str, spec: dict, seed: int) -> dict | None:
     shutil.rmtree(directory, ignore_errors=True)
     torch.manual_seed(seed)
     config = spec["config"]
-    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                              "mistral": "MistralForCausalLM"}[config.model_type]]
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     randomize(model, seed)
@@ -169,8 +178,13 @@ def make(name: str, spec: dict, seed: int) -> dict | None:
     return expected
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(FIXTURES))
+    if unknown:
+        raise SystemExit(f"make_fixtures.py: unknown fixtures {unknown} (known: {list(FIXTURES)})")
     for index, (name, spec) in enumerate(FIXTURES.items()):
+        if names and name not in names:
+            continue
         seed = 100 * index
         while make(name, spec, seed) is None:
             seed += 1
@@ -179,4 +193,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
