@@ -48,11 +48,9 @@ def test_every_field_of_the_openai_client_is_declared(params, model):
 
 REFUSED = [
     (path, field, value) for path in (COMPLETIONS, CHAT) for field, value in [
-        ("n", 2), ("best_of", 3), ("echo", True), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
-        ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2),
-        ("length_penalty", 0.5), ("use_beam_search", True), ("min_tokens", 3), ("skip_special_tokens", False),
-        ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [1, 2]),
-        ("bad_words", ["x"]), ("prompt_logprobs", 1), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+        ("n", 2), ("best_of", 3), ("echo", True), ("response_format", {"type": "json_object"}),
+        ("length_penalty", 0.5), ("use_beam_search", True), ("skip_special_tokens", False),
+        ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("prompt_logprobs", 1), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
         ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
         ("priority", 1), ("request_id", "mine"), ("logits_processors", ["m.P"]), ("return_token_ids", True),
         ("return_tokens_as_token_ids", True), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
@@ -119,7 +117,7 @@ def test_allow_unknown_fields_ignores_them_and_says_so(checkpoint, tmp_path):
         assert response.headers["x-ignored-fields"] == "colour,max_token"
         assert response.parse().usage.completion_tokens == 3
         with pytest.raises(openai.BadRequestError, match="presence_penalty"):     # known fields are still checked
-            c.completions.create(model=None, prompt="x", presence_penalty=1)
+            c.completions.create(model=None, prompt="x", presence_penalty=3)
     finally:
         assert process.stop(signal.SIGTERM) == 0, process.stderr()
     assert "ignored unknown request fields colour, max_token" in process.stderr()

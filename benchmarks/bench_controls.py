@@ -1,0 +1,50 @@
+"""The cost of the logit controls (penalties, logit_bias, masks) per decode step: the decode executable
+alone (``SpeculativeDecoder.device_seconds_per_step``, device-resident inputs, no host work) with none,
+half or all of the batch's requests controlled, in one process on one decoder (the same executable:
+the controls are data), with the ratio to the plain step.
+
+Run: ``JAX_PLATFORMS=cpu python benchmarks/bench_controls.py [--batch-sizes 1 4] [--k 0 4] [--draft]``
+(demo models; ``--draft``: the demo draft model proposes, else the target alone at k = 0 and n-gram
+drafts at k > 0 are not timed here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+from scv_jax import DecoderConfig, SpeculativeDecoder  # noqa: E402
+from scv_jax.models import load_demo  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--k", type=int, default=4, help="drafts per step (with the draft model)")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--greedy", action="store_true", help="all-greedy steps (default: sampled)")
+    args = parser.parse_args()
+    target, draft = load_demo()
+    config = DecoderConfig(k=args.k, max_seq_len=512, batch_buckets=tuple(args.batch_sizes))
+    decoder = SpeculativeDecoder(target, draft, config=config)
+    print(f"jax {jax.__version__}, {jax.devices()[0].platform}, demo models (V = {decoder.vocab_size}), "
+          f"k = {args.k}, context {args.context}, {'greedy' if args.greedy else 'sampled'} steps")
+    print("| batch | controlled | ms / step | ratio to plain |")
+    print("|---:|---:|---:|---:|")
+    for batch in args.batch_sizes:
+        plain = None
+        for controlled in sorted({0, batch // 2, batch}):
+            seconds = decoder.device_seconds_per_step(batch, args.k, greedy=args.greedy, context=args.context,
+                                                      calls=args.calls, repeats=args.repeats, controlled=controlled)
+            plain = seconds if plain is None else plain
+            print(f"| {batch} | {controlled} | {seconds * 1e3:.2f} | {seconds / plain:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
