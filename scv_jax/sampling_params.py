@@ -24,6 +24,9 @@ INT32_MAX = 2 ** 31 - 1  # a larger top_k is stored as this (it keeps every toke
 MAX_STOP_IDS = 16       # the most token ids that may end one request (its stop_token_ids and the model's eos ids)
 MAX_PENALTY = 2.0       # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI, vLLM)
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
+MAX_BAD_WORDS = 16      # the most bad words of several tokens one request may have (one-token ones: any number)
+MAX_BAD_WORD_LEN = 8    # the most tokens in one bad word
+ANY_TOKEN = -2          # a ``bad_word_table`` entry before a word shorter than MAX_BAD_WORD_LEN: matches anything
 
 
 def _fail(name: str, expected: str, value: Any, error: type[Exception] = ValueError) -> None:
@@ -82,8 +85,10 @@ class SamplingParams:
       logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits (OpenAI's; given as a
         mapping, stored as sorted (id, bias) pairs).
       allowed_token_ids: None, or a non-empty sequence of token ids: every other token is masked out.
-      bad_words_token_ids: token-id sequences that may never be generated; each holds one token
-        (vLLM's ``bad_words`` after tokenization: a one-token word's token is masked out).
+      bad_words_token_ids: token-id sequences that may never be generated (vLLM's ``bad_words`` after
+        tokenization), of 1 to ``MAX_BAD_WORD_LEN`` = 8 tokens, at most ``MAX_BAD_WORDS`` = 16 of them
+        longer than one: a word's last token is masked out where the tokens generated last are the
+        others (a one-token word's everywhere; a prompt's tokens never count, as in vLLM).
       min_tokens: >= 0, <= max_tokens; the stop tokens (``stop_token_ids`` and, unless ``ignore_eos``,
         the model's eos ids) are masked out until this many tokens were generated.
 
@@ -154,11 +159,14 @@ class SamplingParams:
             if not allowed:
                 _fail("allowed_token_ids", "None or a non-empty sequence of ints >= 0", self.allowed_token_ids)
             set_("allowed_token_ids", allowed)
-        bad, expected = self.bad_words_token_ids, "a sequence of one-token sequences of ints >= 0"
+        bad = self.bad_words_token_ids
+        expected = (f"a sequence of sequences of 1 to {MAX_BAD_WORD_LEN} ints >= 0, at most {MAX_BAD_WORDS} of "
+                    "them longer than one")
         if isinstance(bad, (str, bytes)) or not isinstance(bad, (Sequence, np.ndarray)):
             _fail("bad_words_token_ids", expected, bad, TypeError)
         words = tuple(_token_ids("bad_words_token_ids", word, expected) for word in bad)
-        if any(len(word) != 1 for word in words):
+        if (any(not 1 <= len(word) <= MAX_BAD_WORD_LEN for word in words)
+                or sum(len(word) > 1 for word in words) > MAX_BAD_WORDS):
             _fail("bad_words_token_ids", expected, bad)
         set_("bad_words_token_ids", words)
         set_("min_tokens", _integer("min_tokens", self.min_tokens, "an int >= 0 and <= max_tokens", 0,
@@ -212,7 +220,7 @@ class SamplingParams:
 
     def bias_row(self, vocab_size: int) -> np.ndarray:
         """float32[vocab_size]: the request's additive logit bias: ``logit_bias``, and -inf outside
-        ``allowed_token_ids`` and on ``bad_words_token_ids`` (ids must be < ``vocab_size``)."""
+        ``allowed_token_ids`` and on the one-token ``bad_words_token_ids`` (ids must be < ``vocab_size``)."""
         row = np.zeros(vocab_size, np.float32)
         if self.logit_bias:
             ids, values = zip(*self.logit_bias)
@@ -221,9 +229,19 @@ class SamplingParams:
             allowed = np.zeros(vocab_size, np.bool_)
             allowed[list(self.allowed_token_ids)] = True
             row[~allowed] = -np.inf
-        for (token,) in self.bad_words_token_ids:
-            row[token] = -np.inf
+        for word in self.bad_words_token_ids:
+            if len(word) == 1:
+                row[word[0]] = -np.inf
         return row
+
+    def bad_word_table(self) -> np.ndarray:
+        """int32[MAX_BAD_WORDS, MAX_BAD_WORD_LEN]: the bad words of several tokens, one a row, right-aligned
+        after ``ANY_TOKEN`` entries; unused rows -1 (their last token bans nothing)."""
+        table = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_LEN), -1, np.int32)
+        for row, word in enumerate(w for w in self.bad_words_token_ids if len(w) > 1):
+            table[row] = ANY_TOKEN
+            table[row, MAX_BAD_WORD_LEN - len(word):] = word
+        return table
 
 
 class SamplingArrays(NamedTuple):

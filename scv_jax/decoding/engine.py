@@ -196,7 +196,7 @@ class Engine:
         if bad:
             field = next(name for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                                                 ("allowed_token_ids", params.allowed_token_ids or ()),
-                                                ("bad_words_token_ids", [w[0] for w in params.bad_words_token_ids]))
+                                                ("bad_words_token_ids", [t for w in params.bad_words_token_ids for t in w]))
                          if bad[0] in ids)
             raise ValueError(f"add_request: SamplingParams.{field} must hold token ids in [0, vocab_size={vocab}), "
                              f"got {bad[0]}")

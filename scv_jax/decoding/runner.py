@@ -137,12 +137,13 @@ class StepRunner:
             state = jax.eval_shape(lambda: ControlState.zeros(self.largest_batch, self.vocab_size))
             vector = lambda dtype: jax.ShapeDtypeStruct((self.vocab_size,), dtype)  # noqa: E731
             self._control_writer = jax.jit(ControlState.write, donate_argnums=0).lower(
-                state, jax.ShapeDtypeStruct((), np.int32), vector(np.float32), vector(np.bool_)).compile()
+                state, jax.ShapeDtypeStruct((), np.int32), vector(np.float32), vector(np.bool_),
+                jax.ShapeDtypeStruct(state.words.shape[1:], np.int32)).compile()
         return self._control_writer
 
     def _write_controls(self, batch: RequestBatch, rows: np.ndarray) -> None:
         """Writes the control-state rows of the requests in ``rows`` that have controls (their bias, their
-        prompt's tokens, no output yet)."""
+        prompt's tokens, their bad words of several tokens, no output yet)."""
         for row in rows.tolist():
             params = batch.controls[row]
             if params is None:
@@ -150,7 +151,7 @@ class StepRunner:
             prompt = np.zeros(self.vocab_size, np.bool_)
             prompt[batch.tokens[row, :batch.prompt_len[row]]] = True
             self._controls = self._writer()(self._take_controls(), np.int32(row), params.bias_row(self.vocab_size),
-                                            prompt)
+                                            prompt, params.bad_word_table())
 
     # ------------------------------------------------------------------ calls
     def _call(self, executable: ExecutableCache, stats: GenerateStats, *, use_target: bool = True,

@@ -46,8 +46,8 @@ from pallas_kernels.ragged_batch import slot_owner
 from pallas_kernels.sampling_math import argmax_ignoring_nan
 from pallas_kernels.tree_mask import ancestor_mask, depths
 from scv_jax.decoding.device_step import (ACCEPT_TAG, BONUS_TAG, DRAFT_TAG, LogitControls, StepInputs, choose_tokens,
-                                          commit_positions, controlled, drafts_seen, flatten_rows, sampling_filters,
-                                          tagged_keys)
+                                          commit_positions, controlled, drafts_previous, drafts_seen, flatten_rows,
+                                          sampling_filters, tagged_keys)
 from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
 from scv_jax.decoding.tree_config import TreeConfig
 from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
@@ -140,10 +140,12 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
     first, first_probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG), sampling, greedy)
     slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
     vocab_size = logits.shape[-1]
-    seen = None if controls is None else jnp.zeros((batch, vocab_size), jnp.int32)   # the drafts so far
+    # the drafts so far: their counts, and the last output tokens with them
+    seen = None if controls is None else jnp.zeros((batch, vocab_size), jnp.int32)
+    previous = None if controls is None else controls.recent
 
     def one_draft(carry, j):
-        stage_k, stage_v, lengths, token, seen = carry
+        stage_k, stage_v, lengths, token, seen, previous = carry
         o = draft.forward_paged(token[:, None], draft_cache, block_tables, draft_lens,
                                 StagedKV(stage_k, stage_v, lengths), backend=backend)
         # row b's new K/V into its slot lengths[b]: elementwise (no scatter), so a batch split over
@@ -154,12 +156,13 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
         logits = o.logits[:, 0]
         if controls is not None:
             seen = seen + jax.nn.one_hot(token, vocab_size, dtype=jnp.int32)
-            logits = controls.apply(logits, seen=seen, offsets=jnp.full((batch,), j, jnp.int32))
+            previous = jnp.concatenate([previous[:, 1:], token[:, None]], axis=1)
+            logits = controls.apply(logits, seen=seen, offsets=jnp.full((batch,), j, jnp.int32), previous=previous)
         nxt, probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG + j), sampling, greedy)
-        return (stage_k, stage_v, lengths + 1, nxt, seen), (nxt, probs)
+        return (stage_k, stage_v, lengths + 1, nxt, seen, previous), (nxt, probs)
 
-    (stage_k, stage_v, lengths, _, _), (rest, rest_probs) = jax.lax.scan(
-        one_draft, (stage_k, stage_v, lag, first, seen), jnp.arange(1, k))
+    (stage_k, stage_v, lengths, *_), (rest, rest_probs) = jax.lax.scan(
+        one_draft, (stage_k, stage_v, lag, first, seen, previous), jnp.arange(1, k))
     tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
     probs = None if greedy else jnp.concatenate([first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
     return ChainProposal(tokens, probs, StagedKV(stage_k, stage_v, lengths))
@@ -245,11 +248,13 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
     num_drafts = jnp.clip(num_drafts, 0, k).astype(jnp.int32)
     if controls is not None:
         seen = drafts_seen(proposal.tokens, scored.logits.shape[-1])                     # [B, k + 1, V]
+        previous = drafts_previous(controls.recent, proposal.tokens)                     # [B, k + 1, W]
         if packed is None:
-            at = dict(seen=seen, offsets=jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (batch, k + 1)))
+            at = dict(seen=seen, offsets=jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (batch, k + 1)),
+                      previous=previous)
         else:
             rows, offsets = jnp.clip(packed.rows, 0, batch - 1), jnp.minimum(packed.offsets, k)
-            at = dict(rows=rows, seen=seen[rows, offsets], offsets=offsets)
+            at = dict(rows=rows, seen=seen[rows, offsets], offsets=offsets, previous=previous[rows, offsets])
         scored = scored._replace(logits=controls.apply(scored.logits, **at))
     positions = context_lens[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     slots = slots_from_block_table(block_tables, positions, block_size)           # [B, k + 1]
@@ -458,6 +463,22 @@ def tree_inputs(tokens: jax.Array, parents: jax.Array, cap: jax.Array, stop_ids:
     return forward_parents, jnp.where(keep, parents, index).astype(jnp.int32)   # parent = itself: ignored
 
 
+def path_previous(recent: jax.Array, tokens: jax.Array, forward_parents: jax.Array, depth: jax.Array) -> jax.Array:
+    """int32[B, N + 1, W]: after the pending token (0) and after each node i, the last W output tokens
+    of the history: the path down to i (its ancestors and itself, ``depth`` int32[B, N + 1] of them)
+    after the committed tokens' last (``recent`` int32[B, W]); ``tokens`` int32[B, N] the nodes',
+    ``forward_parents`` int32[B, N + 1] the forward's parents (-1: the pending token's)."""
+    width = recent.shape[1]
+    tokens = jnp.concatenate([jnp.full((tokens.shape[0], 1), -1, jnp.int32), tokens.astype(jnp.int32)], axis=1)
+    node = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    columns = []
+    for back in range(width):                   # the latest token first: the node's, its parent's, ...
+        committed = jnp.take_along_axis(recent, jnp.clip(width - 1 - (back - depth), 0, width - 1), axis=1)
+        columns.append(jnp.where(back < depth, jnp.take_along_axis(tokens, node, axis=1), committed))
+        node = jnp.maximum(jnp.take_along_axis(forward_parents, node, axis=1), 0)
+    return jnp.stack(columns[::-1], axis=-1)
+
+
 def accept_tree(logits: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.Array, sampling: jax.Array,
                 request_mask: jax.Array, *, max_depth: int, greedy: bool, backend: str,
                 controls: LogitControls | None = None, forward_parents: jax.Array | None = None) -> TreeAcceptResult:
@@ -470,7 +491,9 @@ def accept_tree(logits: jax.Array, tokens: jax.Array, parents: jax.Array, keys: 
         full_mask = ancestor_mask(forward_parents)                                  # [B, N + 1, N + 1]
         on_path = full_mask[:, :, 1:].astype(jnp.int32)                             # the pending token is committed
         seen = jnp.einsum("bpj,bjv->bpv", on_path, jax.nn.one_hot(tokens, logits.shape[-1], dtype=jnp.int32))
-        logits = controls.apply(logits, seen=seen, offsets=depths(full_mask))
+        depth = depths(full_mask)
+        logits = controls.apply(logits, seen=seen, offsets=depth,
+                                previous=path_previous(controls.recent, tokens, forward_parents, depth))
     num_nodes = jnp.full((batch,), n, jnp.int32)
     if greedy:
         result = accept_tree_greedy(tokens, parents, num_nodes, argmax_ignoring_nan(logits), max_depth=max_depth,

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scv_jax.sampling_params import SamplingParams
+from scv_jax.sampling_params import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, SamplingParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -100,7 +100,7 @@ class BaseRequest(BaseModel):
     repetition_penalty: float | None = None
     min_tokens: int | None = 0
     allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None       # each word must be one token (alone or after a space)
+    bad_words: list[str] | None = None       # as token ids: ``bad_words_token_ids``
     # vLLM, not implemented
     length_penalty: Annotated[float | None, _only(1.0, why="beam search is not implemented")] = None
     use_beam_search: Annotated[bool | None, _only(False, why="beam search is not implemented")] = False
@@ -275,17 +275,25 @@ def _logit_bias(request: BaseRequest) -> dict[int, float]:
 
 
 def bad_words_token_ids(words: list[str] | None, encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
-    """vLLM's ``bad_words`` as token ids: each word's token as it is and after a space (vLLM bans both),
-    where that is one token; a word that is one token in neither way is a 400 naming ``bad_words``."""
-    ids: dict[int, None] = {}
+    """vLLM's ``bad_words`` as token ids, with vLLM's variants of a word: its tokens without leading spaces,
+    and with one leading space where that starts with another token and is as many tokens (a word's
+    last token is masked where the output ends with its other tokens). A word of no token or more than
+    ``MAX_BAD_WORD_LEN``, or more than ``MAX_BAD_WORDS`` words of several tokens, is a 400 naming
+    ``bad_words``."""
+    ids: dict[tuple[int, ...], None] = {}
     for word in words or ():
-        variants = [encode(text) for text in dict.fromkeys((word, " " + word.lstrip(" ")))]
-        single = [v[0] for v in variants if len(v) == 1]
-        if not single:
-            raise ApiError(400, f"bad_words: only words of one token are supported, {json.dumps(word)} is "
-                                f"{min(map(len, variants))} tokens", "bad_words")
-        ids.update(dict.fromkeys(single))
-    return tuple((token,) for token in ids)
+        bare = tuple(encode(word.lstrip()))
+        if not 1 <= len(bare) <= MAX_BAD_WORD_LEN:
+            raise ApiError(400, f"bad_words: a word must be 1 to {MAX_BAD_WORD_LEN} tokens, {json.dumps(word)} is "
+                                f"{len(bare)}", "bad_words")
+        spaced = tuple(encode(" " + word.lstrip()))
+        ids[bare] = None
+        if spaced[:1] != bare[:1] and len(spaced) == len(bare):
+            ids[spaced] = None
+    if sum(len(word) > 1 for word in ids) > MAX_BAD_WORDS:
+        raise ApiError(400, f"bad_words: at most {MAX_BAD_WORDS} words of several tokens (with vLLM's variants), "
+                            f"got {sum(len(word) > 1 for word in ids)}", "bad_words")
+    return tuple(ids)
 
 
 def sampling_params(request: BaseRequest, max_tokens: int, logprobs: int | None,

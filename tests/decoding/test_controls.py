@@ -64,6 +64,23 @@ def test_autoregressive_greedy_with_controls_is_the_oracles(target_logits, autor
     assert changed == {*CONTROLS, *MASKS}
 
 
+def _phrases(plain: list[int]) -> list[list[int]]:
+    """Bad words of 2 and 3 tokens that greedy decoding without them emits (output tokens 2-3, 5-7)."""
+    return [plain[2:4], plain[5:8]]
+
+
+def test_bad_words_of_several_tokens_are_the_oracles(target_logits, autoregressive):  # noqa: F811
+    """vLLM's rule (a word's last token masked where the output ends with its other tokens; the prompt
+    does not count), on words plain greedy decoding emits: the output changes, and never holds them."""
+    for prompt in prompts(5, 4):
+        plain = autoregressive.generate([prompt], 10).tokens[0]
+        words = _phrases(plain) + [prompt[-1:] + plain[:1]]          # the prompt's last token: no match
+        params = SamplingParams(max_tokens=10, bad_words_token_ids=words)
+        got = autoregressive.generate([prompt], sampling=params).tokens[0]
+        assert got == oracle_greedy(target_logits, prompt, params) and got != plain
+        assert not any(got[i:i + len(w)] == w for w in words[:2] for i in range(len(got)))
+
+
 @pytest.mark.parametrize("drafter", ["model", "ngram", "tree", "tree-model"])
 def test_greedy_with_controls_equals_autoregressive(decoders, autoregressive, drafter):
     """Each control beside plain requests in one batch (prompts from a small alphabet: n-grams match)."""
@@ -77,6 +94,21 @@ def test_greedy_with_controls_equals_autoregressive(decoders, autoregressive, dr
             assert out.tokens == autoregressive.generate(batch + batch[:1], sampling=rows, eos_token_id=EOS).tokens
             assert out.stats.acceptance_rate > 0
     assert decoder.pool.num_free == SMALL.num_blocks
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "tree", "tree-model"])
+def test_bad_words_of_several_tokens_under_speculation_equal_autoregressive(decoders, autoregressive, drafter):
+    """Words of 2 and 3 tokens that plain decoding emits (drafts propose them), banned beside plain and
+    penalised requests: a draft position's history holds the drafts before it (trees: the node's path)."""
+    batch = prompts(61, 4, alphabet=4)
+    plain = autoregressive.generate(batch, 12).tokens
+    params = [SamplingParams(max_tokens=12, bad_words_token_ids=_phrases(plain[0])), SamplingParams(max_tokens=12),
+              SamplingParams(max_tokens=12, bad_words_token_ids=_phrases(plain[2]) + [[0, 0, 0]],
+                             repetition_penalty=1.3),
+              SamplingParams(max_tokens=12, bad_words_token_ids=_phrases(plain[3]), presence_penalty=0.5)]
+    want = autoregressive.generate(batch, sampling=params).tokens
+    out = decoders[drafter].generate(batch, sampling=params)
+    assert out.tokens == want and want[0] != plain[0] and out.stats.acceptance_rate > 0
 
 
 def _distribution(target_logits, prompt, output, params: SamplingParams) -> np.ndarray:  # noqa: F811

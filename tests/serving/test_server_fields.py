@@ -11,7 +11,8 @@ import signal
 import openai
 import pytest
 
-from scv_jax.serving.protocol import ChatRequest, CompletionRequest
+from scv_jax.sampling_params import MAX_BAD_WORD_LEN, MAX_BAD_WORDS
+from scv_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, bad_words_token_ids
 from tests.serving.conftest import client, post_error
 from tests.serving.fake_engine import expected_tokens
 from tests.serving.harness import ServerProcess
@@ -160,3 +161,22 @@ def test_include_stop_str_in_output(server, tokenizer, stream):
     first = full.index(chr(stop))
     assert text(stop_token_ids=[stop], include_stop_str_in_output=True) == (full[:first + 1], "stop")
     assert text(stop_token_ids=[stop]) == (full[:first], "stop")
+
+
+def test_bad_words_take_vllms_variants():
+    """vLLM's variants of a bad word: without leading spaces, and with one where that is another first
+    token and as many tokens; a word of no token or too many, or too many words of several tokens, is a
+    400 naming bad_words."""
+    vocab = {"cat": [1], " cat": [2], "dog": [3], " dog": [9, 3], "hi": [4], " hi": [4], "a b": [5, 6], " a b": [7, 6],
+             "": [], " ": [8], "long": list(range(MAX_BAD_WORD_LEN + 1)), " long": [1]}
+
+    def encode(text: str) -> list[int]:           # "w<i>" and " w<i>": 2 tokens, the same first
+        return vocab[text] if text in vocab else [100 + int(text.strip()[1:]), 99]
+
+    assert bad_words_token_ids(["cat", "  dog", " hi", "cat", "a b"], encode) == ((1,), (2,), (3,), (4,), (5, 6), (7, 6))
+    assert len(bad_words_token_ids([f"w{i}" for i in range(MAX_BAD_WORDS)], encode)) == MAX_BAD_WORDS
+    for words, match in ([[""], '"" is 0'], [["long"], f'"long" is {MAX_BAD_WORD_LEN + 1}'],
+                         [[f"w{i}" for i in range(MAX_BAD_WORDS + 1)], f"got {MAX_BAD_WORDS + 1}"]):
+        with pytest.raises(ApiError, match=rf"^bad_words: .*{match}$") as e:
+            bad_words_token_ids(words, encode)
+        assert e.value.param == "bad_words"

@@ -1,6 +1,8 @@
 """The logit controls: ``controlled_logits`` against a float64 numpy oracle of vLLM's order (bias and masks,
 then repetition, frequency and presence penalties; hypothesis), the wrong orders told apart, and
-``SamplingParams``' new fields checked on construction (one line naming the field) with ``bias_row``."""
+``SamplingParams``' new fields checked on construction (one line naming the field) with ``bias_row`` and
+``bad_word_table``. ``controlled_row`` is the oracle the decoder's tests use too (bad words of several
+tokens: vLLM's rule over the output tokens)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from scv_jax import SamplingParams
+from scv_jax.sampling_params import ANY_TOKEN, MAX_BAD_WORD_LEN, MAX_BAD_WORDS
 from scv_jax.ops.sampling.controls import controlled_logits
 
 
 def controlled_row(logits: np.ndarray, prompt, output, params: SamplingParams, stops=()) -> np.ndarray:
     """float64[V]: one position's logits after ``params``' controls, given the prompt and the output so
-    far (vLLM: bias, allowed tokens, bad words and min_tokens first, then the penalties)."""
+    far (vLLM: bias, allowed tokens, bad words and min_tokens first, then the penalties). A bad word of
+    several tokens masks its last token where the output so far ends with the others."""
     vocab = logits.shape[-1]
     x = logits.astype(np.float64) + params.bias_row(vocab)
+    for word in params.bad_words_token_ids:
+        if 1 < len(word) <= len(output) + 1 and list(output[len(output) - len(word) + 1:]) == list(word[:-1]):
+            x[word[-1]] = -np.inf
     if len(output) < params.min_tokens:
         x[list(stops)] = -np.inf
     counts = np.bincount(np.asarray(output, np.int64), minlength=vocab).astype(np.float64)
@@ -86,13 +93,24 @@ def test_bias_row_masks_and_biases():
     assert not SamplingParams(min_tokens=3).controlled and SamplingParams(repetition_penalty=1.1).penalties
 
 
+def test_bad_words_of_several_tokens_go_to_the_table():
+    params = SamplingParams(bad_words_token_ids=[[4], [1, 2], [3, 0, 3]])
+    np.testing.assert_array_equal(params.bias_row(5), np.float32([0, 0, 0, 0, -np.inf]))
+    table = params.bad_word_table()
+    assert table.shape == (MAX_BAD_WORDS, MAX_BAD_WORD_LEN) and (table[2:] == -1).all()
+    assert table[0].tolist() == [ANY_TOKEN] * (MAX_BAD_WORD_LEN - 2) + [1, 2]
+    assert table[1].tolist() == [ANY_TOKEN] * (MAX_BAD_WORD_LEN - 3) + [3, 0, 3]
+    assert params.token_ids() == (4, 1, 2, 3, 0, 3)
+
+
 @pytest.mark.parametrize("field, value, error", [
     ("presence_penalty", 2.5, ValueError), ("presence_penalty", "1", TypeError),
     ("frequency_penalty", -2.1, ValueError), ("frequency_penalty", float("nan"), ValueError),
     ("repetition_penalty", 0.0, ValueError), ("repetition_penalty", None, TypeError),
     ("logit_bias", {1: 101}, ValueError), ("logit_bias", {-1: 1}, ValueError), ("logit_bias", {"1": 1}, TypeError),
     ("logit_bias", [1, 2], TypeError), ("allowed_token_ids", [], ValueError), ("allowed_token_ids", "ab", TypeError),
-    ("allowed_token_ids", [-1], ValueError), ("bad_words_token_ids", [[1, 2]], ValueError),
+    ("allowed_token_ids", [-1], ValueError), ("bad_words_token_ids", [list(range(MAX_BAD_WORD_LEN + 1))], ValueError),
+    ("bad_words_token_ids", [[1, 2]] * (MAX_BAD_WORDS + 1), ValueError),
     ("bad_words_token_ids", [[]], ValueError), ("bad_words_token_ids", "x", TypeError),
     ("min_tokens", -1, ValueError), ("min_tokens", 17, ValueError), ("min_tokens", 1.0, TypeError)])
 def test_bad_controls_raise_one_line_naming_the_field(field, value, error):
