@@ -3,9 +3,10 @@ alone (``SpeculativeDecoder.device_seconds_per_step``, device-resident inputs, n
 half or all of the batch's requests controlled, in one process on one decoder (the same executable:
 the controls are data), with the ratio to the plain step.
 
-Run: ``JAX_PLATFORMS=cpu python benchmarks/bench_controls.py [--batch-sizes 1 4] [--k 0 4] [--draft]``
-(demo models; ``--draft``: the demo draft model proposes, else the target alone at k = 0 and n-gram
-drafts at k > 0 are not timed here).
+Run: ``JAX_PLATFORMS=cpu python benchmarks/bench_controls.py [--batch-sizes 1 4] [--k 4] [--greedy]``
+(the demo target and draft models, the draft proposing k drafts per step; sampled steps unless
+``--greedy``). The controlled requests have presence, frequency and repetition penalties (0.5, 0.5,
+1.2) and an all-zero bias row and no bad words: the cost is the same whatever the values are.
 """
 
 from __future__ import annotations

@@ -194,9 +194,10 @@ class Engine:
                              f"{params.stop_token_ids!r} (eos {self._eos!r})")
         bad = [t for t in params.token_ids() if t >= vocab]
         if bad:
+            words = [t for word in params.bad_words_token_ids for t in word]
             field = next(name for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
                                                 ("allowed_token_ids", params.allowed_token_ids or ()),
-                                                ("bad_words_token_ids", [t for w in params.bad_words_token_ids for t in w]))
+                                                ("bad_words_token_ids", words))
                          if bad[0] in ids)
             raise ValueError(f"add_request: SamplingParams.{field} must hold token ids in [0, vocab_size={vocab}), "
                              f"got {bad[0]}")

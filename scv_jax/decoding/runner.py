@@ -1,9 +1,10 @@
 """``StepRunner``: the device side of decoding. It splits the models once (placed on one device or a
 mesh), owns their paged caches (donated to every call and handed back), the prefill and decode
 executables (graph mode: compiled per shape bucket) and their bucket plans, and on one device the
-logit-control state (``ControlState``: each request row's bias and token history, donated to every decode
-step); runs a ``PrefillWork`` in chunks, and a ``DecodeWork`` as one executable call (``dispatch``, not waited for) and one batched
-device-to-host transfer (``fetch``), timing both; compiles ahead of time (``warmup``).
+logit-control state (``ControlState``: each request row's bias, token history and bad words, donated to
+every decode step); runs a ``PrefillWork`` in chunks, and a ``DecodeWork`` as one executable call
+(``dispatch``, not waited for) and one batched device-to-host transfer (``fetch``), timing both; compiles
+ahead of time (``warmup``).
 
 The adaptive controllers live here too, one per kind of step (greedy and sampled steps are different
 executables, with different costs): they outlive the engines that run on one decoder.

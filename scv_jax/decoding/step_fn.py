@@ -12,7 +12,8 @@ every verifier (``verifiers.ChainVerifier``: chains of drafts; ``verifiers.TreeV
 3. ``accept``: the acceptance (greedy, or lossless rejection sampling on each request's filtered target
    distribution) and the commit of the target's K/V for the pending token and the accepted tokens.
 4. ``commit_draft``: the draft's K/V of its lag tokens and the accepted drafts it ran.
-5. with a control state: the emitted tokens counted in the controlled requests' histories.
+5. with a control state: the emitted tokens counted in the controlled requests' histories (and their
+   last tokens, for the bad words, moved along).
 
 A k = 0 step (plain autoregressive decoding: the pending token scored, the next one chosen) is the chain
 verifier's for every verifier. No cache receives a rejected token's K/V. The host then fetches the step's
@@ -77,7 +78,7 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
         Returns:
           (target_cache, draft_cache, ``StepSummary``), with ``logprobs`` then ``TokenLogprobs`` of the
           [B, k + 1] emitted tokens (-inf past each request's last; of the target's raw logits, as
-          vLLM's), with ``controls`` then the ``ControlState`` with the emitted tokens counted.
+          vLLM's), with ``controls`` then the ``ControlState`` with the emitted tokens recorded.
         """
         _check(verifier, drafts, draft_params, k=k, logprobs=logprobs, packed_k=packed_k)
         stages = verifier if k else _AUTOREGRESSIVE

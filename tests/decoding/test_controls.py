@@ -87,7 +87,8 @@ def test_greedy_with_controls_equals_autoregressive(decoders, autoregressive, dr
     decoder = decoders[drafter]
     batch = prompts(61, 4, alphabet=4)
     for group in (CONTROLS, MASKS):
-        params = [SamplingParams(max_tokens=12, **control) for control in group.values()] + [SamplingParams(max_tokens=9)]
+        params = [SamplingParams(max_tokens=12, **control) for control in group.values()]
+        params.append(SamplingParams(max_tokens=9))
         for shift in (0, 2):            # each control at two rows, beside others
             rows = params[shift:] + params[:shift]
             out = decoder.generate(batch + batch[:1], sampling=rows, eos_token_id=EOS)
@@ -98,13 +99,14 @@ def test_greedy_with_controls_equals_autoregressive(decoders, autoregressive, dr
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "tree", "tree-model"])
 def test_bad_words_of_several_tokens_under_speculation_equal_autoregressive(decoders, autoregressive, drafter):
-    """Words of 2 and 3 tokens that plain decoding emits (drafts propose them), banned beside plain and
-    penalised requests: a draft position's history holds the drafts before it (trees: the node's path)."""
+    """Words of 2 and 3 tokens that plain decoding emits, and every token twice in a row (the drafts
+    propose them), banned beside plain and penalised requests: a draft position's history holds the
+    drafts before it (trees: the node's path)."""
     batch = prompts(61, 4, alphabet=4)
     plain = autoregressive.generate(batch, 12).tokens
     params = [SamplingParams(max_tokens=12, bad_words_token_ids=_phrases(plain[0])), SamplingParams(max_tokens=12),
-              SamplingParams(max_tokens=12, bad_words_token_ids=_phrases(plain[2]) + [[0, 0, 0]],
-                             repetition_penalty=1.3),
+              SamplingParams(max_tokens=12, bad_words_token_ids=[[t, t] for t in range(TINY.vocab_size)],
+                             repetition_penalty=1.3),                     # no token twice in a row
               SamplingParams(max_tokens=12, bad_words_token_ids=_phrases(plain[3]), presence_penalty=0.5)]
     want = autoregressive.generate(batch, sampling=params).tokens
     out = decoders[drafter].generate(batch, sampling=params)
@@ -124,7 +126,8 @@ MOVED = {"presence": (1,), "frequency": (1,), "repetition": (0, 1), "logit_bias"
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "tree"])
 @pytest.mark.parametrize("name", list(CONTROLS))
-def test_sampled_tokens_follow_the_controlled_target(target_logits, autoregressive, decoders, drafter, name):  # noqa: F811
+def test_sampled_tokens_follow_the_controlled_target(target_logits, autoregressive, decoders, drafter,  # noqa: F811
+                                                     name):
     """Tokens 1 and 2 of seeded controlled requests against the controlled target distribution (token 2's
     after the most frequent token 1, with it in the history), with one in eight requests greedy (with
     the same controls: equal to autoregressive decoding) and one in eight plain sampled, in the same
