@@ -1,7 +1,9 @@
 """The cost of the logit controls (penalties, logit_bias, masks) per decode step: the decode executable
 alone (``SpeculativeDecoder.device_seconds_per_step``, device-resident inputs, no host work) with none,
 half or all of the batch's requests controlled, in one process on one decoder (the same executable:
-the controls are data), with the ratio to the plain step.
+the controls are data), with the ratio to the plain step. The settings take turns, one mean of
+``--calls`` calls each per round, for ``--repeats`` rounds, each setting first in turn (a busy machine
+slows them alike); the table gives each setting's median and fastest round.
 
 Run: ``JAX_PLATFORMS=cpu python benchmarks/bench_controls.py [--batch-sizes 1 4] [--k 4] [--greedy]``
 (the demo target and draft models, the draft proposing k drafts per step; sampled steps unless
@@ -17,6 +19,7 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from scv_jax import DecoderConfig, SpeculativeDecoder  # noqa: E402
 from scv_jax.models import load_demo  # noqa: E402
@@ -36,15 +39,21 @@ def main() -> None:
     decoder = SpeculativeDecoder(target, draft, config=config)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, demo models (V = {decoder.vocab_size}), "
           f"k = {args.k}, context {args.context}, {'greedy' if args.greedy else 'sampled'} steps")
-    print("| batch | controlled | ms / step | ratio to plain |")
-    print("|---:|---:|---:|---:|")
+    print("| batch | controlled | ms / step (median) | ratio to plain | ms / step (fastest) | ratio to plain |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch_sizes:
-        plain = None
-        for controlled in sorted({0, batch // 2, batch}):
-            seconds = decoder.device_seconds_per_step(batch, args.k, greedy=args.greedy, context=args.context,
-                                                      calls=args.calls, repeats=args.repeats, controlled=controlled)
-            plain = seconds if plain is None else plain
-            print(f"| {batch} | {controlled} | {seconds * 1e3:.2f} | {seconds / plain:.3f} |", flush=True)
+        settings = sorted({0, batch // 2, batch})
+        rounds = {controlled: [] for controlled in settings}
+        for turn in range(args.repeats):
+            for controlled in settings[turn % len(settings):] + settings[:turn % len(settings)]:   # each first in turn
+                rounds[controlled].append(decoder.device_seconds_per_step(
+                    batch, args.k, greedy=args.greedy, context=args.context, calls=args.calls, repeats=1,
+                    controlled=controlled))
+        median = {c: float(np.median(r)) for c, r in rounds.items()}
+        fastest = {c: min(r) for c, r in rounds.items()}
+        for controlled in settings:
+            print(f"| {batch} | {controlled} | {median[controlled] * 1e3:.2f} | {median[controlled] / median[0]:.3f} "
+                  f"| {fastest[controlled] * 1e3:.2f} | {fastest[controlled] / fastest[0]:.3f} |", flush=True)
 
 
 if __name__ == "__main__":
