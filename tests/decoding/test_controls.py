@@ -1,6 +1,7 @@
 """Logit controls in the decoder (penalties, logit_bias, allowed_token_ids, bad words, min_tokens):
 autoregressive greedy decoding with controls equals a numpy oracle of vLLM's meaning; speculative greedy
-decoding (draft model, n-gram drafts, trees) equals it token for token in batches mixing controls;
+decoding (draft model, n-gram drafts, trees, packed verify steps) equals it token for token in batches
+mixing controls, bad words of several tokens included;
 sampled tokens 1 and 2 follow the controlled target distribution (chi-square) in batches mixing greedy,
 plain sampled and controlled requests, nothing compiling after warm-up; ids outside the vocabulary get
 one line naming the field."""
@@ -20,6 +21,7 @@ from tests.ops.sampling.oracle import filtered_row, fits
 from tests.ops.sampling.test_controls import controlled_row
 
 K2 = DecoderConfig(**{**vars(SMALL), "k": 2})
+PACKED = DecoderConfig(**{**vars(SMALL), "k": 3, "packed_verify": True})   # ragged n-gram drafts: packed steps
 EOS = 5
 # strong enough to move the tiny target's distributions far
 CONTROLS = {"presence": dict(presence_penalty=2.0), "frequency": dict(frequency_penalty=1.5),
@@ -34,7 +36,14 @@ def decoders(target, partial_draft):
     return {"model": SpeculativeDecoder(target, partial_draft, config=K2),
             "ngram": SpeculativeDecoder(target, NgramDrafter(1, 2), config=K2),
             "tree": SpeculativeDecoder(target, NgramDrafter(1, 2), config=TREE_CONFIG),
-            "tree-model": SpeculativeDecoder(target, partial_draft, config=TREE_CONFIG)}
+            "tree-model": SpeculativeDecoder(target, partial_draft, config=TREE_CONFIG),
+            "packed": SpeculativeDecoder(target, NgramDrafter(1, 3), config=PACKED)}
+
+
+def _ran_packed_steps(decoder: SpeculativeDecoder) -> bool:
+    """Whether the decoder compiled (so ran) a packed verify step (``packed_k`` > 0)."""
+    executable = decoder.runner.decode_executable
+    return any("packed_k=0" not in executable.describe(key) for key in executable.compiled_keys)
 
 
 def oracle_greedy(target_logits, prompt: list[int], params: SamplingParams, stops=()) -> list[int]:  # noqa: F811
@@ -81,7 +90,7 @@ def test_bad_words_of_several_tokens_are_the_oracles(target_logits, autoregressi
         assert not any(got[i:i + len(w)] == w for w in words[:2] for i in range(len(got)))
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "tree", "tree-model"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "tree", "tree-model", "packed"])
 def test_greedy_with_controls_equals_autoregressive(decoders, autoregressive, drafter):
     """Each control beside plain requests in one batch (prompts from a small alphabet: n-grams match)."""
     decoder = decoders[drafter]
@@ -95,9 +104,10 @@ def test_greedy_with_controls_equals_autoregressive(decoders, autoregressive, dr
             assert out.tokens == autoregressive.generate(batch + batch[:1], sampling=rows, eos_token_id=EOS).tokens
             assert out.stats.acceptance_rate > 0
     assert decoder.pool.num_free == SMALL.num_blocks
+    assert drafter != "packed" or _ran_packed_steps(decoder)
 
 
-@pytest.mark.parametrize("drafter", ["model", "ngram", "tree", "tree-model"])
+@pytest.mark.parametrize("drafter", ["model", "ngram", "tree", "tree-model", "packed"])
 def test_bad_words_of_several_tokens_under_speculation_equal_autoregressive(decoders, autoregressive, drafter):
     """Words of 2 and 3 tokens that plain decoding emits, and every token twice in a row (the drafts
     propose them), banned beside plain and penalised requests: a draft position's history holds the
@@ -111,6 +121,7 @@ def test_bad_words_of_several_tokens_under_speculation_equal_autoregressive(deco
     want = autoregressive.generate(batch, sampling=params).tokens
     out = decoders[drafter].generate(batch, sampling=params)
     assert out.tokens == want and want[0] != plain[0] and out.stats.acceptance_rate > 0
+    assert drafter != "packed" or _ran_packed_steps(decoders[drafter])
 
 
 def _distribution(target_logits, prompt, output, params: SamplingParams) -> np.ndarray:  # noqa: F811
