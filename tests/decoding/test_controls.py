@@ -166,7 +166,8 @@ def test_sampled_tokens_follow_the_controlled_target(target_logits, autoregressi
     second_counts = np.bincount([t[1] for t in sampled if t[0] == first], minlength=vocab)
     right = [_distribution(target_logits, prompt, [], controlled),
              _distribution(target_logits, prompt, [first], controlled)]
-    unpenalised = [_distribution(target_logits, prompt, [], plain), _distribution(target_logits, prompt, [first], plain)]
+    unpenalised = [_distribution(target_logits, prompt, [], plain),
+                   _distribution(target_logits, prompt, [first], plain)]
     for position, counts in enumerate((first_counts, second_counts)):
         assert fits(counts, right[position], min_expected=5), position
         if position in MOVED[name]:

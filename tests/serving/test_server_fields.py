@@ -51,7 +51,8 @@ REFUSED = [
     (path, field, value) for path in (COMPLETIONS, CHAT) for field, value in [
         ("n", 2), ("best_of", 3), ("echo", True), ("response_format", {"type": "json_object"}),
         ("length_penalty", 0.5), ("use_beam_search", True), ("skip_special_tokens", False),
-        ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("prompt_logprobs", 1), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+        ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("prompt_logprobs", 1),
+        ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
         ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
         ("priority", 1), ("request_id", "mine"), ("logits_processors", ["m.P"]), ("return_token_ids", True),
         ("return_tokens_as_token_ids", True), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
@@ -173,7 +174,8 @@ def test_bad_words_take_vllms_variants():
     def encode(text: str) -> list[int]:           # "w<i>" and " w<i>": 2 tokens, the same first
         return vocab[text] if text in vocab else [100 + int(text.strip()[1:]), 99]
 
-    assert bad_words_token_ids(["cat", "  dog", " hi", "cat", "a b"], encode) == ((1,), (2,), (3,), (4,), (5, 6), (7, 6))
+    assert bad_words_token_ids(["cat", "  dog", " hi", "cat", "a b"], encode) == (
+        (1,), (2,), (3,), (4,), (5, 6), (7, 6))
     assert len(bad_words_token_ids([f"w{i}" for i in range(MAX_BAD_WORDS)], encode)) == MAX_BAD_WORDS
     for words, match in ([[""], '"" is 0'], [["long"], f'"long" is {MAX_BAD_WORD_LEN + 1}'],
                          [[f"w{i}" for i in range(MAX_BAD_WORDS + 1)], f"got {MAX_BAD_WORDS + 1}"]):
