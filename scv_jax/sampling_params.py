@@ -2,14 +2,16 @@
 
 ``SamplingParams`` describes one request; ``batch_sampling_arrays`` stacks a batch's into the numpy
 arrays that ``scv_jax.ops.sampling.filtered_probs`` takes as device arrays, so that a batch's mix of
-greedy and sampled requests is data, not a static argument (changing it compiles nothing).
+greedy and sampled requests is data, not a static argument (changing it compiles nothing). The logit
+controls (penalties, ``logit_bias``, ``allowed_token_ids``, ``bad_words_token_ids``, ``min_tokens``) are
+data too: ``SamplingParams.bias_row`` is a request's additive bias over the vocabulary.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -20,6 +22,11 @@ MAX_LOGPROBS = 20       # the most top log-probabilities a request may ask for (
 MAX_SEED = 2 ** 63      # seeds are ints in [0, 2**63)
 INT32_MAX = 2 ** 31 - 1  # a larger top_k is stored as this (it keeps every token either way)
 MAX_STOP_IDS = 16       # the most token ids that may end one request (its stop_token_ids and the model's eos ids)
+MAX_PENALTY = 2.0       # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI, vLLM)
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-100, 100] (OpenAI)
+MAX_BAD_WORDS = 16      # the most bad words of several tokens one request may have (one-token ones: any number)
+MAX_BAD_WORD_LEN = 8    # the most tokens in one bad word
+ANY_TOKEN = -2          # a ``bad_word_table`` entry before a word shorter than MAX_BAD_WORD_LEN: matches anything
 
 
 def _fail(name: str, expected: str, value: Any, error: type[Exception] = ValueError) -> None:
@@ -33,6 +40,13 @@ def _real(name: str, value: Any, expected: str) -> float:
     if not math.isfinite(float(value)):
         _fail(name, expected, value)
     return float(value)
+
+
+def _token_ids(name: str, value: Any, expected: str) -> tuple[int, ...]:
+    """``value`` (a sequence of ints >= 0, not a str) as a tuple of Python ints."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        _fail(name, expected, value, TypeError)
+    return tuple(_integer(name, t, expected, 0) for t in value)
 
 
 def _integer(name: str, value: Any, expected: str, minimum: int, maximum: int | None = None) -> int:
@@ -62,6 +76,25 @@ class SamplingParams:
       ignore_eos: keep generating after the end-of-sequence token.
       logprobs: None, or how many top log-probabilities to return per token, 0 <= n <= 20
         (``scv_jax.ops.sampling.token_logprobs``; the emitted token's own is always returned).
+      presence_penalty: in [-2, 2]; subtracted from the logit of every token the request has generated
+        (vLLM: over the output tokens so far). 0 = off.
+      frequency_penalty: in [-2, 2]; times the number of times the request has generated the token,
+        subtracted from its logit. 0 = off.
+      repetition_penalty: > 0; the logit of every token in the prompt or the output so far is divided
+        by it where positive and multiplied by it otherwise (vLLM's). 1 = off.
+      logit_bias: {token id: bias in [-100, 100]} added to those tokens' logits (OpenAI's; given as a
+        mapping, stored as sorted (id, bias) pairs).
+      allowed_token_ids: None, or a non-empty sequence of token ids: every other token is masked out.
+      bad_words_token_ids: token-id sequences that may never be generated (vLLM's ``bad_words`` after
+        tokenization), of 1 to ``MAX_BAD_WORD_LEN`` = 8 tokens, at most ``MAX_BAD_WORDS`` = 16 of them
+        longer than one: a word's last token is masked out where the tokens generated last are the
+        others (a one-token word's everywhere; a prompt's tokens never count, as in vLLM).
+      min_tokens: >= 0, <= max_tokens; the stop tokens (``stop_token_ids`` and, unless ``ignore_eos``,
+        the model's eos ids) are masked out until this many tokens were generated.
+
+    The ids are checked against the vocabulary when the request is added (``Engine.add_request``). The
+    controls apply, in vLLM's order, to the logits before the temperature and the filters: the bias
+    and the masks, then the repetition, frequency and presence penalties; to greedy requests too.
     """
 
     temperature: float = 0.0
@@ -73,6 +106,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Any = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -103,6 +143,53 @@ class SamplingParams:
         if self.logprobs is not None:
             set_("logprobs", _integer("logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]", 0,
                                       MAX_LOGPROBS + 1))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name), "a float in [-2, 2]")
+            if abs(value) > MAX_PENALTY:
+                _fail(name, "a float in [-2, 2]", getattr(self, name))
+            set_(name, value)
+        repetition = _real("repetition_penalty", self.repetition_penalty, "a finite float > 0")
+        if not repetition > 0:
+            _fail("repetition_penalty", "a finite float > 0", self.repetition_penalty)
+        set_("repetition_penalty", repetition)
+        set_("logit_bias", self._checked_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = _token_ids("allowed_token_ids", self.allowed_token_ids,
+                                 "None or a non-empty sequence of ints >= 0")
+            if not allowed:
+                _fail("allowed_token_ids", "None or a non-empty sequence of ints >= 0", self.allowed_token_ids)
+            set_("allowed_token_ids", allowed)
+        bad = self.bad_words_token_ids
+        expected = (f"a sequence of sequences of 1 to {MAX_BAD_WORD_LEN} ints >= 0, at most {MAX_BAD_WORDS} of "
+                    "them longer than one")
+        if isinstance(bad, (str, bytes)) or not isinstance(bad, (Sequence, np.ndarray)):
+            _fail("bad_words_token_ids", expected, bad, TypeError)
+        words = tuple(_token_ids("bad_words_token_ids", word, expected) for word in bad)
+        if (any(not 1 <= len(word) <= MAX_BAD_WORD_LEN for word in words)
+                or sum(len(word) > 1 for word in words) > MAX_BAD_WORDS):
+            _fail("bad_words_token_ids", expected, bad)
+        set_("bad_words_token_ids", words)
+        set_("min_tokens", _integer("min_tokens", self.min_tokens, "an int >= 0 and <= max_tokens", 0,
+                                    self.max_tokens + 1))
+
+    @staticmethod
+    def _checked_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` (a mapping, or (id, bias) pairs) as sorted (int id, float bias) pairs."""
+        expected = "a mapping of ints >= 0 to floats in [-100, 100]"
+        if isinstance(bias, Mapping):
+            pairs = list(bias.items())
+        elif isinstance(bias, (tuple, list)) and all(isinstance(p, (tuple, list)) and len(p) == 2 for p in bias):
+            pairs = list(bias)
+        else:
+            _fail("logit_bias", expected, bias, TypeError)
+        checked = {}
+        for token, value in pairs:
+            token = _integer("logit_bias", token, expected, 0)
+            value = _real("logit_bias", value, expected)
+            if abs(value) > MAX_LOGIT_BIAS or token in checked:
+                _fail("logit_bias", expected, bias)
+            checked[token] = value
+        return tuple(sorted(checked.items()))
 
     @property
     def greedy(self) -> bool:
@@ -113,6 +200,48 @@ class SamplingParams:
     def filters(self) -> bool:
         """Whether a sampled request truncates its distribution (top-k, top-p or min-p on)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+    @property
+    def penalties(self) -> bool:
+        """Whether a penalty is on (presence, frequency or repetition)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def controlled(self) -> bool:
+        """Whether the request's logits depend on its own state: a penalty, a bias or a mask (the decoder
+        keeps its bias and token counts on the device); ``min_tokens`` alone does not need them."""
+        return (self.penalties or bool(self.logit_bias) or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids))
+
+    def token_ids(self) -> tuple[int, ...]:
+        """Every token id the controls name (checked against the vocabulary when the request is added)."""
+        return (tuple(t for t, _ in self.logit_bias) + (self.allowed_token_ids or ())
+                + tuple(t for word in self.bad_words_token_ids for t in word))
+
+    def bias_row(self, vocab_size: int) -> np.ndarray:
+        """float32[vocab_size]: the request's additive logit bias: ``logit_bias``, and -inf outside
+        ``allowed_token_ids`` and on the one-token ``bad_words_token_ids`` (ids must be < ``vocab_size``)."""
+        row = np.zeros(vocab_size, np.float32)
+        if self.logit_bias:
+            ids, values = zip(*self.logit_bias)
+            row[list(ids)] = values
+        if self.allowed_token_ids is not None:
+            allowed = np.zeros(vocab_size, np.bool_)
+            allowed[list(self.allowed_token_ids)] = True
+            row[~allowed] = -np.inf
+        for word in self.bad_words_token_ids:
+            if len(word) == 1:
+                row[word[0]] = -np.inf
+        return row
+
+    def bad_word_table(self) -> np.ndarray:
+        """int32[MAX_BAD_WORDS, MAX_BAD_WORD_LEN]: the bad words of several tokens, one a row, right-aligned
+        after ``ANY_TOKEN`` entries; unused rows -1 (their last token bans nothing)."""
+        table = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_LEN), -1, np.int32)
+        for row, word in enumerate(w for w in self.bad_words_token_ids if len(w) > 1):
+            table[row] = ANY_TOKEN
+            table[row, MAX_BAD_WORD_LEN - len(word):] = word
+        return table
 
 
 class SamplingArrays(NamedTuple):

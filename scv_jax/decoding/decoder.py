@@ -107,10 +107,11 @@ class SpeculativeDecoder:
                                   progress=progress)
 
     def device_seconds_per_step(self, batch_size: int, k: int, *, greedy: bool = True, context: int | None = None,
-                                calls: int = 20, repeats: int = 5) -> float:
-        """``StepRunner.device_seconds_per_step``: seconds per decode step of one shape with no host work."""
+                                calls: int = 20, repeats: int = 5, controlled: int = 0) -> float:
+        """``StepRunner.device_seconds_per_step``: seconds per decode step of one shape with no host work
+        (``controlled``: how many of the requests have logit controls)."""
         return self.runner.device_seconds_per_step(batch_size, k, greedy=greedy, context=context, calls=calls,
-                                                   repeats=repeats)
+                                                   repeats=repeats, controlled=controlled)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None, temperature: float = 0.0,

@@ -1,6 +1,7 @@
 """Device side of the decoding loop: the building blocks the steps share (the per-request row
-``StepRow`` and sampling columns ``SamplingColumn``, ``SplitModel``, the per-request random keys,
-``choose_tokens``, ``commit_positions``) and the prefill step; pure functions of the models' parameter
+``StepRow`` and sampling columns ``SamplingColumn``, ``SplitModel``, the per-request random keys, the
+logit controls ``ControlState`` / ``LogitControls``, ``choose_tokens``, ``commit_positions``) and the
+prefill step; pure functions of the models' parameter
 leaves that graph mode compiles per shape bucket. The decode step is ``step_fn.make_decode_step``, its
 verifiers (chains, trees) ``verifiers``.
 """
@@ -19,6 +20,8 @@ from scv_jax.ops.commit.api import slots_from_block_table
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.commit.sharded import sharded_commit_draft_kv
 from scv_jax.ops.sampling.api import filtered_probs
+from scv_jax.ops.sampling.controls import controlled_logits
+from scv_jax.sampling_params import ANY_TOKEN, MAX_BAD_WORD_LEN, MAX_BAD_WORDS
 
 # fold_in tags of a request's per-step key
 ACCEPT_TAG, BONUS_TAG, DRAFT_TAG = 0, 1, 2
@@ -81,6 +84,8 @@ class StepInputs(NamedTuple):
       draft_lens: int32[B] positions in the draft cache (``context_lens + 1 - lag``).
       request_mask: bool[B], False = padding.
       stop_ids: int32[B, MAX_STOP_IDS] the token ids that end each request (-1 = none).
+      slots: int32[B] each request's row of the ``ControlState``.
+      controls: the step's ``LogitControls`` (None: the step has no control state).
     """
 
     lag: jax.Array
@@ -92,6 +97,8 @@ class StepInputs(NamedTuple):
     draft_lens: jax.Array
     request_mask: jax.Array
     stop_ids: jax.Array
+    slots: jax.Array
+    controls: "LogitControls | None" = None
 
     @property
     def pending(self) -> jax.Array:
@@ -99,8 +106,10 @@ class StepInputs(NamedTuple):
         return self.tail[:, -1]
 
 
-def step_inputs(rows: jax.Array, request_mask: jax.Array | None) -> StepInputs:
-    """``StepInputs`` of int32[B, StepRow.WIDTH] rows (``request_mask`` None: every row a request)."""
+def step_inputs(rows: jax.Array, request_mask: jax.Array | None, sampling: jax.Array | None = None,
+                state: "ControlState | None" = None) -> StepInputs:
+    """``StepInputs`` of int32[B, StepRow.WIDTH] rows (``request_mask`` None: every row a request), with the
+    ``LogitControls`` of ``sampling`` and ``state`` when the step has a control state."""
     lag, context_lens, num_drafts = rows[:, StepRow.LAG], rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS]
     tail = rows[:, StepRow.TOKENS:]
     catch_up = jnp.arange(MAX_CATCH_UP, dtype=jnp.int32)[None, :] + MAX_CATCH_UP - lag[:, None]
@@ -108,8 +117,173 @@ def step_inputs(rows: jax.Array, request_mask: jax.Array | None) -> StepInputs:
     if request_mask is None:
         request_mask = jnp.ones((rows.shape[0],), jnp.bool_)
     keys = request_keys(rows[:, StepRow.KEY:StepRow.KEY + 2], context_lens)
-    return StepInputs(lag, context_lens, num_drafts, tail, lag_tokens, keys, context_lens + 1 - lag, request_mask,
-                      rows[:, StepRow.STOP:StepRow.TOKENS])
+    inputs = StepInputs(lag, context_lens, num_drafts, tail, lag_tokens, keys, context_lens + 1 - lag, request_mask,
+                        rows[:, StepRow.STOP:StepRow.TOKENS], rows[:, StepRow.SLOT])
+    if state is None:
+        return inputs
+    return inputs._replace(controls=LogitControls.of(state, inputs.slots, sampling, inputs.stop_ids, request_mask))
+
+
+class ControlState(NamedTuple):
+    """The decoder's logit-control state on the device, one row per ``RequestBatch`` row (S rows, the
+    ``StepRow.SLOT`` of a request), written when a request with controls starts (``write``) and updated
+    by every decode step with the tokens it emitted (``record``): 8 bytes per row and vocabulary entry,
+    and 540 bytes per row for the bad words of several tokens.
+
+    Attributes:
+      bias: float32[S, V] the request's ``SamplingParams.bias_row`` (logit_bias, -inf on masked tokens).
+      history: int32[S, V] 2 x the token's count in the request's output + 1 if it is in its prompt.
+      words: int32[S, MAX_BAD_WORDS, MAX_BAD_WORD_LEN] the request's ``SamplingParams.bad_word_table``.
+      recent: int32[S, MAX_BAD_WORD_LEN - 1] the request's last output tokens, the latest last (-1: none
+        yet): what a bad word's other tokens must equal for its last one to be masked.
+    """
+
+    bias: jax.Array
+    history: jax.Array
+    words: jax.Array
+    recent: jax.Array
+
+    @classmethod
+    def zeros(cls, num_slots: int, vocab_size: int) -> "ControlState":
+        return cls(jnp.zeros((num_slots, vocab_size), jnp.float32), jnp.zeros((num_slots, vocab_size), jnp.int32),
+                   jnp.full((num_slots, MAX_BAD_WORDS, MAX_BAD_WORD_LEN), -1, jnp.int32),
+                   jnp.full((num_slots, MAX_BAD_WORD_LEN - 1), -1, jnp.int32))
+
+    def write(self, slot: jax.Array, bias: jax.Array, prompt: jax.Array, words: jax.Array) -> "ControlState":
+        """Row ``slot`` for a new request: its bias float32[V], bad words int32[MAX_BAD_WORDS,
+        MAX_BAD_WORD_LEN] and no output, ``prompt`` bool[V] its prompt's tokens."""
+        slot = jnp.clip(slot, 0, self.bias.shape[0] - 1)
+        return ControlState(self.bias.at[slot].set(bias), self.history.at[slot].set(prompt.astype(jnp.int32)),
+                            self.words.at[slot].set(words), self.recent.at[slot].set(-1))
+
+    def record(self, controls: "LogitControls", slots: jax.Array, tokens: jax.Array) -> "ControlState":
+        """The state with int32[B, T] emitted ``tokens`` (-1 after the last) counted in the output of each
+        controlled request's row, and its latest tokens moved along (a request's tokens after its stop or
+        budget count too: it ends there)."""
+        vocab = self.history.shape[1]
+        valid = (tokens >= 0) & (tokens < vocab) & controls.controlled[:, None]
+        slots = jnp.clip(slots, 0, self.history.shape[0] - 1)
+
+        def add() -> ControlState:
+            history = self.history.at[slots[:, None], jnp.clip(tokens, 0, vocab - 1)].add(jnp.where(valid, 2, 0))
+            recent = latest(controls.recent, jnp.where(valid, tokens, -1), jnp.sum(valid, axis=1))
+            # rows not controlled (padding among them) write nothing: their slot may be another row's
+            rows = jnp.where(controls.controlled, slots, self.recent.shape[0])
+            return self._replace(history=history, recent=self.recent.at[rows].set(recent, mode="drop"))
+
+        return jax.lax.cond(jnp.any(valid), add, lambda: self)
+
+
+class LogitControls(NamedTuple):
+    """A decode step's logit controls, one row per request (B), gathered from the ``ControlState``.
+
+    Attributes:
+      active: bool[] some request has controls or a ``min_tokens`` still to reach (else ``apply`` is
+        the identity, at the cost of one branch).
+      controlled: bool[B] the request's row of the state counts (its bias and history; else zeros).
+      bias: float32[B, V]; output_counts: int32[B, V]; in_prompt: bool[B, V].
+      presence, frequency, repetition: float32[B] (``SamplingParams``' penalties).
+      min_tokens: int32[B] tokens still to emit before a stop token may come; stop_ids: int32[B, S].
+      words: int32[B, MAX_BAD_WORDS, MAX_BAD_WORD_LEN] the bad words of several tokens (-1: none);
+      recent: int32[B, MAX_BAD_WORD_LEN - 1] the last output tokens (-1: none).
+    """
+
+    active: jax.Array
+    controlled: jax.Array
+    bias: jax.Array
+    output_counts: jax.Array
+    in_prompt: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    min_tokens: jax.Array
+    stop_ids: jax.Array
+    words: jax.Array
+    recent: jax.Array
+
+    @classmethod
+    def of(cls, state: ControlState, slots: jax.Array, sampling: jax.Array, stop_ids: jax.Array,
+           request_mask: jax.Array) -> "LogitControls":
+        controlled = (sampling[:, SamplingColumn.CONTROLLED] > 0) & request_mask
+        min_tokens = jnp.where(request_mask, sampling[:, SamplingColumn.MIN_TOKENS], 0).astype(jnp.int32)
+        rows = jnp.clip(slots, 0, state.bias.shape[0] - 1)
+        history = jnp.where(controlled[:, None], state.history[rows], 0)
+        return cls(jnp.any(controlled | (min_tokens > 0)), controlled,
+                   jnp.where(controlled[:, None], state.bias[rows], 0.0), history // 2, history % 2 == 1,
+                   sampling[:, SamplingColumn.PRESENCE], sampling[:, SamplingColumn.FREQUENCY],
+                   jnp.where(controlled, sampling[:, SamplingColumn.REPETITION], 1.0), min_tokens, stop_ids,
+                   jnp.where(controlled[:, None, None], state.words[rows], -1), state.recent[rows])
+
+    def apply(self, logits: jax.Array, rows: jax.Array | None = None, seen: jax.Array | None = None,
+              offsets: jax.Array | None = None, previous: jax.Array | None = None) -> jax.Array:
+        """float[..., V] logits of the step's positions with the controls applied (same dtype).
+
+        Without ``rows``, ``logits`` is [B, T, V] or [B, V] (request b's positions); with ``rows``
+        int32[R], [R, V] rows of any requests. ``seen``: int32 of the leading shape + [V], the tokens
+        each position's history holds beyond the request's committed ones (the drafts before it);
+        ``offsets``: int32 of the leading shape, each position's tokens after the committed ones (a
+        stop token is masked while offset < min_tokens); ``previous``: int32 of the leading shape +
+        [MAX_BAD_WORD_LEN - 1], the last output tokens of each position's history (-1: none; a bad word's
+        last token is masked where its other tokens end it). None: the position after the committed
+        tokens (no drafts seen, offset 0, the request's ``recent`` tokens).
+        """
+        lead, vocab = logits.shape[:-1], logits.shape[-1]
+        if rows is None:
+            rows = jnp.broadcast_to(jnp.arange(lead[0], dtype=jnp.int32).reshape((-1,) + (1,) * (len(lead) - 1)),
+                                    lead)
+        rows = jnp.clip(rows.reshape(-1), 0, self.bias.shape[0] - 1)
+        offsets = jnp.zeros(rows.shape, jnp.int32) if offsets is None else offsets.reshape(-1)
+        previous = self.recent[rows] if previous is None else previous.reshape(-1, MAX_BAD_WORD_LEN - 1)
+
+        def adjust() -> jax.Array:
+            counts = self.output_counts[rows]
+            if seen is not None:
+                counts = counts + seen.reshape(-1, vocab).astype(jnp.int32)
+            batch = self.stop_ids.shape[0]
+            is_stop = jnp.zeros((batch, vocab), jnp.bool_).at[
+                jnp.arange(batch)[:, None], jnp.clip(self.stop_ids, 0, vocab - 1)].max(self.stop_ids >= 0)
+            early = (offsets < self.min_tokens[rows])[:, None] & is_stop[rows]
+            bias = jnp.where(early, -jnp.inf, self.bias[rows])
+            words = self.words[rows]                                       # [R, MAX_BAD_WORDS, MAX_BAD_WORD_LEN]
+            ends = words[:, :, -1]
+            others = words[:, :, :-1]
+            said = jnp.all((others == previous[:, None, :]) | (others == ANY_TOKEN), axis=-1) & (ends >= 0)
+            bias = bias.at[jnp.arange(rows.shape[0])[:, None], jnp.clip(ends, 0, vocab - 1)].min(
+                jnp.where(said, -jnp.inf, 0.0))
+            out = controlled_logits(logits.reshape(-1, vocab), bias, counts, self.in_prompt[rows],
+                                    self.presence[rows], self.frequency[rows], self.repetition[rows])
+            return out.astype(logits.dtype).reshape(logits.shape)
+
+        return jax.lax.cond(self.active, adjust, lambda: logits)
+
+
+def controlled(controls: LogitControls | None, logits: jax.Array, **where) -> jax.Array:
+    """``controls.apply(logits, **where)``, or ``logits`` as they are without controls."""
+    return logits if controls is None else controls.apply(logits, **where)
+
+
+def latest(recent: jax.Array, tokens: jax.Array, count: jax.Array) -> jax.Array:
+    """int32[B, W]: the last W tokens of each row's ``recent`` int32[B, W] followed by its first ``count``
+    int32[B] of ``tokens`` int32[B, T]."""
+    width = recent.shape[1]
+    both = jnp.concatenate([recent, tokens], axis=1)
+    return jnp.take_along_axis(both, count[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :], axis=1)
+
+
+def drafts_previous(recent: jax.Array, drafts: jax.Array) -> jax.Array:
+    """int32[B, k + 1, W]: at chain position t, the last W = MAX_BAD_WORD_LEN - 1 output tokens of its
+    history: ``recent`` int32[B, W] followed by drafts[:, :t] (int32[B, k])."""
+    width, k = recent.shape[1], drafts.shape[1]
+    both = jnp.concatenate([recent, drafts.astype(jnp.int32)], axis=1)
+    return both[:, jnp.arange(k + 1)[:, None] + jnp.arange(width)[None, :]]
+
+
+def drafts_seen(drafts: jax.Array, vocab_size: int) -> jax.Array:
+    """int32[B, k + 1, V]: at position t, the counts of drafts[:, :t] (int32[B, k]): the tokens a chain's
+    position holds in its history beyond the committed ones."""
+    one_hot = jax.nn.one_hot(drafts, vocab_size, dtype=jnp.int32)
+    return jnp.concatenate([jnp.zeros((drafts.shape[0], 1, vocab_size), jnp.int32), jnp.cumsum(one_hot, axis=1)],
+                           axis=1)
 
 
 def tagged_keys(keys: jax.Array, tag: int) -> jax.Array:

@@ -192,6 +192,18 @@ class Engine:
             raise ValueError(f"add_request: SamplingParams.stop_token_ids must hold ids in [0, vocab_size="
                              f"{vocab}), at most {MAX_STOP_IDS} with the model's eos ids, got "
                              f"{params.stop_token_ids!r} (eos {self._eos!r})")
+        bad = [t for t in params.token_ids() if t >= vocab]
+        if bad:
+            words = [t for word in params.bad_words_token_ids for t in word]
+            field = next(name for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                                                ("allowed_token_ids", params.allowed_token_ids or ()),
+                                                ("bad_words_token_ids", words))
+                         if bad[0] in ids)
+            raise ValueError(f"add_request: SamplingParams.{field} must hold token ids in [0, vocab_size={vocab}), "
+                             f"got {bad[0]}")
+        if (params.controlled or params.min_tokens) and not runner.has_controls:
+            raise ValueError("add_request: SamplingParams' penalties, logit_bias, allowed_token_ids, "
+                             "bad_words_token_ids and min_tokens need a decoder on one device (not a mesh)")
         if runner.proposer.verifier == "tree" and params.logprobs is not None:
             raise ValueError("add_request: SamplingParams.logprobs needs chain drafts (DecoderConfig.tree=None)")
         scheduler = self._scheduler
@@ -206,8 +218,13 @@ class Engine:
             if request_id in scheduler.requests:
                 raise ValueError(f"add_request: request_id {request_id!r} is already waiting or running")
             need = self._check_fits(prompt, params)
-            sampling = np.stack(batch_sampling_arrays([params]), axis=1)[0].astype(np.float32)
+            sampling = np.zeros(SamplingColumn.WIDTH, np.float32)
+            sampling[:SamplingColumn.PRESENCE] = np.stack(batch_sampling_arrays([params]), axis=1)[0]
             sampling[SamplingColumn.TOP_K] = min(sampling[SamplingColumn.TOP_K], vocab)
+            sampling[[SamplingColumn.PRESENCE, SamplingColumn.FREQUENCY, SamplingColumn.REPETITION,
+                      SamplingColumn.MIN_TOKENS, SamplingColumn.CONTROLLED]] = (
+                params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_tokens,
+                params.controlled)
             keys = (stream_keys(params.seed) if params.seed is not None
                     else self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32).view(np.int32))
             scheduler.add(Request(request_id, prompt, params, sampling, keys, stops, need, runner.new_request_id(),

@@ -1,5 +1,6 @@
 """The prefill and decode steps in graph mode: one ``ExecutableCache`` each, bucketed by batch size,
-block-table width and (for decode steps) k, with both caches donated, for the placement's devices
+block-table width and (for decode steps) k, with both caches (and the decode step's logit-control
+state) donated, for the placement's devices
 (decode steps are also compiled per ``packed_k``, the packed verify's mean drafts per request).
 With ``backend="auto"`` a bucket whose kernels fail to compile or run is served by the XLA reference
 (counted in ``GenerateStats.fallbacks``); with "pallas" or "interpret" the failure is raised."""
@@ -23,16 +24,15 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
     (verified by ``verifier``: ``verifiers.ChainVerifier`` or ``TreeVerifier``) are compiled per k in
     ``k_values``; the placement (one device or a mesh) wraps the step functions and sets the batch buckets."""
     dims = {"batch": Buckets(placement.batch_buckets(config.batch_buckets)), "blocks": config.block_buckets()}
-    common = dict(dims=dims, donate_argnames=("target_cache", "draft_cache"), masks={"request_mask": "batch"},
+    common = dict(dims=dims, masks={"request_mask": "batch"},
                   fallback={"backend": "xla"} if config.backend == "auto" else None)
     prefill = ExecutableCache(
         placement.step(make_prefill_step(target, draft, config.block_size)),
         pads={"block_tables": _TABLE_PADS, "tokens": Pad("batch"), "start": Pad("batch"), "count": Pad("batch")},
-        static_argnames=("backend",), name="prefill_step", **common)
+        static_argnames=("backend",), name="prefill_step", donate_argnames=("target_cache", "draft_cache"), **common)
     decode = ExecutableCache(
         placement.step(make_decode_step(target, draft, config.block_size, verifier)),
         pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch")},
         bucketed_statics={"k": k_values}, static_argnames=("greedy", "logprobs", "backend", "packed_k"),
-        name="decode_step",
-        **common)
+        name="decode_step", donate_argnames=("target_cache", "draft_cache", "controls"), **common)
     return prefill, decode

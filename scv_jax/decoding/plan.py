@@ -25,21 +25,27 @@ class StepRow:
     CONTEXT = 1         # positions in the target cache (the pending token's position)
     NUM_DRAFTS = 2      # drafts the request verifies, in [0, k] (a tree: the most nodes it may accept)
     KEY = 3             # 2 columns: the request's random stream (uint32[2] key data, bits as int32)
-    STOP = 5            # MAX_STOP_IDS columns: the token ids that end the request (-1 = none)
+    SLOT = 5            # the request's row of the decoder's logit-control state (its RequestBatch row)
+    STOP = 6            # MAX_STOP_IDS columns: the token ids that end the request (-1 = none)
     TOKENS = STOP + MAX_STOP_IDS   # the request's last MAX_CATCH_UP tokens, the pending one last
     WIDTH = TOKENS + MAX_CATCH_UP
 
 
 class SamplingColumn:
     """Columns of a decode step's ``sampling`` input (float32[B, WIDTH]): each request's
-    ``SamplingParams`` filters (``scv_jax.sampling_params.SamplingArrays``; padding rows all 0:
-    greedy)."""
+    ``SamplingParams`` filters (``scv_jax.sampling_params.SamplingArrays``) and logit controls (padding
+    rows all 0: greedy, no controls)."""
 
     TEMPERATURE = 0     # 0 = greedy
     TOP_K = 1           # 0 = off (exact in float32: vocabularies are < 2**24)
     TOP_P = 2
     MIN_P = 3
-    WIDTH = 4
+    PRESENCE = 4        # presence_penalty
+    FREQUENCY = 5       # frequency_penalty
+    REPETITION = 6      # repetition_penalty (1 = off)
+    MIN_TOKENS = 7      # in a request's row: min_tokens; in a step's: the tokens before a stop may come
+    CONTROLLED = 8      # 1: the request's bias and token counts are in the control state (``StepRow.SLOT``)
+    WIDTH = 9
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ import numpy as np
 from scv_jax.arguments import is_int
 from scv_jax.decoding.block_pool import BlockPool
 from scv_jax.decoding.plan import SamplingColumn
-from scv_jax.sampling_params import MAX_STOP_IDS
+from scv_jax.sampling_params import MAX_STOP_IDS, SamplingParams
 
 
 def check_prompt(op: str, what: str, prompt: Any, vocab_size: int) -> list[int]:
@@ -85,6 +85,8 @@ class RequestBatch:
       sampling: float32[S, SamplingColumn.WIDTH] each request's filters (greedy: all 0).
       keys: int32[S, 2] each request's random stream (uint32 key data as int32 bits).
       stops: int32[S, MAX_STOP_IDS] the token ids that end each request (-1 = none).
+      controls: each row's ``SamplingParams`` when they have logit controls (its row of the device's
+        control state is written when its prompt is prefilled), else None.
       active: int64[n] rows of the running requests, in admission order.
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
       blocks: int32[S, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, from the
@@ -99,6 +101,7 @@ class RequestBatch:
         self.sampling = np.zeros((num_slots, SamplingColumn.WIDTH), np.float32)
         self.keys = np.zeros((num_slots, 2), np.int32)
         self.stops = np.full((num_slots, MAX_STOP_IDS), -1, np.int32)
+        self.controls: list[SamplingParams | None] = [None] * num_slots
         self.may_lag = False
         self.blocks = np.full((num_slots, max_blocks), -1, np.int32)
         self.num_blocks, self.reserved = np.zeros(num_slots, np.int64), np.zeros(num_slots, np.int64)
@@ -117,9 +120,10 @@ class RequestBatch:
         return -(-positions // self._block_size)
 
     def start(self, prompt: list[int], budget: int, pool: BlockPool, shard: int, sampling: np.ndarray,
-              keys: np.ndarray, stops: tuple[int, ...]) -> int:
+              keys: np.ndarray, stops: tuple[int, ...], controls: SamplingParams | None = None) -> int:
         """Runs a request in the lowest free row, reserving the blocks of its prompt + ``budget`` - 1
-        positions (drafts never outrun a budget); returns the row."""
+        positions (drafts never outrun a budget); ``controls``: its params when it has logit controls.
+        Returns the row."""
         free = np.setdiff1d(np.arange(self.num_slots), self.active)
         if not free.size:
             raise RuntimeError("RequestBatch.start: every row runs a request")
@@ -133,6 +137,7 @@ class RequestBatch:
         self.sampling[row], self.keys[row] = sampling, keys
         self.stops[row] = -1
         self.stops[row, :len(stops)] = stops
+        self.controls[row] = controls
         self.active = np.append(self.active, row)
         return row
 
@@ -163,7 +168,7 @@ class RequestBatch:
             pool.unreserve(int(self.reserved[row]))
             self.blocks[row, :count] = -1
             self.num_blocks[row] = self._addressable[row] = self.reserved[row] = 0
-            self._pools[row] = None
+            self._pools[row] = self.controls[row] = None
         self.active = self.active[~np.isin(self.active, rows)]
 
     def advance(self, rows: np.ndarray, emitted: np.ndarray, num_emitted: np.ndarray

@@ -1,8 +1,10 @@
 """``StepRunner``: the device side of decoding. It splits the models once (placed on one device or a
 mesh), owns their paged caches (donated to every call and handed back), the prefill and decode
-executables (graph mode: compiled per shape bucket) and their bucket plans; runs a ``PrefillWork`` in
-chunks, and a ``DecodeWork`` as one executable call (``dispatch``, not waited for) and one batched
-device-to-host transfer (``fetch``), timing both; compiles ahead of time (``warmup``).
+executables (graph mode: compiled per shape bucket) and their bucket plans, and on one device the
+logit-control state (``ControlState``: each request row's bias, token history and bad words, donated to
+every decode step); runs a ``PrefillWork`` in chunks, and a ``DecodeWork`` as one executable call
+(``dispatch``, not waited for) and one batched device-to-host transfer (``fetch``), timing both; compiles
+ahead of time (``warmup``).
 
 The adaptive controllers live here too, one per kind of step (greedy and sampled steps are different
 executables, with different costs): they outlive the engines that run on one decoder.
@@ -24,7 +26,7 @@ from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
 from scv_jax.arguments import require_int
 from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DecoderConfig
-from scv_jax.decoding.device_step import SplitModel
+from scv_jax.decoding.device_step import ControlState, SplitModel
 from scv_jax.decoding.executables import step_executables
 from scv_jax.decoding.placement import BatchRows, OnMesh, ShardingConfig, SingleDevice
 from scv_jax.decoding.plan import DecodeWork, PrefillWork, SamplingColumn, StepResult, StepRow
@@ -90,6 +92,10 @@ class StepRunner:
         self.prefill_executable, self.decode_executable = step_executables(
             cfg, self.target, self.draft, self.step_ks, self.placement, verifier)
         self._plans: dict[tuple, BucketPlan] = {}
+        # the logit controls' state (one device only: on a mesh requests with controls are refused)
+        self.has_controls = mesh is None
+        self._controls: ControlState | None = None
+        self._control_writer = None
         self.lock = threading.RLock()        # one step at a time (engines on this decoder, threads)
         self.warmed_up = False
         self.controllers = {"greedy": self._make_controller(), "sampling": self._make_controller()} \
@@ -118,6 +124,35 @@ class StepRunner:
         """A new id for the controller's per-request state (unique over this runner's requests)."""
         self._next_request_id += 1
         return self._next_request_id
+
+    # ------------------------------------------------------------------ logit controls
+    def _take_controls(self) -> ControlState:
+        """The control state for one donating call (zeros the first time, or after a call that failed
+        with it: the requests in flight were lost with the caches); give it back with ``_put_controls``."""
+        state, self._controls = self._controls, None
+        return ControlState.zeros(self.largest_batch, self.vocab_size) if state is None else state
+
+    def _writer(self):
+        """``ControlState.write`` compiled once (ahead of time: at warm-up, or the first request with controls)."""
+        if self._control_writer is None:
+            state = jax.eval_shape(lambda: ControlState.zeros(self.largest_batch, self.vocab_size))
+            vector = lambda dtype: jax.ShapeDtypeStruct((self.vocab_size,), dtype)  # noqa: E731
+            self._control_writer = jax.jit(ControlState.write, donate_argnums=0).lower(
+                state, jax.ShapeDtypeStruct((), np.int32), vector(np.float32), vector(np.bool_),
+                jax.ShapeDtypeStruct(state.words.shape[1:], np.int32)).compile()
+        return self._control_writer
+
+    def _write_controls(self, batch: RequestBatch, rows: np.ndarray) -> None:
+        """Writes the control-state rows of the requests in ``rows`` that have controls (their bias, their
+        prompt's tokens, their bad words of several tokens, no output yet)."""
+        for row in rows.tolist():
+            params = batch.controls[row]
+            if params is None:
+                continue
+            prompt = np.zeros(self.vocab_size, np.bool_)
+            prompt[batch.tokens[row, :batch.prompt_len[row]]] = True
+            self._controls = self._writer()(self._take_controls(), np.int32(row), params.bias_row(self.vocab_size),
+                                            prompt, params.bad_word_table())
 
     # ------------------------------------------------------------------ calls
     def _call(self, executable: ExecutableCache, stats: GenerateStats, *, use_target: bool = True,
@@ -150,6 +185,8 @@ class StepRunner:
         counted in ``stats.catch_up_calls``), ``prefill_chunk`` tokens a call, and waits for the last chunk
         (its time goes to ``stats.prefill_seconds``, a catch-up's to its step)."""
         rows, begin, count = work.rows, work.begin, work.count
+        if self.has_controls and not work.draft_only:
+            self._write_controls(batch, rows)
         batch.ensure(rows, begin + count)
         longest = int(count.max(initial=0))
         start = reported = time.perf_counter()
@@ -194,9 +231,13 @@ class StepRunner:
         if layout.scattered:
             inputs["request_mask"] = np.zeros(size, np.bool_)
             inputs["request_mask"][layout.rows] = True
+        if self.has_controls:
+            inputs["controls"] = self._take_controls()
         dispatched = time.perf_counter()
         outputs = self._call(self.decode_executable, stats, use_draft=self.draft is not None and step_k > 0,
                              plan=plan, **inputs)
+        if self.has_controls:
+            *outputs, self._controls = outputs
         return PendingStep(work, layout, outputs, size * (packed_k + 1) if packed_k else None, started, dispatched)
 
     def fetch(self, pending: PendingStep) -> StepResult:
@@ -224,7 +265,8 @@ class StepRunner:
         plan = self._plans.get(key)
         if plan is None:
             given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self.draft is not None and k else ()) \
-                + (("drafts",) if self.proposer.host is not None else ()) + (("request_mask",) if masked else ())
+                + (("drafts",) if self.proposer.host is not None else ()) + (("request_mask",) if masked else ()) \
+                + (("controls",) if self.has_controls else ())
             plan = self._plans[key] = self.decode_executable.plan_sizes(
                 {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, logprobs=logprobs,
                 backend=self.config.backend, packed_k=packed_k)
@@ -253,12 +295,13 @@ class StepRunner:
 
     # ------------------------------------------------------------------ measurement
     def device_seconds_per_step(self, batch_size: int, k: int, *, greedy: bool = True, context: int | None = None,
-                                calls: int = 20, repeats: int = 5) -> float:
+                                calls: int = 20, repeats: int = 5, controlled: int = 0) -> float:
         """Seconds per decode step of one shape (``batch_size`` requests, static ``k``) with no host work
         around it: the step's executable alone, called on device-resident inputs and waited for, median
         over ``repeats`` runs of the mean of ``calls`` calls. ``context``: each request's cache length
-        (default: half the longest). A step's wall time in ``generate`` minus this is the host's share
-        of the step."""
+        (default: half the longest). ``controlled``: how many of the requests have logit controls
+        (penalties and a bias; the same executable). A step's wall time in ``generate`` minus this is
+        the host's share of the step."""
         cfg = self.config
         context = cfg.max_seq_len // 2 if context is None else context
         width = -(-(context + k + 1) // cfg.block_size)
@@ -275,7 +318,13 @@ class StepRunner:
         rows[:, StepRow.KEY] = np.arange(batch)
         rows[:, StepRow.STOP:StepRow.TOKENS] = -1
         sampling = np.zeros((batch, SamplingColumn.WIDTH), np.float32)
-        sampling[:, [SamplingColumn.TEMPERATURE, SamplingColumn.TOP_P]] = 1.0    # unused when greedy
+        sampling[:, [SamplingColumn.TEMPERATURE, SamplingColumn.TOP_P, SamplingColumn.REPETITION]] = 1.0
+        if not 0 <= controlled <= batch_size or controlled and not self.has_controls:
+            raise ValueError(f"device_seconds_per_step: controlled must be in [0, batch_size={batch_size}] (0 on a "
+                             f"mesh), got {controlled!r}")
+        rows[:, StepRow.SLOT] = np.arange(batch) % self.largest_batch
+        sampling[:controlled, [SamplingColumn.PRESENCE, SamplingColumn.FREQUENCY, SamplingColumn.REPETITION,
+                               SamplingColumn.CONTROLLED]] = (0.5, 0.5, 1.2, 1.0)
         args = dict(block_tables=blocks, rows=rows, sampling=sampling)
         if masked:
             args["request_mask"] = np.ones(batch, np.bool_)
@@ -283,14 +332,22 @@ class StepRunner:
             args["drafts"] = self._host_drafts(batch, k)
         args = {name: jax.device_put(value) for name, value in args.items()}
         stats, use_draft = GenerateStats(), self.draft is not None and k > 0
+
+        def call():
+            if self.has_controls:
+                args["controls"] = self._take_controls()
+            summary, *rest = self._call(self.decode_executable, stats, use_draft=use_draft, plan=plan, **args)
+            if self.has_controls:
+                self._controls = rest[-1]
+            return summary
+
         with self.lock:
-            self._call(self.decode_executable, stats, use_draft=use_draft, plan=plan, **args)  # compiles
+            call()          # compiles
             samples = []
             for _ in range(repeats):
                 start = time.perf_counter()
                 for _ in range(calls):
-                    (summary,) = self._call(self.decode_executable, stats, use_draft=use_draft, plan=plan, **args)
-                    summary.packed.block_until_ready()
+                    call().packed.block_until_ready()
                 samples.append((time.perf_counter() - start) / calls)
         return float(np.median(samples))
 
@@ -346,11 +403,14 @@ class StepRunner:
         if cfg.adaptive and self.draft is not None and 0 in cfg.allowed_k:
             calls.append((self.prefill_executable, {**models, "target_params": None, "target_cache": None, **draft, **prefill}))
         no_draft = dict(draft_params=None, draft_cache=None)
+        controls = self._take_controls() if self.has_controls else None
         for greedy in kinds:
             for k in self.step_ks:
                 step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
                             sampling=np.zeros((1, SamplingColumn.WIDTH), np.float32), k=k, greedy=greedy,
                             keep=lambda s, k=k: s["k"] == k and fits(s))
+                if self.has_controls:
+                    step["controls"] = controls
                 if self.proposer.host is not None:
                     step["drafts"] = self._host_drafts(1, k)
                 models_k = {**models, **(draft if self.draft is not None and k else no_draft)}
@@ -372,6 +432,10 @@ class StepRunner:
         with CompileCounter() as compiles:
             for executable, args in calls:
                 executable.warmup(**args, progress=progress)
+            if self.has_controls:
+                self._writer()
         self.caches.put(target_cache, draft_cache)
+        if self.has_controls:
+            self._controls = controls
         self.warmed_up = True
         return compiles.count + compiles.loads

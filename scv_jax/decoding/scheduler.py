@@ -134,7 +134,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.row = state.start(request.prompt, request.params.max_tokens, pools.shards[shard], shard,
-                                      request.sampling, request.keys, request.stops)
+                                      request.sampling, request.keys, request.stops,
+                                      request.params if request.params.controlled else None)
             self.running[request.row] = request
             admitted.append(request.row)
             if self.proposer.host is not None:

@@ -3,13 +3,17 @@ every verifier (``verifiers.ChainVerifier``: chains of drafts; ``verifiers.TreeV
 
 0. ``step_inputs``: the per-request row int32[B, StepRow.WIDTH] unpacked once (``StepInputs``: lag,
    context lengths, num_drafts / depth caps, the last MAX_CATCH_UP tokens, the draft's lag tokens and
-   length, the random keys [B], stop ids [B, MAX_STOP_IDS], the request mask).
+   length, the random keys [B], stop ids [B, MAX_STOP_IDS], the request mask, and with a control state
+   the requests' ``LogitControls``: penalties, biases, masks, min_tokens, applied to the draft's and
+   the target's logits at each position with the drafts before it in the history).
 1. ``propose``: the drafts, from host ``drafts`` (chain int32[B, k], tree int32[B, 2, k]) or from the draft
    model (a chain of k, or a tree of k nodes); with k = 0 nothing runs.
 2. ``score``: the target's forward over the pending token and the proposal, over its cache.
 3. ``accept``: the acceptance (greedy, or lossless rejection sampling on each request's filtered target
    distribution) and the commit of the target's K/V for the pending token and the accepted tokens.
 4. ``commit_draft``: the draft's K/V of its lag tokens and the accepted drafts it ran.
+5. with a control state: the emitted tokens counted in the controlled requests' histories (and their
+   last tokens, for the bad words, moved along).
 
 A k = 0 step (plain autoregressive decoding: the pending token scored, the next one chosen) is the chain
 verifier's for every verifier. No cache receives a rejected token's K/V. The host then fetches the step's
@@ -18,7 +22,7 @@ verifier's for every verifier. No cache receives a rejected token's K/V. The hos
 
 from __future__ import annotations
 
-from scv_jax.decoding.device_step import SplitModel, step_inputs
+from scv_jax.decoding.device_step import ControlState, SplitModel, step_inputs
 from scv_jax.decoding.verifiers import ChainVerifier, Verifier
 from scv_jax.ops.sampling.api import token_logprobs
 from scv_jax.sampling_params import MAX_LOGPROBS
@@ -44,8 +48,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
     k = 0)."""
 
     def decode_step(target_params, draft_params, target_cache, draft_cache, block_tables, rows, sampling,
-                    drafts=None, request_mask=None, *, k: int, greedy: bool, logprobs: bool = False,
-                    backend: str = "auto", packed_k: int = 0):
+                    drafts=None, request_mask=None, controls: ControlState | None = None, *, k: int, greedy: bool,
+                    logprobs: bool = False, backend: str = "auto", packed_k: int = 0):
         """One decoding step of B requests (see ``scv_jax.decoding.positions``).
 
         Args:
@@ -56,10 +60,13 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
             drafts to verify (chain: the first ones, in [0, k], cut after a draft that is a stop id;
             tree: its depth cap), random stream, stop ids and last MAX_CATCH_UP tokens (``StepRow``).
           sampling: float32[B, SamplingColumn.WIDTH] each request's temperature (0 = greedy), top-k,
-            top-p and min-p (unused when ``greedy``).
+            top-p and min-p (unused when ``greedy``), penalties, tokens before a stop may come
+            (``min_tokens``) and whether its row of ``controls`` counts.
           drafts: drafts proposed on the host (chain: int32[B, k] n-gram drafts; tree: int32[B, 2, k]
             node tokens then parents), or None (the draft model's; ignored at k = 0).
           request_mask: bool[B], False = padding.
+          controls: the decoder's ``ControlState`` (donated; request b's row ``StepRow.SLOT``), or None:
+            no logit controls (penalties, biases, masks, min_tokens).
           k: drafts computed per request (static; a tree's node count); greedy: every request greedy
             (static: the argmax fused into the acceptance; False verifies each request against its
             filtered distribution).
@@ -70,11 +77,12 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
             (static; chain steps only; the last requests' ``num_drafts`` are cut to fit).
         Returns:
           (target_cache, draft_cache, ``StepSummary``), with ``logprobs`` then ``TokenLogprobs`` of the
-          [B, k + 1] emitted tokens (-inf past each request's last).
+          [B, k + 1] emitted tokens (-inf past each request's last; of the target's raw logits, as
+          vLLM's), with ``controls`` then the ``ControlState`` with the emitted tokens recorded.
         """
         _check(verifier, drafts, draft_params, k=k, logprobs=logprobs, packed_k=packed_k)
         stages = verifier if k else _AUTOREGRESSIVE
-        inputs = step_inputs(rows, request_mask)
+        inputs = step_inputs(rows, request_mask, sampling, controls)
         draft_model = None if draft_params is None or k == 0 else draft.merge(draft_params)
         proposal = stages.propose(draft_model, drafts if k else None, draft_cache, block_tables, inputs, sampling,
                                   k=k, greedy=greedy, backend=backend)
@@ -84,10 +92,12 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
                                                       block_size=block_size, greedy=greedy, backend=backend)
         draft_cache = stages.commit_draft(draft_cache, proposal, result, block_tables, inputs, block_size=block_size,
                                           backend=backend)
+        outputs = [target_cache, draft_cache, summary]
         if logprobs:        # a dense chain step's [B, k + 1] logits (the verifier refuses the others)
             num_top = min(MAX_LOGPROBS, scored.output.logits.shape[-1])
-            return target_cache, draft_cache, summary, token_logprobs(scored.output.logits, summary.packed[:, :k + 1],
-                                                                      num_top)
-        return target_cache, draft_cache, summary
+            outputs.append(token_logprobs(scored.output.logits, summary.packed[:, :k + 1], num_top))
+        if controls is not None:
+            outputs.append(controls.record(inputs.controls, inputs.slots, summary.packed[:, :-3]))
+        return tuple(outputs)
 
     return decode_step

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import numpy as np
 
-from scv_jax.decoding.plan import StepRow
+from scv_jax.decoding.plan import SamplingColumn, StepRow
 from scv_jax.decoding.positions import MAX_CATCH_UP
 from scv_jax.decoding.requests import RequestBatch
 
@@ -23,8 +23,9 @@ def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, 
                   num_drafts: np.ndarray) -> dict[str, np.ndarray]:
     """The per-request inputs of a decode step for ``rows`` (see ``device_step.decode_step``), request i
     at batch row ``positions[i]`` of ``batch`` rows, ``width`` blocks: ``block_tables``, ``rows``
-    (``StepRow``) and ``sampling`` (``SamplingColumn``); the other rows are padding (greedy, no stop
-    ids).
+    (``StepRow``, with the request's ``RequestBatch`` row as its control-state slot) and ``sampling``
+    (``SamplingColumn``, ``min_tokens`` counted down by the tokens generated); the other rows are padding
+    (greedy, no stop ids, no controls).
 
     The lag given to the step is capped at ``MAX_CATCH_UP``: a step that runs the draft follows a
     catch-up (``positions.catch_up_rows``), and one that does not reads only the pending token.
@@ -37,6 +38,7 @@ def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, 
     step_rows[positions, StepRow.NUM_DRAFTS] = num_drafts
     step_rows[:, StepRow.STOP:StepRow.TOKENS] = -1
     step_rows[positions, StepRow.KEY:StepRow.KEY + 2] = state.keys[rows]
+    step_rows[positions, StepRow.SLOT] = rows
     step_rows[positions, StepRow.STOP:StepRow.TOKENS] = state.stops[rows]
     # the last tokens (a 1-token request's column before its first is junk the step ignores: lag 1)
     step_rows[positions, StepRow.TOKENS:] = state.tokens[rows[:, None], length[:, None] + _TAIL]
@@ -44,6 +46,9 @@ def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, 
     tables[positions] = state.blocks[rows, :width]
     sampling = np.zeros((batch, state.sampling.shape[1]), np.float32)
     sampling[positions] = state.sampling[rows]
+    generated = length - state.prompt_len[rows]           # min_tokens -> the tokens before a stop may come
+    sampling[positions, SamplingColumn.MIN_TOKENS] = np.maximum(sampling[positions, SamplingColumn.MIN_TOKENS]
+                                                                - generated, 0)
     return dict(block_tables=tables, rows=step_rows, sampling=sampling)
 
 

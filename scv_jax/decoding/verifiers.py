@@ -45,8 +45,9 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_batch import slot_owner
 from pallas_kernels.sampling_math import argmax_ignoring_nan
 from pallas_kernels.tree_mask import ancestor_mask, depths
-from scv_jax.decoding.device_step import (ACCEPT_TAG, BONUS_TAG, DRAFT_TAG, StepInputs, choose_tokens,
-                                          commit_positions, flatten_rows, sampling_filters, tagged_keys)
+from scv_jax.decoding.device_step import (ACCEPT_TAG, BONUS_TAG, DRAFT_TAG, LogitControls, StepInputs, choose_tokens,
+                                          commit_positions, controlled, drafts_previous, drafts_seen, flatten_rows,
+                                          sampling_filters, tagged_keys)
 from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
 from scv_jax.decoding.tree_config import TreeConfig
 from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
@@ -120,9 +121,12 @@ class ChainProposal(NamedTuple):
 
 def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, block_tables: jax.Array,
             lag_tokens: jax.Array, lag: jax.Array, draft_lens: jax.Array, keys: jax.Array,
-            sampling: jax.Array, *, k: int, greedy: bool, backend: str) -> ChainProposal:
+            sampling: jax.Array, *, k: int, greedy: bool, backend: str,
+            controls: LogitControls | None = None) -> ChainProposal:
     """Stage 1: given ``drafts`` int32[B, k] as they are; else the draft model's catch-up forward over
-    the lag tokens, then k - 1 one-token forwards (a scan); with k = 0 (or neither source) no drafts."""
+    the lag tokens, then k - 1 one-token forwards (a scan); with k = 0 (or neither source) no drafts.
+    The draft's logits take the requests' ``controls`` as the target's do (draft j's history holds the
+    drafts before it)."""
     batch = lag_tokens.shape[0]
     if drafts is not None:
         return ChainProposal(drafts.astype(jnp.int32), None, None)
@@ -132,12 +136,16 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
     stage_shape = (out.keys.shape[0], batch, max(k + 1, MAX_CATCH_UP), *out.keys.shape[3:])
     stage_k = jnp.zeros(stage_shape, out.keys.dtype).at[:, :, :MAX_CATCH_UP].set(out.keys)
     stage_v = jnp.zeros(stage_shape, out.values.dtype).at[:, :, :MAX_CATCH_UP].set(out.values)
-    logits = jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1)[:, 0]
+    logits = controlled(controls, jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1)[:, 0])
     first, first_probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG), sampling, greedy)
     slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
+    vocab_size = logits.shape[-1]
+    # the drafts so far: their counts, and the last output tokens with them
+    seen = None if controls is None else jnp.zeros((batch, vocab_size), jnp.int32)
+    previous = None if controls is None else controls.recent
 
     def one_draft(carry, j):
-        stage_k, stage_v, lengths, token = carry
+        stage_k, stage_v, lengths, token, seen, previous = carry
         o = draft.forward_paged(token[:, None], draft_cache, block_tables, draft_lens,
                                 StagedKV(stage_k, stage_v, lengths), backend=backend)
         # row b's new K/V into its slot lengths[b]: elementwise (no scatter), so a batch split over
@@ -145,11 +153,16 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
         at_length = (slots[None, :] == lengths[:, None])[None, :, :, None, None]
         stage_k = jnp.where(at_length, o.keys, stage_k)
         stage_v = jnp.where(at_length, o.values, stage_v)
-        nxt, probs = choose_tokens(o.logits[:, 0], tagged_keys(keys, DRAFT_TAG + j), sampling, greedy)
-        return (stage_k, stage_v, lengths + 1, nxt), (nxt, probs)
+        logits = o.logits[:, 0]
+        if controls is not None:
+            seen = seen + jax.nn.one_hot(token, vocab_size, dtype=jnp.int32)
+            previous = jnp.concatenate([previous[:, 1:], token[:, None]], axis=1)
+            logits = controls.apply(logits, seen=seen, offsets=jnp.full((batch,), j, jnp.int32), previous=previous)
+        nxt, probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG + j), sampling, greedy)
+        return (stage_k, stage_v, lengths + 1, nxt, seen, previous), (nxt, probs)
 
-    (stage_k, stage_v, lengths, _), (rest, rest_probs) = jax.lax.scan(
-        one_draft, (stage_k, stage_v, lag, first), jnp.arange(1, k))
+    (stage_k, stage_v, lengths, *_), (rest, rest_probs) = jax.lax.scan(
+        one_draft, (stage_k, stage_v, lag, first, seen, previous), jnp.arange(1, k))
     tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
     probs = None if greedy else jnp.concatenate([first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
     return ChainProposal(tokens, probs, StagedKV(stage_k, stage_v, lengths))
@@ -222,15 +235,27 @@ def compact_drafts(x: jax.Array, source: jax.Array) -> jax.Array:
 def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, proposal: ChainProposal,
                       num_drafts: jax.Array, keys: jax.Array, sampling: jax.Array, block_tables: jax.Array,
                       context_lens: jax.Array, request_mask: jax.Array, *, block_size: int, greedy: bool,
-                      backend: str, packed: PackedTokens | None = None):
+                      backend: str, packed: PackedTokens | None = None, controls: LogitControls | None = None):
     """Stage 3: acceptance of each request's first ``num_drafts`` drafts against the target, then the
     commit of the target's K/V for the pending token and the accepted drafts. ``scored`` is the dense
     [B, k + 1] forward, or with ``packed`` the packed one (``score_packed``; its N - B draft slots hold
     every request's drafts). Sampled steps verify against each request's filtered target distribution
-    (``filtered_probs``; a greedy request's is one-hot, so its acceptance is the greedy one). Returns
-    (target_cache, ``VerifyStepOutput``)."""
+    (``filtered_probs``; a greedy request's is one-hot, so its acceptance is the greedy one). With
+    ``controls`` the target's logits at position t take them with the drafts before t in the history:
+    the distribution autoregressive decoding would sample from there. Returns (target_cache,
+    ``VerifyStepOutput``)."""
     batch, k = proposal.tokens.shape
     num_drafts = jnp.clip(num_drafts, 0, k).astype(jnp.int32)
+    if controls is not None:
+        seen = drafts_seen(proposal.tokens, scored.logits.shape[-1])                     # [B, k + 1, V]
+        previous = drafts_previous(controls.recent, proposal.tokens)                     # [B, k + 1, W]
+        if packed is None:
+            at = dict(seen=seen, offsets=jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (batch, k + 1)),
+                      previous=previous)
+        else:
+            rows, offsets = jnp.clip(packed.rows, 0, batch - 1), jnp.minimum(packed.offsets, k)
+            at = dict(rows=rows, seen=seen[rows, offsets], offsets=offsets, previous=previous[rows, offsets])
+        scored = scored._replace(logits=controls.apply(scored.logits, **at))
     positions = context_lens[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     slots = slots_from_block_table(block_tables, positions, block_size)           # [B, k + 1]
     if packed is None:
@@ -307,7 +332,7 @@ class ChainVerifier:
     def propose(self, draft, drafts, draft_cache, block_tables, inputs, sampling, *, k, greedy, backend
                 ) -> ChainProposal:
         return propose(draft, drafts, draft_cache, block_tables, inputs.lag_tokens, inputs.lag, inputs.draft_lens,
-                       inputs.keys, sampling, k=k, greedy=greedy, backend=backend)
+                       inputs.keys, sampling, k=k, greedy=greedy, backend=backend, controls=inputs.controls)
 
     def score(self, target, target_cache, block_tables, inputs, proposal, *, k, packed_k, backend) -> ChainScored:
         num_drafts, packed, batch = inputs.num_drafts, None, inputs.lag.shape[0]
@@ -328,7 +353,7 @@ class ChainVerifier:
         target_cache, result = accept_and_commit(
             target_cache, scored.output, proposal, scored.num_drafts, inputs.keys, sampling, block_tables,
             inputs.context_lens, inputs.request_mask, block_size=block_size, greedy=greedy, backend=backend,
-            packed=scored.packed)
+            packed=scored.packed, controls=inputs.controls)
         return target_cache, result.summary, result
 
     def commit_draft(self, draft_cache, proposal, result, block_tables, inputs, *, block_size, backend
@@ -368,16 +393,19 @@ def _top_children(logits: jax.Array, scores: jax.Array, width: int) -> tuple[jax
 
 
 def draft_tree(draft, draft_cache: PagedKVCache, block_tables: jax.Array, lag_tokens: jax.Array, lag: jax.Array,
-               draft_lens: jax.Array, *, tree: TreeConfig, backend: str) -> TreeProposal:
+               draft_lens: jax.Array, *, tree: TreeConfig, backend: str,
+               controls: LogitControls | None = None) -> TreeProposal:
     """EAGLE-2's dynamic tree: after the catch-up forward the root's top ``branching`` children; then per
     level the ``branching`` frontier nodes with the best cumulative draft log-probability expand their
     top ``branching`` children (one draft forward of every expanded node so far, tree attention, over
     the staged catch-up tokens); the ``draft_nodes()`` best candidates by cumulative log-probability
-    (ties: the earlier candidate), in rank order. Children are the draft's top-k: deterministic."""
+    (ties: the earlier candidate), in rank order. Children are the draft's top-k: deterministic. With
+    ``controls`` every node's logits take them over the committed history (not the node's path: the
+    target's verification alone decides what is accepted)."""
     width, batch = tree.branching, lag_tokens.shape[0]
     out = draft.forward_paged(lag_tokens, draft_cache, block_tables, draft_lens, backend=backend)
     staged = StagedKV(out.keys, out.values, lag)
-    root = jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1)         # [B, 1, V]
+    root = controlled(controls, jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1))   # [B, 1, V]
     tokens, scores = _top_children(root, jnp.zeros((batch, 1), jnp.float32), width)
     pool_tokens, pool_scores = [tokens[:, 0]], [scores[:, 0]]
     pool_parents = [jnp.full((batch, width), -1, jnp.int32)]
@@ -392,7 +420,7 @@ def draft_tree(draft, draft_cache: PagedKVCache, block_tables: jax.Array, lag_to
         expanded_parents.append(parents)
         last = draft.forward_paged(jnp.concatenate(expanded_tokens, axis=1), draft_cache, block_tables, draft_lens,
                                    staged, tree_parents=jnp.concatenate(expanded_parents, axis=1), backend=backend)
-        tokens, scores = _top_children(last.logits[:, -width:], frontier_scores, width)   # [B, W, W]
+        tokens, scores = _top_children(controlled(controls, last.logits[:, -width:]), frontier_scores, width)
         offset = sum(t.shape[1] for t in pool_tokens)
         pool_tokens.append(tokens.reshape(batch, -1))
         pool_scores.append(scores.reshape(batch, -1))
@@ -435,11 +463,37 @@ def tree_inputs(tokens: jax.Array, parents: jax.Array, cap: jax.Array, stop_ids:
     return forward_parents, jnp.where(keep, parents, index).astype(jnp.int32)   # parent = itself: ignored
 
 
+def path_previous(recent: jax.Array, tokens: jax.Array, forward_parents: jax.Array, depth: jax.Array) -> jax.Array:
+    """int32[B, N + 1, W]: after the pending token (0) and after each node i, the last W output tokens
+    of the history: the path down to i (its ancestors and itself, ``depth`` int32[B, N + 1] of them)
+    after the committed tokens' last (``recent`` int32[B, W]); ``tokens`` int32[B, N] the nodes',
+    ``forward_parents`` int32[B, N + 1] the forward's parents (-1: the pending token's)."""
+    width = recent.shape[1]
+    tokens = jnp.concatenate([jnp.full((tokens.shape[0], 1), -1, jnp.int32), tokens.astype(jnp.int32)], axis=1)
+    node = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    columns = []
+    for back in range(width):                   # the latest token first: the node's, its parent's, ...
+        committed = jnp.take_along_axis(recent, jnp.clip(width - 1 - (back - depth), 0, width - 1), axis=1)
+        columns.append(jnp.where(back < depth, jnp.take_along_axis(tokens, node, axis=1), committed))
+        node = jnp.maximum(jnp.take_along_axis(forward_parents, node, axis=1), 0)
+    return jnp.stack(columns[::-1], axis=-1)
+
+
 def accept_tree(logits: jax.Array, tokens: jax.Array, parents: jax.Array, keys: jax.Array, sampling: jax.Array,
-                request_mask: jax.Array, *, max_depth: int, greedy: bool, backend: str) -> TreeAcceptResult:
+                request_mask: jax.Array, *, max_depth: int, greedy: bool, backend: str,
+                controls: LogitControls | None = None, forward_parents: jax.Array | None = None) -> TreeAcceptResult:
     """Stage 3: the acceptance of each request's tree against the target's logits float32[B, N + 1, V]
-    (padding requests: nothing accepted, tokens -1)."""
+    (padding requests: nothing accepted, tokens -1). With ``controls`` (and the forward's
+    ``forward_parents`` int32[B, N + 1]) the logits after node i take them with the path down to i
+    (its ancestors and itself) in the history: what autoregressive decoding would see there."""
     batch, n = tokens.shape
+    if controls is not None:
+        full_mask = ancestor_mask(forward_parents)                                  # [B, N + 1, N + 1]
+        on_path = full_mask[:, :, 1:].astype(jnp.int32)                             # the pending token is committed
+        seen = jnp.einsum("bpj,bjv->bpv", on_path, jax.nn.one_hot(tokens, logits.shape[-1], dtype=jnp.int32))
+        depth = depths(full_mask)
+        logits = controls.apply(logits, seen=seen, offsets=depth,
+                                previous=path_previous(controls.recent, tokens, forward_parents, depth))
     num_nodes = jnp.full((batch,), n, jnp.int32)
     if greedy:
         result = accept_tree_greedy(tokens, parents, num_nodes, argmax_ignoring_nan(logits), max_depth=max_depth,
@@ -490,6 +544,7 @@ class TreeScored(NamedTuple):
 
     output: PagedForwardOutput
     accept_parents: jax.Array
+    forward_parents: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,7 +568,7 @@ class TreeVerifier:
                 ) -> TreeProposal:
         if drafts is None:
             return draft_tree(draft, draft_cache, block_tables, inputs.lag_tokens, inputs.lag, inputs.draft_lens,
-                              tree=self.tree, backend=backend)
+                              tree=self.tree, backend=backend, controls=inputs.controls)
         return TreeProposal(drafts[:, 0].astype(jnp.int32), drafts[:, 1].astype(jnp.int32))
 
     def score(self, target, target_cache, block_tables, inputs, proposal, *, k, packed_k, backend) -> TreeScored:
@@ -522,12 +577,13 @@ class TreeVerifier:
                                                       inputs.stop_ids)
         out = target.forward_paged(jnp.concatenate([inputs.tail[:, -1:], proposal.tokens], axis=1), target_cache,
                                    block_tables, inputs.context_lens, tree_parents=forward_parents, backend=backend)
-        return TreeScored(out, accept_parents)
+        return TreeScored(out, accept_parents, forward_parents)
 
     def accept(self, target_cache, scored, proposal, inputs, sampling, block_tables, *, block_size, greedy,
                backend) -> tuple[PagedKVCache, StepSummary, Any]:
         result = accept_tree(scored.output.logits, proposal.tokens, scored.accept_parents, inputs.keys, sampling,
-                             inputs.request_mask, max_depth=self.tree.max_depth, greedy=greedy, backend=backend)
+                             inputs.request_mask, max_depth=self.tree.max_depth, greedy=greedy, backend=backend,
+                             controls=inputs.controls, forward_parents=scored.forward_parents)
         slots = accepted_path_slots(result, block_tables, inputs.context_lens, tree_size=proposal.tokens.shape[1],
                                     block_size=block_size)
         target_cache = _commit(target_cache, scored.output.keys, scored.output.values, slots,

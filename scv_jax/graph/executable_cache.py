@@ -165,12 +165,24 @@ def enable_persistent_cache(cache_dir: str, *, min_compile_time_secs: float = 0.
 
 
 _COPY_CHECK_BYTES = 1 << 12   # donated arrays smaller than this are not checked for copies
-_HLO_COPY = re.compile(r"= [a-z0-9]+\[([0-9,]*)\](?:\{[^}]*\})? copy\(")
+_HLO_COPY = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](?:\{[^}]*\})? copy\(")
 
 
-def _copied_shapes(hlo_text: str) -> list[tuple[int, ...]]:
-    """Shapes of the arrays that ``copy`` instructions of an optimized HLO module produce."""
-    return [tuple(int(d) for d in dims.split(",") if d) for dims in _HLO_COPY.findall(hlo_text)]
+def _copied_arrays(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(HLO element type, shape) of the arrays that ``copy`` instructions of an optimized HLO module produce."""
+    return [(kind, tuple(int(d) for d in dims.split(",") if d)) for kind, dims in _HLO_COPY.findall(hlo_text)]
+
+
+def _hlo_type(dtype: Any) -> str:
+    """The HLO element type of a numpy / JAX dtype: f32, s32, u32, bf16, f8e4m3fn, pred, ..."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return "pred"
+    if dtype.name.startswith("float8_"):
+        return "f8" + dtype.name[len("float8_"):]
+    if dtype.name == "bfloat16":
+        return "bf16"
+    return {"f": "f", "i": "s", "u": "u", "c": "c"}.get(dtype.kind, dtype.name) + str(8 * dtype.itemsize)
 
 
 def _local_shape(leaf: Any) -> tuple[int, ...]:
@@ -530,9 +542,10 @@ class ExecutableCache:
                            "are copied, not updated in place", self.name, self.describe(key),
                            aliased, donated, self.donate_argnames)
             return
-        donated_shapes = {_local_shape(leaf) for arg in self.donate_argnames
+        # element type and shape: a step's [B, V] random bits (u32) are not its [S, V] control state (f32)
+        donated_arrays = {(_hlo_type(leaf.dtype), _local_shape(leaf)) for arg in self.donate_argnames
                           for leaf in jax.tree.leaves(trace_args.get(arg)) if _nbytes(leaf) >= _COPY_CHECK_BYTES}
-        copied = [shape for shape in _copied_shapes(compiled.as_text()) if shape in donated_shapes]
+        copied = [shape for kind, shape in _copied_arrays(compiled.as_text()) if (kind, shape) in donated_arrays]
         if copied:
             with self._lock:
                 self.stats.copied_donations += 1

@@ -323,6 +323,10 @@ def build_app(ctx: ServingContext) -> FastAPI:
         if ctx.in_flight >= ctx.max_in_flight:
             raise ApiError(429, f"the server's queue is full ({ctx.in_flight} requests in flight); retry later")
 
+    def encode(text: str) -> list[int]:
+        """A bad word's tokens (no special tokens)."""
+        return ctx.tokenizer.encode(text, add_special_tokens=False)
+
     async def prompt_ids(prompt: Any) -> list[int]:
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
@@ -363,7 +367,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def completions(request: Request):
         body, headers = await accept(request, CompletionRequest)
         ids = await prompt_ids(body.prompt)
-        params = sampling_params(body, check_length(ids, body), body.logprobs)
+        params = sampling_params(body, check_length(ids, body), body.logprobs, encode)
         return await run(request, body, headers, ids, params)
 
     @app.post("/v1/chat/completions")
@@ -392,7 +396,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
         ids = await asyncio.to_thread(ctx.tokenizer.encode, text, add_special_tokens=False)
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        params = sampling_params(body, check_length(ids, body), (body.top_logprobs or 0) if body.logprobs else None)
+        params = sampling_params(body, check_length(ids, body), (body.top_logprobs or 0) if body.logprobs else None,
+                                 encode)
         return await run(request, body, headers, ids, params)
 
     @app.get("/v1/models")

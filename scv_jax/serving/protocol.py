@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Annotated, Any, ClassVar, Literal, TypeVar
+from typing import Annotated, Any, Callable, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scv_jax.sampling_params import SamplingParams
+from scv_jax.sampling_params import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, SamplingParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -49,7 +49,6 @@ def _only(*accepted: Any, why: str = "is not implemented by this server") -> Uns
     return Unsupported((None, *accepted), why)
 
 
-_PENALTY = "penalties are not implemented"
 _STRUCTURED = "structured output is not implemented"
 _TOOLS = "tool calls are not implemented"
 _MULTIMODAL = "the server serves text only"
@@ -83,13 +82,13 @@ class BaseRequest(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None                  # an end-user id: accepted, no effect on the output
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None   # {token id (a JSON key): bias in [-100, 100]}
     # OpenAI, not implemented
     n: Annotated[int | None, _only(1, why="must be 1 (one choice per request)")] = 1
     best_of: Annotated[int | None, _only(1, why="must be 1 (one choice per request)")] = None
     echo: Annotated[bool | None, _only(False)] = False
-    presence_penalty: Annotated[float | None, _only(0.0, why=_PENALTY)] = None
-    frequency_penalty: Annotated[float | None, _only(0.0, why=_PENALTY)] = None
-    logit_bias: Annotated[_Json, _only({})] = None
     response_format: Annotated[_Json, _only({"type": "text"}, why=_STRUCTURED)] = None
     # vLLM, honoured
     top_k: int | None = None
@@ -98,16 +97,16 @@ class BaseRequest(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None            # accepted: no KV cache is shared between requests
+    repetition_penalty: float | None = None
+    min_tokens: int | None = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None       # as token ids: ``bad_words_token_ids``
     # vLLM, not implemented
-    repetition_penalty: Annotated[float | None, _only(1.0, why=_PENALTY)] = None
     length_penalty: Annotated[float | None, _only(1.0, why="beam search is not implemented")] = None
     use_beam_search: Annotated[bool | None, _only(False, why="beam search is not implemented")] = False
-    min_tokens: Annotated[int | None, _only(0)] = 0
     skip_special_tokens: Annotated[bool | None, _only(True)] = True
     spaces_between_special_tokens: Annotated[bool | None, _only(True)] = True
     truncate_prompt_tokens: Annotated[int | None, _only()] = None
-    allowed_token_ids: Annotated[list[int] | None, _only()] = None
-    bad_words: Annotated[list[str] | None, _only([])] = None
     prompt_logprobs: Annotated[int | None, _only()] = None
     guided_json: Annotated[str | dict[str, Any] | None, _only(why=_STRUCTURED)] = None
     guided_regex: Annotated[str | None, _only(why=_STRUCTURED)] = None
@@ -141,7 +140,7 @@ class BaseRequest(BaseModel):
     def field_of(self, name: str) -> str:
         """The request field that a ``SamplingParams`` (or the engine's) ``name`` comes from."""
         return {"max_tokens": self.max_tokens_field(), "logprobs": self.LOGPROBS_FIELD,
-                "prompt": self.PROMPT_FIELD}.get(name, name)
+                "prompt": self.PROMPT_FIELD, "bad_words_token_ids": "bad_words"}.get(name, name)
 
 
 class CompletionRequest(BaseRequest):
@@ -266,15 +265,52 @@ def stop_strings(request: BaseRequest) -> tuple[str, ...]:
     return () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-def sampling_params(request: BaseRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
-    """The request's ``SamplingParams`` (OpenAI's defaults: temperature 1, top_p 1); a bad value is a 400
-    naming the request's field."""
+def _logit_bias(request: BaseRequest) -> dict[int, float]:
+    """``logit_bias`` with its JSON keys as token ids (a key that is not an integer is a 400 naming it)."""
+    bias = request.logit_bias or {}
+    bad = [key for key in bias if not re.fullmatch(r"\s*-?\d+\s*", key)]
+    if bad:
+        raise ApiError(400, f"logit_bias: keys must be token ids (integers), got {json.dumps(bad[0])}", "logit_bias")
+    return {int(key): value for key, value in bias.items()}
+
+
+def bad_words_token_ids(words: list[str] | None, encode: Callable[[str], list[int]]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as token ids, with vLLM's variants of a word: its tokens without leading spaces,
+    and with one leading space where that starts with another token and is as many tokens (a word's
+    last token is masked where the output ends with its other tokens). A word of no token or more than
+    ``MAX_BAD_WORD_LEN``, or more than ``MAX_BAD_WORDS`` words of several tokens, is a 400 naming
+    ``bad_words``."""
+    ids: dict[tuple[int, ...], None] = {}
+    for word in words or ():
+        bare = tuple(encode(word.lstrip()))
+        if not 1 <= len(bare) <= MAX_BAD_WORD_LEN:
+            raise ApiError(400, f"bad_words: a word must be 1 to {MAX_BAD_WORD_LEN} tokens, {json.dumps(word)} is "
+                                f"{len(bare)}", "bad_words")
+        spaced = tuple(encode(" " + word.lstrip()))
+        ids[bare] = None
+        if spaced[:1] != bare[:1] and len(spaced) == len(bare):
+            ids[spaced] = None
+    if sum(len(word) > 1 for word in ids) > MAX_BAD_WORDS:
+        raise ApiError(400, f"bad_words: at most {MAX_BAD_WORDS} words of several tokens (with vLLM's variants), "
+                            f"got {sum(len(word) > 1 for word in ids)}", "bad_words")
+    return tuple(ids)
+
+
+def sampling_params(request: BaseRequest, max_tokens: int, logprobs: int | None,
+                    encode: Callable[[str], list[int]] | None = None) -> SamplingParams:
+    """The request's ``SamplingParams`` (OpenAI's defaults: temperature 1, top_p 1); ``encode`` tokenizes
+    ``bad_words`` (without special tokens); a bad value is a 400 naming the request's field."""
     fields = dict(temperature=1.0 if request.temperature is None else request.temperature,
                   top_p=1.0 if request.top_p is None else request.top_p,
                   top_k=0 if request.top_k is None else request.top_k,
                   min_p=0.0 if request.min_p is None else request.min_p,
                   seed=request.seed, max_tokens=max_tokens, stop_token_ids=tuple(request.stop_token_ids or ()),
-                  ignore_eos=request.ignore_eos, logprobs=logprobs)
+                  ignore_eos=request.ignore_eos, logprobs=logprobs,
+                  presence_penalty=request.presence_penalty or 0.0, frequency_penalty=request.frequency_penalty or 0.0,
+                  repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                  logit_bias=_logit_bias(request), allowed_token_ids=request.allowed_token_ids,
+                  bad_words_token_ids=bad_words_token_ids(request.bad_words, encode) if request.bad_words else (),
+                  min_tokens=request.min_tokens or 0)
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:

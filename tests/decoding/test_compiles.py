@@ -13,12 +13,13 @@ import jax
 import pytest
 
 import scv_jax
-from scv_jax import DecoderConfig, SpeculativeDecoder
+from scv_jax import DecoderConfig, SamplingParams, SpeculativeDecoder
 from scv_jax.graph.buckets import Buckets
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.ops import registry
 from tests.decoding.common import MAX_NEW, SMALL, prompts
 from tests.decoding.test_continuous_batching import _running_sizes
+from tests.models.fixtures import TINY
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,30 @@ def test_warmup_covers_greedy_and_sampled_steps_when_asked(target, no_persistent
     decoder.warmup(4, SMALL.max_seq_len, temperatures=(0.0, 0.7))
     for temperature in (0.0, 1.0):
         assert decoder.generate(prompts(4, 3), MAX_NEW, temperature=temperature).stats.compile_count == 0
+
+
+def test_a_batch_mixing_every_logit_control_compiles_nothing_after_warmup(target, partial_draft):
+    """The logit controls are data: after a greedy and sampled warm-up, 16 requests (each control alone and
+    all of them together, plain, each greedy and sampled), 4 running at once in every mix, compile and
+    load nothing (the control state's writer included) and emit what they must (no bad word, only allowed
+    ids, no eos before min_tokens)."""
+    decoder = SpeculativeDecoder(target, partial_draft, config=dataclasses.replace(SMALL, k=2))
+    decoder.warmup(4, SMALL.max_seq_len, temperatures=(0.0, 1.0))
+    controls = [dict(presence_penalty=1.5), dict(frequency_penalty=1.0), dict(repetition_penalty=1.5),
+                dict(logit_bias={3: 5.0}), dict(allowed_token_ids=[1, 2, 3, 5]), dict(bad_words_token_ids=[[4], [7]]),
+                dict(min_tokens=8), dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.2,
+                                         logit_bias={2: 1.0}, allowed_token_ids=[2, 4, 5, 6, 7, 8],
+                                         bad_words_token_ids=[[6]], min_tokens=3), {}]
+    params = [SamplingParams(max_tokens=10, temperature=temperature, seed=i, **control)
+              for i, control in enumerate(controls) for temperature in (0.0, 1.0)]
+    with CompileCounter() as compiles:
+        out = decoder.generate(prompts(8, len(params)), sampling=params, eos_token_id=5)
+    assert compiles.count == compiles.loads == 0 and out.stats.compiled == [], out.stats.compiled
+    assert out.stats.acceptance_rate > 0
+    for p, tokens in zip(params, out.tokens):
+        assert not {t for (t,) in p.bad_words_token_ids} & set(tokens)
+        assert set(tokens) <= set(p.allowed_token_ids or range(TINY.vocab_size))
+        assert 5 not in tokens[:p.min_tokens]
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(temperatures=-1.0), "temperatures"),

@@ -12,9 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import scv_jax
-from scv_jax.decoding.device_step import SamplingColumn, SplitModel, StepRow, make_prefill_step
+from pallas_kernels.tree_mask import ancestor_mask, depths
+from scv_jax.decoding.device_step import (SamplingColumn, SplitModel, StepRow, drafts_previous, latest,
+                                          make_prefill_step)
 from scv_jax.decoding.step_fn import make_decode_step
-from scv_jax.decoding.verifiers import ChainVerifier, compact_drafts, fitting_drafts, packed_layout, ragged_slots
+from scv_jax.decoding.verifiers import (ChainVerifier, compact_drafts, fitting_drafts, packed_layout, path_previous,
+                                       ragged_slots)
 from tests.models.fixtures import TINY, tiny_model
 
 BLOCK, BLOCKS_PER_REQUEST, BATCH, K = 8, 4, 4, 3
@@ -191,3 +194,16 @@ def test_ragged_slots_compact_each_part_within_its_own_slots(data):
         expected = [grid[b, j] for b in mine for j in range(num_drafts[b])]
         got = compacted[s * rows * k: s * rows * k + len(expected)]
         assert got.tolist() == np.array(expected).reshape(-1, 2).tolist()
+
+
+def test_the_last_output_tokens_of_each_position_for_bad_words():
+    """The histories a bad word's other tokens are matched against: after a step's emitted tokens
+    (``latest``), at chain position t (the drafts before t after the committed tokens) and after a
+    tree's node (its path)."""
+    assert np.asarray(latest(np.int32([[1, 2, 3], [-1, -1, 6]]), np.int32([[4, 5, -1], [7, -1, -1]]),
+                             np.int32([2, 1]))).tolist() == [[3, 4, 5], [-1, 6, 7]]
+    assert np.asarray(drafts_previous(np.int32([[7, 8, 9]]), np.int32([[1, 2]]))).tolist() == [
+        [[7, 8, 9], [8, 9, 1], [9, 1, 2]]]
+    parents = np.int32([[-1, 0, 1, 0, 2]])          # the pending token; nodes 1 <- 2 <- 4 and 3 off the root
+    got = path_previous(np.int32([[7, 8, 9]]), np.int32([[10, 11, 12, 13]]), parents, depths(ancestor_mask(parents)))
+    assert np.asarray(got).tolist() == [[[7, 8, 9], [8, 9, 10], [9, 10, 11], [8, 9, 12], [10, 11, 13]]]

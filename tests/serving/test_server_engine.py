@@ -6,6 +6,7 @@ pool full again afterwards; a fault inside a real step."""
 from __future__ import annotations
 
 import signal
+import string
 import threading
 import time
 
@@ -151,3 +152,29 @@ def test_greedy_logprobs_rank_the_emitted_token_first(server):
     for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         best = max(top, key=top.get)
         assert best == token and abs(top[best] - value) < 1e-5
+
+
+def test_logit_controls_are_honoured(server, offline, tokenizer):
+    """A huge logit_bias makes greedy output its token; a bad word (of one token, of two) never appears;
+    penalties change the greedy text (vLLM's meanings, through the openai client)."""
+    c = client(server.url)
+    # a greedy output with a character that is not a space (vLLM strips a bad word's leading spaces)
+    prompt, full = next((p, text) for p in PROMPTS for text in [tokenizer.decode(offline(tokenizer.encode(p), 24))]
+                        if text.strip())
+    [z] = tokenizer.encode("Z", add_special_tokens=False)
+    out = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0, logit_bias={str(z): 100})
+    assert out.choices[0].text == "Z" * 8
+    common = max(set(full) - set(string.whitespace), key=full.count)
+    out = c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                               extra_body={"bad_words": [common]})
+    assert common in full and common not in out.choices[0].text and out.choices[0].text
+    pair = next(full[i:i + 2] for i in range(len(full) - 1) if not full[i].isspace())
+    out = c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                               extra_body={"bad_words": [pair]})           # two tokens: the second after the first
+    assert pair in full and pair not in out.choices[0].text and out.choices[0].text != full
+    out = c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, presence_penalty=2,
+                               frequency_penalty=2, extra_body={"repetition_penalty": 1.5})
+    assert out.choices[0].text != full
+    sampled = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                        temperature=0.8, seed=3, logit_bias={str(z): 100})
+    assert sampled.choices[0].message.content == "Z" * 6

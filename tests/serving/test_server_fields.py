@@ -11,7 +11,8 @@ import signal
 import openai
 import pytest
 
-from scv_jax.serving.protocol import ChatRequest, CompletionRequest
+from scv_jax.sampling_params import MAX_BAD_WORD_LEN, MAX_BAD_WORDS
+from scv_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, bad_words_token_ids
 from tests.serving.conftest import client, post_error
 from tests.serving.fake_engine import expected_tokens
 from tests.serving.harness import ServerProcess
@@ -48,11 +49,10 @@ def test_every_field_of_the_openai_client_is_declared(params, model):
 
 REFUSED = [
     (path, field, value) for path in (COMPLETIONS, CHAT) for field, value in [
-        ("n", 2), ("best_of", 3), ("echo", True), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
-        ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2),
-        ("length_penalty", 0.5), ("use_beam_search", True), ("min_tokens", 3), ("skip_special_tokens", False),
-        ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("allowed_token_ids", [1, 2]),
-        ("bad_words", ["x"]), ("prompt_logprobs", 1), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
+        ("n", 2), ("best_of", 3), ("echo", True), ("response_format", {"type": "json_object"}),
+        ("length_penalty", 0.5), ("use_beam_search", True), ("skip_special_tokens", False),
+        ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("prompt_logprobs", 1),
+        ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
         ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
         ("priority", 1), ("request_id", "mine"), ("logits_processors", ["m.P"]), ("return_token_ids", True),
         ("return_tokens_as_token_ids", True), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
@@ -119,7 +119,7 @@ def test_allow_unknown_fields_ignores_them_and_says_so(checkpoint, tmp_path):
         assert response.headers["x-ignored-fields"] == "colour,max_token"
         assert response.parse().usage.completion_tokens == 3
         with pytest.raises(openai.BadRequestError, match="presence_penalty"):     # known fields are still checked
-            c.completions.create(model=None, prompt="x", presence_penalty=1)
+            c.completions.create(model=None, prompt="x", presence_penalty=3)
     finally:
         assert process.stop(signal.SIGTERM) == 0, process.stderr()
     assert "ignored unknown request fields colour, max_token" in process.stderr()
@@ -162,3 +162,23 @@ def test_include_stop_str_in_output(server, tokenizer, stream):
     first = full.index(chr(stop))
     assert text(stop_token_ids=[stop], include_stop_str_in_output=True) == (full[:first + 1], "stop")
     assert text(stop_token_ids=[stop]) == (full[:first], "stop")
+
+
+def test_bad_words_take_vllms_variants():
+    """vLLM's variants of a bad word: without leading spaces, and with one where that is another first
+    token and as many tokens; a word of no token or too many, or too many words of several tokens, is a
+    400 naming bad_words."""
+    vocab = {"cat": [1], " cat": [2], "dog": [3], " dog": [9, 3], "hi": [4], " hi": [4], "a b": [5, 6], " a b": [7, 6],
+             "": [], " ": [8], "long": list(range(MAX_BAD_WORD_LEN + 1)), " long": [1]}
+
+    def encode(text: str) -> list[int]:           # "w<i>" and " w<i>": 2 tokens, the same first
+        return vocab[text] if text in vocab else [100 + int(text.strip()[1:]), 99]
+
+    assert bad_words_token_ids(["cat", "  dog", " hi", "cat", "a b"], encode) == (
+        (1,), (2,), (3,), (4,), (5, 6), (7, 6))
+    assert len(bad_words_token_ids([f"w{i}" for i in range(MAX_BAD_WORDS)], encode)) == MAX_BAD_WORDS
+    for words, match in ([[""], '"" is 0'], [["long"], f'"long" is {MAX_BAD_WORD_LEN + 1}'],
+                         [[f"w{i}" for i in range(MAX_BAD_WORDS + 1)], f"got {MAX_BAD_WORDS + 1}"]):
+        with pytest.raises(ApiError, match=rf"^bad_words: .*{match}$") as e:
+            bad_words_token_ids(words, encode)
+        assert e.value.param == "bad_words"

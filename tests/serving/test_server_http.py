@@ -144,7 +144,10 @@ def test_models_and_health(server):
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2),
     ("max_tokens", 0), ("max_tokens", 10_000), ("n", 2), ("seed", -1), ("stop", 5), ("logprobs", 21),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [256]), ("ignore_eos", "yes"), ("stream", 1), ("presence_penalty", 0.5),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [256]), ("ignore_eos", "yes"), ("stream", 1),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", "high"), ("repetition_penalty", 0), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),
+    ("min_tokens", 5), ("allowed_token_ids", []), ("bad_words", ["extraordinarily"]), ("bad_words", "e"),
     ("prompt", [999]), ("prompt", ""), ("prompt", "x" * 600), ("prompt", ["a", "b"]), ("prompt", None),
 ])
 def test_bad_completion_fields_are_400s_naming_them(server, field, value):

@@ -51,7 +51,18 @@ def chi_square(counts: np.ndarray, expected_probs: np.ndarray) -> tuple[float, i
     return float(np.sum((counts[support] - expected) ** 2 / expected)), int(support.sum()) - 1
 
 
-def fits(counts: np.ndarray, expected_probs: np.ndarray, sigmas: float = 5.0) -> bool:
-    """Whether ``counts`` are consistent with ``expected_probs`` (chi-square within ``sigmas``)."""
+def fits(counts: np.ndarray, expected_probs: np.ndarray, sigmas: float = 5.0, min_expected: float = 0.0) -> bool:
+    """Whether ``counts`` are consistent with ``expected_probs`` (chi-square within ``sigmas``). The cells
+    least expected (but not never) are pooled into one first, the fewest that together are expected
+    ``min_expected`` times: one draw of a token expected 0.01 times is no evidence against the
+    distribution, but alone in its cell it would add ~100 to the statistic."""
+    order = np.argsort(np.where(expected_probs > 0, expected_probs, np.inf))
+    cumulative = np.cumsum(expected_probs[order]) * counts.sum()
+    rare = np.zeros(counts.shape, np.bool_)
+    rare[order[:np.searchsorted(cumulative, min_expected) + 1]] = min_expected > 0
+    rare &= expected_probs > 0
+    if rare.sum() > 1:
+        counts = np.append(counts[~rare], counts[rare].sum())
+        expected_probs = np.append(expected_probs[~rare], expected_probs[rare].sum())
     stat, dof = chi_square(counts, expected_probs)
     return stat < dof + sigmas * np.sqrt(2 * max(dof, 1))
