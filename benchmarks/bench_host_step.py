@@ -46,7 +46,7 @@ MODES = ("autoregressive", "k=4", "adaptive", "ngram k=4")
 
 class InstantStep:
     """Stands in for the decode executable's ``call_planned``: every request accepts all its drafts and
-    emits them plus one token; the caches pass through; then streams ``cold_bytes`` through the CPU's
+    emits them plus one token; the caches (and the logit-control state) pass through; then streams ``cold_bytes`` through the CPU's
     caches (if > 0). Times its own work (wall and thread CPU)."""
 
     def __init__(self, executable, cold_bytes: int = 0):
@@ -67,7 +67,8 @@ class InstantStep:
             self._evict.sum()
         self.seconds += time.perf_counter() - start
         self.cpu_seconds += time.thread_time() - cpu
-        return args["target_cache"], args["draft_cache"], summary
+        controls = (args["controls"],) if "controls" in args else ()      # the logit-control state passes through
+        return (args["target_cache"], args["draft_cache"], summary, *controls)
 
 
 class StepClock:
