@@ -26,7 +26,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -181,31 +181,31 @@ class SuffixDrafter(HostDrafter):
     def propose(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray],
                 max_drafts: np.ndarray) -> list[list[int]]:
         """Each request's draft chain: the better of its own text's and the finished outputs'."""
-        chains = []
-        for request_id, tokens, cap in zip(request_ids, token_ids, max_drafts.tolist()):
-            best: tuple[list[int], float] = ([], 0.0)
-            for index, match in self._matches(request_id, tokens) if cap > 0 else ():
-                width = self._width(match, cap)
-                chain, score = greedy_chain(index.continuations(match.ends, width), width, self.min_token_prob)
-                if score > best[1]:
-                    best = (chain, score)
-            chains.append(best[0])
-        return chains
+        def chain(continuations: list[list[int]], width: int) -> tuple[list[int], float]:
+            return greedy_chain(continuations, width, self.min_token_prob)
+
+        return [self._better(r, t, cap, chain, []) for r, t, cap in zip(request_ids, token_ids, max_drafts.tolist())]
 
     def propose_tree(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], max_nodes: int,
                      max_depth: np.ndarray) -> list[Trie]:
         """Each request's draft tree: the better of its own text's and the finished outputs'."""
-        tries = []
-        for request_id, tokens, cap in zip(request_ids, token_ids, max_depth.tolist()):
-            best: tuple[Trie, float] = (Trie([], []), 0.0)
-            for index, match in self._matches(request_id, tokens) if cap > 0 else ():
-                width = self._width(match, cap)
-                trie, score = best_first_tree(index.continuations(match.ends, width), width, max_nodes,
-                                              self.min_token_prob)
-                if score > best[1]:
-                    best = (trie, score)
-            tries.append(best[0])
-        return tries
+        def tree(continuations: list[list[int]], width: int) -> tuple[Trie, float]:
+            return best_first_tree(continuations, width, max_nodes, self.min_token_prob)
+
+        return [self._better(r, t, cap, tree, Trie([], []))
+                for r, t, cap in zip(request_ids, token_ids, max_depth.tolist())]
+
+    def _better(self, request_id: str, tokens: np.ndarray, cap: int,
+                draft: Callable[[list[list[int]], int], tuple[Any, float]], empty: Any) -> Any:
+        """The higher-scoring of ``draft(continuations, width)`` from the request's own text and from the
+        finished outputs (its own on a tie), or ``empty``: no match, or ``cap`` 0."""
+        best, best_score = empty, 0.0
+        for index, match in self._matches(request_id, tokens) if cap > 0 else ():
+            width = self._width(match, cap)
+            drafted, score = draft(index.continuations(match.ends, width), width)
+            if score > best_score:
+                best, best_score = drafted, score
+        return best
 
     def _width(self, match: Match, cap: int) -> int:
         """The most drafts from a match: ``max_spec_factor`` x its length, at most ``cap``."""
