@@ -8,7 +8,7 @@ With ``backend="auto"`` a bucket whose kernels fail to compile or run is served 
 from __future__ import annotations
 
 from scv_jax.decoding.config import DecoderConfig
-from scv_jax.decoding.device_step import SplitModel, make_prefill_step
+from scv_jax.decoding.device_step import SplitModel
 from scv_jax.decoding.placement import SingleDevice
 from scv_jax.decoding.step_fn import make_decode_step
 from scv_jax.decoding.verifiers import Verifier
@@ -27,7 +27,7 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
     common = dict(dims=dims, masks={"request_mask": "batch"},
                   fallback={"backend": "xla"} if config.backend == "auto" else None)
     prefill = ExecutableCache(
-        placement.step(make_prefill_step(target, draft, config.block_size)),
+        placement.step(verifier.prefill_step(target, draft, config.block_size)),
         pads={"block_tables": _TABLE_PADS, "tokens": Pad("batch"), "start": Pad("batch"), "count": Pad("batch")},
         static_argnames=("backend",), name="prefill_step", donate_argnames=("target_cache", "draft_cache"), **common)
     decode = ExecutableCache(

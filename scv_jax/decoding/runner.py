@@ -33,6 +33,7 @@ from scv_jax.decoding.plan import DecodeWork, PrefillWork, SamplingColumn, StepR
 from scv_jax.decoding.proposers.base import Proposer
 from scv_jax.decoding.requests import RequestBatch
 from scv_jax.decoding.stats import GenerateStats
+from scv_jax.decoding.head_step import HeadChainVerifier
 from scv_jax.decoding.verifiers import ChainVerifier, TreeVerifier
 from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
 from scv_jax.graph.compile_counter import CompileCounter
@@ -84,11 +85,16 @@ class StepRunner:
         self.draft, self.draft_params = (SplitModel.of(draft_placed.graphdef, draft_placed.state)
                                          if draft_model is not None else (None, None))
         self.pool = self.placement.pool
+        head = proposer.verifier == "head"
         self.caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_placed.cache_dims,
-                                  draft_placed.cache_dims, factory=self.placement.new_cache)
+                                  draft_placed.cache_dims, factory=self.placement.new_cache,
+                                  draft_features=(draft_model.config.d_model, draft_model.config.dtype) if head else None)
         self.step_ks = proposer.step_ks
         self.packed_ks = self._packed_draft_counts()
-        verifier = ChainVerifier() if proposer.verifier == "chain" else TreeVerifier(cfg.tree)
+        if head:
+            verifier = HeadChainVerifier(tuple(draft_model.aux_layers), proposer.max_lag)
+        else:
+            verifier = ChainVerifier() if proposer.verifier == "chain" else TreeVerifier(cfg.tree)
         self.prefill_executable, self.decode_executable = step_executables(
             cfg, self.target, self.draft, self.step_ks, self.placement, verifier)
         self._plans: dict[tuple, BucketPlan] = {}
@@ -106,6 +112,10 @@ class StepRunner:
     def graph_stats(self) -> dict[str, GraphModeStats]:
         """Graph-mode counters of the prefill and decode executables (hits, compiles, donations, ...)."""
         return {"prefill": self.prefill_executable.stats, "decode": self.decode_executable.stats}
+
+    def uses_draft(self, k: int) -> bool:
+        """Whether a decode step at ``k`` runs the drafter's device half (a draft model or head)."""
+        return self.draft is not None and (k > 0 or self.proposer.every_step)
 
     @property
     def largest_batch(self) -> int:
@@ -224,7 +234,8 @@ class StepRunner:
         if packed_k:
             plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, packed_k=packed_k)
         started += time.perf_counter() - planning
-        inputs = decode_inputs(batch, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts)
+        inputs = decode_inputs(batch, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts,
+                               self.proposer.max_lag)
         drafts = self.proposer.drafts_input(work.drafts, layout.rows, size)
         if drafts is not None:
             inputs["drafts"] = drafts
@@ -234,7 +245,7 @@ class StepRunner:
         if self.has_controls:
             inputs["controls"] = self._take_controls()
         dispatched = time.perf_counter()
-        outputs = self._call(self.decode_executable, stats, use_draft=self.draft is not None and step_k > 0,
+        outputs = self._call(self.decode_executable, stats, use_draft=self.uses_draft(step_k),
                              plan=plan, **inputs)
         if self.has_controls:
             *outputs, self._controls = outputs
@@ -264,7 +275,7 @@ class StepRunner:
         key = (batch, width, k, greedy, logprobs, masked, packed_k)
         plan = self._plans.get(key)
         if plan is None:
-            given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self.draft is not None and k else ()) \
+            given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self.uses_draft(k) else ()) \
                 + (("drafts",) if self.proposer.host is not None else ()) + (("request_mask",) if masked else ()) \
                 + (("controls",) if self.has_controls else ())
             plan = self._plans[key] = self.decode_executable.plan_sizes(
@@ -331,7 +342,7 @@ class StepRunner:
         if self.proposer.host is not None:
             args["drafts"] = self._host_drafts(batch, k)
         args = {name: jax.device_put(value) for name, value in args.items()}
-        stats, use_draft = GenerateStats(), self.draft is not None and k > 0
+        stats, use_draft = GenerateStats(), self.uses_draft(k)
 
         def call():
             if self.has_controls:
@@ -400,7 +411,7 @@ class StepRunner:
         prefill = dict(block_tables=tables, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
                        start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=fits)
         calls = [(self.prefill_executable, {**models, **draft, **prefill})]
-        if cfg.adaptive and self.draft is not None and 0 in cfg.allowed_k:
+        if cfg.adaptive and self.proposer.has_draft_model and 0 in cfg.allowed_k:
             calls.append((self.prefill_executable, {**models, "target_params": None, "target_cache": None, **draft, **prefill}))
         no_draft = dict(draft_params=None, draft_cache=None)
         controls = self._take_controls() if self.has_controls else None
@@ -413,7 +424,7 @@ class StepRunner:
                     step["controls"] = controls
                 if self.proposer.host is not None:
                     step["drafts"] = self._host_drafts(1, k)
-                models_k = {**models, **(draft if self.draft is not None and k else no_draft)}
+                models_k = {**models, **(draft if self.uses_draft(k) else no_draft)}
                 for packed_k in (0, *(p for p in self.packed_ks if p < k)):
                     calls.append((self.decode_executable, {**models_k, **step, "packed_k": packed_k}))
                 if logprobs:

@@ -81,17 +81,17 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           vLLM's), with ``controls`` then the ``ControlState`` with the emitted tokens recorded.
         """
         _check(verifier, drafts, draft_params, k=k, logprobs=logprobs, packed_k=packed_k)
-        stages = verifier if k else _AUTOREGRESSIVE
+        stages = verifier if k or verifier.every_step else _AUTOREGRESSIVE
         inputs = step_inputs(rows, request_mask, sampling, controls)
-        draft_model = None if draft_params is None or k == 0 else draft.merge(draft_params)
+        draft_model = None if draft_params is None or not (k or verifier.every_step) else draft.merge(draft_params)
         proposal = stages.propose(draft_model, drafts if k else None, draft_cache, block_tables, inputs, sampling,
                                   k=k, greedy=greedy, backend=backend)
         scored = stages.score(target.merge(target_params), target_cache, block_tables, inputs, proposal, k=k,
                               packed_k=packed_k, backend=backend)
         target_cache, summary, result = stages.accept(target_cache, scored, proposal, inputs, sampling, block_tables,
                                                       block_size=block_size, greedy=greedy, backend=backend)
-        draft_cache = stages.commit_draft(draft_cache, proposal, result, block_tables, inputs, block_size=block_size,
-                                          backend=backend)
+        draft_cache = stages.commit_draft(draft_cache, proposal, scored, result, block_tables, inputs,
+                                          block_size=block_size, backend=backend)
         outputs = [target_cache, draft_cache, summary]
         if logprobs:        # a dense chain step's [B, k + 1] logits (the verifier refuses the others)
             num_top = min(MAX_LOGPROBS, scored.output.logits.shape[-1])

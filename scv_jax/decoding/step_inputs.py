@@ -20,20 +20,21 @@ _TAIL = np.arange(-MAX_CATCH_UP, 0)
 
 
 def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, batch: int, width: int,
-                  num_drafts: np.ndarray) -> dict[str, np.ndarray]:
+                  num_drafts: np.ndarray, max_lag: int = MAX_CATCH_UP) -> dict[str, np.ndarray]:
     """The per-request inputs of a decode step for ``rows`` (see ``device_step.decode_step``), request i
     at batch row ``positions[i]`` of ``batch`` rows, ``width`` blocks: ``block_tables``, ``rows``
     (``StepRow``, with the request's ``RequestBatch`` row as its control-state slot) and ``sampling``
     (``SamplingColumn``, ``min_tokens`` counted down by the tokens generated); the other rows are padding
     (greedy, no stop ids, no controls).
 
-    The lag given to the step is capped at ``MAX_CATCH_UP``: a step that runs the draft follows a
-    catch-up (``positions.catch_up_rows``), and one that does not reads only the pending token.
+    The lag given to the step is capped at ``max_lag`` (the proposer's): with a draft model,
+    ``MAX_CATCH_UP``: a step that runs the draft follows a catch-up (``positions.catch_up_rows``), and
+    one that does not reads only the pending token.
     """
     length = state.length[rows]
     step_rows = np.zeros((batch, StepRow.WIDTH), np.int32)
     step_rows[:, StepRow.LAG] = 1
-    step_rows[positions, StepRow.LAG] = np.minimum(state.lag[rows], MAX_CATCH_UP)
+    step_rows[positions, StepRow.LAG] = np.minimum(state.lag[rows], max_lag)
     step_rows[positions, StepRow.CONTEXT] = length - 1
     step_rows[positions, StepRow.NUM_DRAFTS] = num_drafts
     step_rows[:, StepRow.STOP:StepRow.TOKENS] = -1

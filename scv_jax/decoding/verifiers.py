@@ -45,9 +45,9 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_batch import slot_owner
 from pallas_kernels.sampling_math import argmax_ignoring_nan
 from pallas_kernels.tree_mask import ancestor_mask, depths
-from scv_jax.decoding.device_step import (ACCEPT_TAG, BONUS_TAG, DRAFT_TAG, LogitControls, StepInputs, choose_tokens,
-                                          commit_positions, controlled, drafts_previous, drafts_seen, flatten_rows,
-                                          sampling_filters, tagged_keys)
+from scv_jax.decoding.device_step import (ACCEPT_TAG, BONUS_TAG, DRAFT_TAG, LogitControls, SplitModel, StepInputs,
+                                          choose_tokens, commit_positions, controlled, drafts_previous, drafts_seen,
+                                          flatten_rows, make_prefill_step, sampling_filters, tagged_keys)
 from scv_jax.decoding.positions import MAX_CATCH_UP, draft_rows_committed
 from scv_jax.decoding.tree_config import TreeConfig
 from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
@@ -69,6 +69,7 @@ class Verifier(Protocol):
     the step's ``StepInputs``, ``k`` > 0 (a k = 0 step is always ``ChainVerifier``'s)."""
 
     name: str
+    every_step: bool      # its drafter runs in every step, k = 0 included (an EAGLE head: ``head_step``)
 
     def drafts_shape(self, k: int) -> tuple[int, ...]:
         """The shape of host drafts past the batch axis."""
@@ -89,9 +90,12 @@ class Verifier(Protocol):
                ) -> tuple[PagedKVCache, StepSummary, Any]:
         """Stage 3: the acceptance and the commit of the target's K/V: (target_cache, summary, result)."""
 
-    def commit_draft(self, draft_cache: PagedKVCache, proposal, result, block_tables: jax.Array,
+    def commit_draft(self, draft_cache: PagedKVCache, proposal, scored, result, block_tables: jax.Array,
                      inputs: StepInputs, *, block_size: int, backend: str) -> PagedKVCache:
         """Stage 4: the draft's K/V the step ran and kept (the cache as it is without a draft model)."""
+
+    def prefill_step(self, target: SplitModel, draft: SplitModel | None, block_size: int):
+        """The prefill step that fills what this verifier's steps read (``device_step.make_prefill_step``)."""
 
 
 # ---------------------------------------------------------------------------------------------- chain
@@ -124,19 +128,36 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
             sampling: jax.Array, *, k: int, greedy: bool, backend: str,
             controls: LogitControls | None = None) -> ChainProposal:
     """Stage 1: given ``drafts`` int32[B, k] as they are; else the draft model's catch-up forward over
-    the lag tokens, then k - 1 one-token forwards (a scan); with k = 0 (or neither source) no drafts.
-    The draft's logits take the requests' ``controls`` as the target's do (draft j's history holds the
-    drafts before it)."""
+    the lag tokens, then k - 1 one-token forwards (``draft_chain``); with k = 0 (or neither source) no
+    drafts."""
     batch = lag_tokens.shape[0]
     if drafts is not None:
         return ChainProposal(drafts.astype(jnp.int32), None, None)
     if draft is None or k == 0:
         return ChainProposal(jnp.zeros((batch, 0), jnp.int32), None, None)
     out = draft.forward_paged(lag_tokens, draft_cache, block_tables, draft_lens, backend=backend)
-    stage_shape = (out.keys.shape[0], batch, max(k + 1, MAX_CATCH_UP), *out.keys.shape[3:])
-    stage_k = jnp.zeros(stage_shape, out.keys.dtype).at[:, :, :MAX_CATCH_UP].set(out.keys)
-    stage_v = jnp.zeros(stage_shape, out.values.dtype).at[:, :, :MAX_CATCH_UP].set(out.values)
-    logits = controlled(controls, jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1)[:, 0])
+
+    def forward(token, staged, carry):
+        o = draft.forward_paged(token[:, None], draft_cache, block_tables, draft_lens, staged, backend=backend)
+        return o.logits[:, 0], o.keys, o.values, carry
+
+    return draft_chain(out, lag, forward, None, keys, sampling, k=k, greedy=greedy, controls=controls)
+
+
+def draft_chain(catch_up: PagedForwardOutput, lag: jax.Array, forward, carry, keys: jax.Array, sampling: jax.Array,
+                *, k: int, greedy: bool, controls: LogitControls | None = None) -> ChainProposal:
+    """k > 0 drafts per request after a catch-up forward over each request's ``lag`` missing tokens (its
+    K/V [layers, B, W, kv_heads, head_dim] staged first, request b's first ``lag[b]`` rows valid): the
+    first from the catch-up's logits at row lag - 1, each next from ``forward(token int32[B], staged,
+    carry) -> (logits [B, V], keys, values [layers, B, 1, ...], carry)`` over the staged K/V (a scan);
+    ``carry`` is the drafter's own running value (an EAGLE head's hidden state; None for a draft model).
+    The drafts' logits take the requests' ``controls`` as the target's do (draft j's history holds the
+    drafts before it). The staged K/V come back ``[layers, B, W + k - 1, kv_heads, head_dim]``."""
+    batch, width = lag.shape[0], catch_up.keys.shape[2]
+    stage_shape = (catch_up.keys.shape[0], batch, width + k - 1, *catch_up.keys.shape[3:])
+    stage_k = jnp.zeros(stage_shape, catch_up.keys.dtype).at[:, :, :width].set(catch_up.keys)
+    stage_v = jnp.zeros(stage_shape, catch_up.values.dtype).at[:, :, :width].set(catch_up.values)
+    logits = controlled(controls, jnp.take_along_axis(catch_up.logits, (lag - 1)[:, None, None], axis=1)[:, 0])
     first, first_probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG), sampling, greedy)
     slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
     vocab_size = logits.shape[-1]
@@ -144,35 +165,36 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
     seen = None if controls is None else jnp.zeros((batch, vocab_size), jnp.int32)
     previous = None if controls is None else controls.recent
 
-    def one_draft(carry, j):
-        stage_k, stage_v, lengths, token, seen, previous = carry
-        o = draft.forward_paged(token[:, None], draft_cache, block_tables, draft_lens,
-                                StagedKV(stage_k, stage_v, lengths), backend=backend)
+    def one_draft(state, j):
+        stage_k, stage_v, lengths, token, seen, previous, carry = state
+        logits, new_keys, new_values, carry = forward(token, StagedKV(stage_k, stage_v, lengths), carry)
         # row b's new K/V into its slot lengths[b]: elementwise (no scatter), so a batch split over
         # devices stays local
         at_length = (slots[None, :] == lengths[:, None])[None, :, :, None, None]
-        stage_k = jnp.where(at_length, o.keys, stage_k)
-        stage_v = jnp.where(at_length, o.values, stage_v)
-        logits = o.logits[:, 0]
+        stage_k = jnp.where(at_length, new_keys, stage_k)
+        stage_v = jnp.where(at_length, new_values, stage_v)
         if controls is not None:
             seen = seen + jax.nn.one_hot(token, vocab_size, dtype=jnp.int32)
             previous = jnp.concatenate([previous[:, 1:], token[:, None]], axis=1)
             logits = controls.apply(logits, seen=seen, offsets=jnp.full((batch,), j, jnp.int32), previous=previous)
         nxt, probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG + j), sampling, greedy)
-        return (stage_k, stage_v, lengths + 1, nxt, seen, previous), (nxt, probs)
+        return (stage_k, stage_v, lengths + 1, nxt, seen, previous, carry), (nxt, probs)
 
     (stage_k, stage_v, lengths, *_), (rest, rest_probs) = jax.lax.scan(
-        one_draft, (stage_k, stage_v, lag, first, seen, previous), jnp.arange(1, k))
+        one_draft, (stage_k, stage_v, lag, first, seen, previous, carry), jnp.arange(1, k))
     tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
     probs = None if greedy else jnp.concatenate([first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
     return ChainProposal(tokens, probs, StagedKV(stage_k, stage_v, lengths))
 
 
 def score(target, target_cache: PagedKVCache, block_tables: jax.Array, pending: jax.Array,
-          drafts: jax.Array, context_lens: jax.Array, *, backend: str) -> PagedForwardOutput:
-    """Stage 2: the target's forward over [pending, drafts] (``[B, k + 1]``) at its context lengths."""
+          drafts: jax.Array, context_lens: jax.Array, *, backend: str,
+          aux_layers: tuple[int, ...] | None = None) -> PagedForwardOutput:
+    """Stage 2: the target's forward over [pending, drafts] (``[B, k + 1]``) at its context lengths (with
+    the taps of ``aux_layers``, when given, for an EAGLE head)."""
+    taps = {} if aux_layers is None else dict(aux_layers=aux_layers)
     return target.forward_paged(jnp.concatenate([pending[:, None], drafts], axis=1), target_cache,
-                                block_tables, context_lens, backend=backend)
+                                block_tables, context_lens, backend=backend, **taps)
 
 
 def packed_layout(num_drafts: jax.Array, num_tokens: int, width: int) -> PackedTokens:
@@ -319,6 +341,10 @@ class ChainVerifier:
     """Chains of drafts: host drafts int32[B, k] or a draft model's (``propose``), see the module docstring."""
 
     name = "chain"
+    every_step = False
+
+    def prefill_step(self, target: SplitModel, draft: SplitModel | None, block_size: int):
+        return make_prefill_step(target, draft, block_size)
 
     def drafts_shape(self, k: int) -> tuple[int, ...]:
         return (k,)
@@ -356,7 +382,7 @@ class ChainVerifier:
             packed=scored.packed, controls=inputs.controls)
         return target_cache, result.summary, result
 
-    def commit_draft(self, draft_cache, proposal, result, block_tables, inputs, *, block_size, backend
+    def commit_draft(self, draft_cache, proposal, scored, result, block_tables, inputs, *, block_size, backend
                      ) -> PagedKVCache:
         if proposal.staged is None:
             return draft_cache
@@ -554,6 +580,10 @@ class TreeVerifier:
 
     tree: TreeConfig
     name = "tree"
+    every_step = False
+
+    def prefill_step(self, target: SplitModel, draft: SplitModel | None, block_size: int):
+        return make_prefill_step(target, draft, block_size)
 
     def drafts_shape(self, k: int) -> tuple[int, ...]:
         return (2, k)
@@ -591,7 +621,7 @@ class TreeVerifier:
         verified = jnp.where(inputs.request_mask, jnp.clip(inputs.num_drafts, 0, self.tree.max_depth), 0)
         return target_cache, StepSummary.pack(result.output_token_ids, result.num_accepted, verified), result
 
-    def commit_draft(self, draft_cache, proposal, result, block_tables, inputs, *, block_size, backend
+    def commit_draft(self, draft_cache, proposal, scored, result, block_tables, inputs, *, block_size, backend
                      ) -> PagedKVCache:
         if proposal.catch_up is None:
             return draft_cache

@@ -17,7 +17,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from scv_jax.decoding.plan import Drafts
+from scv_jax.decoding.plan import MAX_CATCH_UP, Drafts
 
 
 class Trie(NamedTuple):
@@ -141,15 +141,18 @@ def smallest_fitting(step_ks: tuple[int, ...], most: int) -> int:
 
 
 class Proposer:
-    """A drafter's host half: which verifier scores its drafts ("chain" or "tree"), the static k values
-    its steps compile (``step_ks``, 0 first), the most drafts a step accepts, whether its device half
-    runs a draft model (which keeps a draft cache that lags the target's), and each step's ``Drafts``.
+    """A drafter's host half: which verifier scores its drafts ("chain", "tree" or "head": an EAGLE head's
+    chains), the static k values its steps compile (``step_ks``, 0 first), the most drafts a step
+    accepts, whether its device half runs a draft model (which keeps a draft cache that lags the
+    target's, caught up on the host when it lags more than ``MAX_CATCH_UP``), and each step's ``Drafts``.
 
     The host drafter (``host``), if any, receives the request lifecycle hooks.
     """
 
     verifier: str = "chain"
     has_draft_model: bool = False
+    every_step: bool = False        # its device half runs in every step, k = 0 included (an EAGLE head)
+    max_lag: int = MAX_CATCH_UP     # the most tokens its device half may lag at a step (``positions``)
     host_chains: bool = False       # ``chains`` offers host chains (a k = 0 step's can be checked later)
     host: HostDrafter | None = None
     step_ks: tuple[int, ...] = (0,)

@@ -1,5 +1,6 @@
 """A draft model's host half: it drafts inside the step (chains, ``DraftModelChain``; EAGLE-2 trees,
-``DraftModelTree``), so the host only sizes each step and moves the draft cache's lag (``positions``)."""
+``DraftModelTree``; an EAGLE head's chains, ``HeadChain``), so the host only sizes each step and moves
+the draft cache's lag (``positions``)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,23 @@ class DraftModelChain(Proposer):
 
     def lag_after_step(self, lag: np.ndarray, num_accepted: np.ndarray, step_k: int) -> np.ndarray:
         return lag_after_step(lag, num_accepted, step_k)
+
+
+class HeadChain(DraftModelChain):
+    """Chains from an EAGLE head (``decoding.head_step``): it runs every step, k = 0 included, over the
+    rows its previous step emitted, so it lags by ``num_accepted + 1`` (at most the largest k + 1, all on
+    the device: never caught up on the host)."""
+
+    verifier = "head"
+    has_draft_model = False
+    every_step = True
+
+    def __init__(self, allowed_k: Sequence[int]):
+        super().__init__(allowed_k)
+        self.max_lag = self.max_depth + 1
+
+    def lag_after_step(self, lag: np.ndarray, num_accepted: np.ndarray, step_k: int) -> np.ndarray:
+        return num_accepted + 1
 
 
 class DraftModelTree(Proposer):

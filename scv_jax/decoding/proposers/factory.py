@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from scv_jax.decoding.proposers.base import HostDrafter, Proposer
-from scv_jax.decoding.proposers.draft_model import DraftModelChain, DraftModelTree
+from scv_jax.decoding.proposers.draft_model import DraftModelChain, DraftModelTree, HeadChain
 from scv_jax.decoding.proposers.host import HostChains, HostTrees
 from scv_jax.decoding.proposers.ngram import NgramDrafter
 
@@ -21,13 +21,23 @@ def draft_model_of(draft: Any) -> Any | None:
     return None if draft is None or isinstance(draft, HostDrafter) else draft
 
 
+def is_head(draft: Any) -> bool:
+    """Whether ``draft`` is an EAGLE head (``scv_jax.models.Eagle3Head``: it reads the target's taps at
+    ``aux_layers`` through ``combine``)."""
+    return hasattr(draft, "aux_layers") and callable(getattr(draft, "combine", None))
+
+
 def make_proposer(draft: Any, allowed_k: tuple[int, ...], tree, vocab_size: int) -> Proposer:
     """The proposer of ``draft`` for steps of ``allowed_k`` chains, or ``tree`` (a ``TreeConfig``) trees:
     none (plain decoding), a draft model's chains or trees, or a host drafter's chains or trees
-    (``"ngram"`` is ``NgramDrafter()``)."""
+    (``"ngram"`` is ``NgramDrafter()``), or an EAGLE head's chains."""
     if draft is None:
         return Proposer()
     host = NgramDrafter() if isinstance(draft, str) else draft if isinstance(draft, HostDrafter) else None
     if host is not None:
         return HostChains(host, allowed_k, vocab_size) if tree is None else HostTrees(host, tree, vocab_size)
+    if is_head(draft):
+        if tree is not None:
+            raise ValueError("an EAGLE head drafts chains only so far: use DecoderConfig(tree=None)")
+        return HeadChain(allowed_k)
     return DraftModelChain(allowed_k) if tree is None else DraftModelTree(tree)
