@@ -45,11 +45,16 @@ class PagedForwardOutput(NamedTuple):
       logits: float32[B, T, vocab_size] (``forward_packed``: float32[N, vocab_size]).
       keys, values: the new tokens' K/V, [layers, B, T, kv_heads, head_dim] (``forward_packed``:
         [layers, N, kv_heads, head_dim]), to stage, then commit.
+      taps: None unless the call passed ``aux_layers`` (i, j, ...): the inputs of layers i, j, ...
+        (the residual stream entering each; 0: the embeddings) concatenated, in the model dtype,
+        [B, T, len(aux_layers) * d_model] (``forward_packed``: [N, len(aux_layers) * d_model]),
+        what an EAGLE-3 head reads.
     """
 
     logits: jax.Array
     keys: jax.Array
     values: jax.Array
+    taps: jax.Array | None = None
 
 
 @runtime_checkable
@@ -59,7 +64,10 @@ class PagedModel(Protocol):
     ``config`` must expose ``vocab_size``, ``num_layers``, ``num_kv_heads`` and ``head_dim``
     (the paged caches are sized from them). A target that also has ``forward_packed`` (as
     ``scv_jax.models.Transformer`` does) can be verified with packed tokens
-    (``DecoderConfig.packed_verify``): each request scores only its own drafts.
+    (``DecoderConfig.packed_verify``): each request scores only its own drafts. A target for EAGLE-3
+    heads also takes ``aux_layers: tuple[int, ...] | None = None`` (keyword) in ``forward_paged``
+    and ``forward_packed`` and returns the taps of every token it scores in ``PagedForwardOutput.taps``
+    (None when not asked; ``Transformer`` does); a model without it is still a ``PagedModel``.
     """
 
     config: object

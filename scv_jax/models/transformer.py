@@ -114,6 +114,20 @@ def _layer_of(stacked, i: int):
     return stacked[i]
 
 
+def _check_aux_layers(aux_layers, num_layers: int) -> None:
+    """ValueError unless ``aux_layers`` is a non-empty tuple or list of ints in [0, num_layers)."""
+    if not (isinstance(aux_layers, (tuple, list)) and aux_layers
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in aux_layers)):
+        raise ValueError(f"aux_layers must be a non-empty tuple of layer indices in [0, {num_layers}), "
+                         f"got {aux_layers!r}")
+
+
+def _concat_taps(layer_taps: dict[int, jax.Array], aux_layers: tuple[int, ...]) -> jax.Array:
+    """[B, T, len(aux_layers) * d_model]: ``layer_taps[i]`` (the input of layer i, [B, T, d_model]) for
+    each layer i of ``aux_layers``, in its order."""
+    return jnp.concatenate([layer_taps[i] for i in aux_layers], axis=-1)
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM: ``model(tokens)`` for full sequences, ``forward_paged`` for decoding.
 
@@ -140,31 +154,48 @@ class Transformer(nnx.Module):
         return self.lm_head(x)
 
     def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable[..., jax.Array],
-                    layer_inputs=None):
+                    layer_inputs=None, aux_layers: tuple[int, ...] | None = None):
         """Runs the blocks over x [B, T, d_model]; each layer attends with ``attend(inputs, q, k, v)``,
         ``inputs`` being its slice of ``layer_inputs`` (a pytree of ``[num_layers, ...]`` arrays, or None).
         Stacked blocks run under ``jax.lax.scan``; a ``per_layer`` model's blocks one after another.
 
-        Returns the last layer's output and the new tokens' keys, values [layers, B, T, kv_heads, D].
+        Returns the last layer's output, the new tokens' keys, values [layers, B, T, kv_heads, D] and the
+        taps: the inputs of layers ``aux_layers`` concatenated, [B, T, len(aux_layers) * d_model] (None
+        when ``aux_layers`` is None; nothing extra is then traced).
         """
+        if aux_layers is not None:
+            _check_aux_layers(aux_layers, self.config.num_layers)
         if isinstance(self.blocks, nnx.List):
-            keys, values = [], []
+            keys, values, layer_taps = [], [], {}
             for i, block in enumerate(self.blocks):
+                if aux_layers is not None and i in aux_layers:
+                    layer_taps[i] = x
                 inputs = jax.tree.map(lambda a: a[i], layer_inputs)
                 x, k, v = block(x, positions, lambda q, k, v: attend(inputs, q, k, v))
                 keys.append(k)
                 values.append(v)
-            return x, jnp.stack(keys), jnp.stack(values)
+            taps = None if aux_layers is None else _concat_taps(layer_taps, aux_layers)
+            return x, jnp.stack(keys), jnp.stack(values), taps
         graphdef, layer_params = nnx.split(self.blocks)
 
-        def layer(x, params_and_inputs):
-            params, inputs = params_and_inputs
+        def layer(carry, params_inputs_slot):
+            x, acc = carry
+            params, inputs, slot = params_inputs_slot
+            if acc is not None:         # slot len(asked) (a layer not asked) is out of range: no write
+                acc = acc.at[slot].set(x, mode="drop")
             block = nnx.merge(graphdef, params)
             x, k, v = block(x, positions, lambda q, k, v: attend(inputs, q, k, v))
-            return x, (k, v)
+            return (x, acc), (k, v)
 
-        x, (keys, values) = jax.lax.scan(layer, x, (layer_params, layer_inputs))
-        return x, keys, values
+        acc = slots = None
+        if aux_layers is not None:           # one accumulator slot per distinct layer asked
+            asked = tuple(dict.fromkeys(aux_layers))
+            acc = jnp.zeros((len(asked), *x.shape), x.dtype)
+            slots = jnp.asarray([asked.index(i) if i in asked else len(asked)
+                                 for i in range(self.config.num_layers)], jnp.int32)
+        (x, acc), (keys, values) = jax.lax.scan(layer, (x, acc), (layer_params, layer_inputs, slots))
+        taps = None if acc is None else _concat_taps(dict(zip(asked, acc)), aux_layers)
+        return x, keys, values, taps
 
     def per_layer(self) -> "Transformer":
         """This model with each layer's parameters in arrays of their own (``blocks`` an ``nnx.List`` of
@@ -182,25 +213,29 @@ class Transformer(nnx.Module):
         return model
 
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        """Plain causal forward with no cache: tokens int32[B, S] -> logits float32[B, S, vocab]."""
+    def __call__(self, tokens: jax.Array, aux_layers: tuple[int, ...] | None = None
+                 ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """Plain causal forward with no cache: tokens int32[B, S] -> logits float32[B, S, vocab]; with
+        ``aux_layers`` (i, j, ...) -> (logits, taps [B, S, len(aux_layers) * d_model]): the input of
+        layer i (0: the embeddings; transformers' ``hidden_states[i]``), of layer j, ... concatenated."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         window = self.config.sliding_window
 
         def attend(_, q, k, v):
             return causal_attention(q, k, v, positions, sliding_window=window)
 
-        x, _, _ = self._run_layers(self.embed(tokens), positions, attend)
-        return self._logits(x)
+        x, _, _, taps = self._run_layers(self.embed(tokens), positions, attend, aux_layers=aux_layers)
+        return self._logits(x) if aux_layers is None else (self._logits(x), taps)
 
     def forward_paged(self, tokens: jax.Array, cache, block_tables: jax.Array, context_lens: jax.Array,
                       staged: StagedKV | None = None, *, tree_parents: jax.Array | None = None,
-                      backend: str = "auto") -> PagedForwardOutput:
+                      backend: str = "auto", aux_layers: tuple[int, ...] | None = None) -> PagedForwardOutput:
         """See ``PagedModel.forward_paged``; reads ``cache``, never writes it. Each layer attends with
         ``scv_jax.paged_attention`` (its Mosaic GPU kernel or XLA path, per ``backend``; per shard on a
         decoder's mesh: ``scv_jax.ops.attention.sharded``). ``tree_parents`` int32[B, T]: the new tokens
         form a tree (new token t's parent, -1 = after the context and staged entries): each attends to
-        its ancestors and itself only, at position context + staged + its depth."""
+        its ancestors and itself only, at position context + staged + its depth. ``aux_layers``: also the
+        new tokens' taps, ``taps`` [B, T, len(aux_layers) * d_model] (as ``model(tokens, aux_layers)``)."""
         num_tokens = tokens.shape[1]
         context_lens = context_lens.astype(jnp.int32)
         staged_lens = jnp.zeros_like(context_lens) if staged is None else staged.lengths.astype(jnp.int32)
@@ -220,15 +255,18 @@ class Transformer(nnx.Module):
                                            new_values=v, sliding_window=window, new_token_parents=tree_parents,
                                            backend=backend)
 
-        x, keys, values = self._run_layers(self.embed(tokens), positions, attend, (layers, staged_kv))
-        return PagedForwardOutput(self._logits(x), keys, values)
+        x, keys, values, taps = self._run_layers(self.embed(tokens), positions, attend, (layers, staged_kv),
+                                                 aux_layers)
+        return PagedForwardOutput(self._logits(x), keys, values, taps)
 
     def forward_packed(self, tokens: jax.Array, packed: PackedTokens, cache, block_tables: jax.Array,
-                       context_lens: jax.Array, *, backend: str = "auto") -> PagedForwardOutput:
+                       context_lens: jax.Array, *, backend: str = "auto",
+                       aux_layers: tuple[int, ...] | None = None) -> PagedForwardOutput:
         """``forward_paged`` of B requests' tokens packed in one row: tokens int32[N], request
         ``packed.rows[i]`` at offset ``packed.offsets[i]`` (``PackedTokens``), so a request with fewer
         tokens costs fewer (every layer but attention runs on the N tokens). Returns logits
-        float32[N, vocab] and K/V [layers, N, kv_heads, head_dim]; reads ``cache``, never writes it.
+        float32[N, vocab], K/V [layers, N, kv_heads, head_dim] and, with ``aux_layers``, taps
+        [N, len(aux_layers) * d_model]; reads ``cache``, never writes it.
 
         Attention places each layer's queries and new K/V in a ``[B, width]`` grid (padding tokens
         dropped), runs ``scv_jax.paged_attention`` on it and takes each token's row back: a token sees
@@ -254,5 +292,6 @@ class Transformer(nnx.Module):
                                           backend=backend)
             return out.reshape(batch * width, *out.shape[2:])[jnp.minimum(cell, batch * width - 1)][None]
 
-        x, keys, values = self._run_layers(self.embed(tokens.astype(jnp.int32)[None]), positions, attend, layers)
-        return PagedForwardOutput(self._logits(x)[0], keys[:, 0], values[:, 0])
+        x, keys, values, taps = self._run_layers(self.embed(tokens.astype(jnp.int32)[None]), positions, attend,
+                                                 layers, aux_layers)
+        return PagedForwardOutput(self._logits(x)[0], keys[:, 0], values[:, 0], None if taps is None else taps[0])

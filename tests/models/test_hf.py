@@ -1,7 +1,7 @@
 """``load_hf`` against transformers on tiny checkpoints of every architecture (``hf_fixtures/``, made
-by ``hf_fixtures/make_fixtures.py``): logits, paged forward (and packed, for Qwen3's q/k norms),
-greedy generation (autoregressive and speculative), float32 vs bfloat16 losslessness, loader errors;
-``load_tokenizer``."""
+by ``hf_fixtures/make_fixtures.py``): logits, taps (hidden states), paged forward (and packed, for
+Qwen3's q/k norms), greedy generation (autoregressive and speculative), float32 vs bfloat16
+losslessness, loader errors; ``load_tokenizer``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,14 @@ def reference_logits(name: str, index: int) -> np.ndarray:
 
 
 @functools.cache
+def reference_hidden_states(name: str, index: int) -> np.ndarray:
+    """transformers' float32 ``output_hidden_states`` over the same sequence: [num_layers + 1, T, hidden]
+    (entry l < num_layers: the input of layer l; the last has the final norm applied)."""
+    with np.load(FIXTURES / name / "hidden_states.npz") as data:
+        return data[f"hidden_{index}"]
+
+
+@functools.cache
 def model(name: str, dtype: str = "float32") -> Transformer:
     return load_hf(FIXTURES / name, dtype=dtype)
 
@@ -54,6 +62,14 @@ def forward(name: str, dtype: str = "float32"):
     graphdef, state = nnx.split(model(name, dtype))
     jitted = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens))
     return lambda tokens: np.asarray(jitted(state, jnp.asarray(tokens, jnp.int32)))
+
+
+@functools.cache
+def tapped_forward(name: str, aux_layers: tuple[int, ...]):
+    """Jitted ``model(tokens, aux_layers)`` of a fixture model: int32[B, T] -> (logits, taps) as numpy."""
+    graphdef, state = nnx.split(model(name))
+    jitted = jax.jit(lambda state, tokens: nnx.merge(graphdef, state)(tokens, aux_layers=aux_layers))
+    return lambda tokens: tuple(np.asarray(x) for x in jitted(state, jnp.asarray(tokens, jnp.int32)))
 
 
 @functools.cache
@@ -74,6 +90,23 @@ def test_logits_match_transformers(name):
     for index in range(2):
         got = forward(name)([sequence(name, index)])[0]
         np.testing.assert_allclose(got, reference_logits(name, index), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_taps_match_transformers_hidden_states(name):
+    """``model(tokens, aux_layers)``'s taps are transformers' ``hidden_states[i]`` (the input of layer i, 0
+    the embeddings) for each i asked, concatenated in the order asked (repeats included); the logits are
+    those without taps."""
+    last = model(name).config.num_layers - 1
+    for aux_layers in [(0,), (last,), (last, 0, last)]:
+        for index in range(2):
+            seq = sequence(name, index)
+            logits, taps = tapped_forward(name, aux_layers)([seq])
+            want = reference_hidden_states(name, index)[list(aux_layers)]           # [n, T, hidden]
+            assert taps.shape == (1, len(seq), want.shape[0] * want.shape[2])
+            np.testing.assert_allclose(taps[0].reshape(len(seq), *want.shape[::2]), want.transpose(1, 0, 2),
+                                       rtol=1e-4, atol=1e-4)
+            np.testing.assert_array_equal(logits, forward(name)([seq]))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -221,7 +254,7 @@ def test_load_hf_reads_tied_biased_sharded_and_scaled_checkpoints():
     assert model("llama3_scaled").config.head_dim * 4 != model("llama3_scaled").config.d_model
     assert model("mistral").config.sliding_window == 12
     total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
-    assert total < 600 * 1024
+    assert total < 768 * 1024
 
 
 # ------------------------------------------------------------------------------------------ errors

@@ -1,10 +1,12 @@
-"""The paged + staged forward pass equals a plain full-sequence forward; weights round-trip."""
+"""The paged + staged forward pass equals a plain full-sequence forward (logits, K/V, taps); weights
+round-trip."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -126,6 +128,65 @@ def test_packed_forward_equals_the_dense_rows(counts, committed, window, seed):
                                    rtol=1e-5)
 
 
+AUX = (1, 0, 1)         # TINY's last layer, the embeddings, a layer asked twice
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_paged_and_packed_taps_are_the_dense_taps(model, per_layer):
+    """``forward_paged`` and ``forward_packed`` give every token they score the taps of
+    ``model(tokens, aux_layers)`` at its position: a prefill in one pass or in chunks (committed, staged,
+    new), and the tokens after a committed prefix packed in reversed order among padding tokens. No
+    ``aux_layers``: no taps."""
+    m = model.per_layer() if per_layer else model
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, TINY.vocab_size, (2, 12)).astype(np.int32)
+    _, taps = m(jnp.asarray(tokens), aux_layers=AUX)
+    assert taps.shape == (2, 12, len(AUX) * TINY.d_model)
+    cache = scv_jax.PagedKVCache.create(TINY.num_layers, NUM_BLOCKS, BLOCK_SIZE, TINY.num_kv_heads, TINY.head_dim,
+                                        dtype="float32")
+    tables = jnp.asarray(rng.permutation(NUM_BLOCKS)[:2 * MAX_BLOCKS].reshape(2, MAX_BLOCKS), jnp.int32)
+    zeros, context = jnp.zeros(2, jnp.int32), jnp.full(2, 7, jnp.int32)
+    one_pass = m.forward_paged(jnp.asarray(tokens), cache, tables, zeros, aux_layers=AUX)
+    assert m.forward_paged(jnp.asarray(tokens), cache, tables, zeros).taps is None
+    first = m.forward_paged(jnp.asarray(tokens[:, :7]), cache, tables, zeros, aux_layers=AUX)
+    cache = commit_prefix(cache, first, tables, [7, 7], BLOCK_SIZE)
+    middle = m.forward_paged(jnp.asarray(tokens[:, 7:9]), cache, tables, context, aux_layers=AUX)
+    last = m.forward_paged(jnp.asarray(tokens[:, 9:]), cache, tables, context,
+                           StagedKV(middle.keys, middle.values, jnp.full(2, 2, jnp.int32)), aux_layers=AUX)
+    for got in (one_pass.taps, jnp.concatenate([first.taps, middle.taps, last.taps], axis=1)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(taps), rtol=1e-5, atol=1e-5)
+
+    rows = np.array([0] + [0] * 5 + [1] * 5 + [1], np.int32)
+    offsets = np.array([-1] + [4, 3, 2, 1, 0] * 2 + [5], np.int32)              # padding at both ends
+    packed = PackedTokens(jnp.asarray(rows), jnp.asarray(offsets), 5)
+    packed_tokens = jnp.asarray(tokens[rows, 7 + np.clip(offsets, 0, 4)])
+    out = m.forward_packed(packed_tokens, packed, cache, tables, context, aux_layers=AUX)
+    assert out.taps.shape == (len(rows), len(AUX) * TINY.d_model)
+    assert m.forward_packed(packed_tokens, packed, cache, tables, context).taps is None
+    np.testing.assert_allclose(np.asarray(out.taps)[1:-1], np.asarray(taps)[rows[1:-1], 7 + offsets[1:-1]],
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("aux_layers", [(2,), (0, -1), (0.0,), 1, (), (True,), None])
+def test_bad_aux_layers_are_named(model, aux_layers):
+    """aux_layers must be a non-empty tuple or list of layer indices in [0, num_layers): a one-line
+    ValueError naming it, from every forward, stacked or per layer (None: asks for no taps, is the
+    default and gets no error)."""
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    cache = scv_jax.PagedKVCache.create(TINY.num_layers, 8, 4, TINY.num_kv_heads, TINY.head_dim)
+    tables, lens = jnp.zeros((1, 2), jnp.int32), jnp.zeros(1, jnp.int32)
+    packed = PackedTokens(jnp.zeros(3, jnp.int32), jnp.arange(3, dtype=jnp.int32), 3)
+    for m in (model, model.per_layer()):
+        for run in (lambda: m(tokens, aux_layers=aux_layers),
+                    lambda: m.forward_paged(tokens, cache, tables, lens, aux_layers=aux_layers),
+                    lambda: m.forward_packed(tokens[0], packed, cache, tables, lens, aux_layers=aux_layers)):
+            if aux_layers is None:
+                run()
+                continue
+            with pytest.raises(ValueError, match=r"^aux_layers .*got " + re.escape(repr(aux_layers)) + "$"):
+                run()
+
+
 def test_fp8_cache_is_read_dequantized(jitted):
     """A per-token-head fp8 cache is read back through its scales (close to the float32 result)."""
     full_forward, paged_forward = jitted
@@ -218,7 +279,8 @@ def test_trace_size_does_not_grow_with_depth():
 
 def test_per_layer_model_computes_what_the_stacked_one_does(model):
     """``per_layer``: the layers as separate modules with their own arrays; every forward pass (full,
-    paged with staged K/V, packed) gives the stacked model's results, and the stacked model is unchanged."""
+    paged with staged K/V, packed) gives the stacked model's results (taps too), and the stacked model is
+    unchanged."""
     per_layer = model.per_layer()
     assert isinstance(per_layer.blocks, nnx.List) and len(per_layer.blocks) == TINY.num_layers
     assert per_layer.per_layer() is per_layer and not isinstance(model.blocks, nnx.List)
@@ -235,9 +297,9 @@ def test_per_layer_model_computes_what_the_stacked_one_does(model):
     staged_kv = jnp.asarray(rng.normal(size=(TINY.num_layers, 2, 2, TINY.num_kv_heads, TINY.head_dim)), jnp.float32)
     staged = StagedKV(staged_kv, -staged_kv, jnp.asarray([1, 2], jnp.int32))
     packed = PackedTokens(jnp.asarray([0, 0, 1, 1, 1], jnp.int32), jnp.asarray([0, 1, 0, 1, 2], jnp.int32), 3)
-    runs = [lambda m: [m(tokens)],
-            lambda m: list(m.forward_paged(tokens, cache, tables, lens, staged)),
-            lambda m: list(m.forward_packed(tokens[0], packed, cache, tables, lens))]
+    runs = [lambda m: list(m(tokens, aux_layers=AUX)),
+            lambda m: list(m.forward_paged(tokens, cache, tables, lens, staged, aux_layers=AUX)),
+            lambda m: list(m.forward_packed(tokens[0], packed, cache, tables, lens, aux_layers=AUX))]
     for run in runs:
         for want, got in zip(run(model), run(per_layer), strict=True):
             # the two are compiled separately, so XLA may fuse (and round) differently: float32 noise only
@@ -256,6 +318,9 @@ def test_bfloat16_parameters_activations_and_float32_logits():
     out = model.forward_paged(tokens, cache, jnp.zeros((1, 2), jnp.int32), jnp.zeros(1, jnp.int32))
     assert out.logits.dtype == jnp.float32 and out.keys.dtype == out.values.dtype == jnp.bfloat16
     assert out.keys.shape == (TINY.num_layers, 1, 6, TINY.num_kv_heads, TINY.head_dim)
+    taps = model.forward_paged(tokens, cache, jnp.zeros((1, 2), jnp.int32), jnp.zeros(1, jnp.int32),
+                               aux_layers=(1,)).taps
+    assert taps.dtype == jnp.bfloat16 and model(tokens, aux_layers=(0, 1))[1].dtype == jnp.bfloat16
 
 
 def test_sliding_window_limits_what_a_token_sees():

@@ -1,5 +1,5 @@
-"""``forward_paged(tree_parents=...)``: each tree node's logits and K/V are those of a chain forward over its
-root path (committed prefix, staged tokens, then the node's ancestors and itself)."""
+"""``forward_paged(tree_parents=...)``: each tree node's logits, taps and K/V are those of a chain forward over
+its root path (committed prefix, staged tokens, then the node's ancestors and itself)."""
 
 from __future__ import annotations
 
@@ -16,13 +16,14 @@ from tests.models.fixtures import TINY, commit_prefix, pad_rows, tiny_model
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 4, 16, 6
 COMMITTED, STAGED, NODES = 8, 2, 7      # fixed widths (one compile); lengths vary through masks
+AUX = (1, 0)                            # taps of TINY's last layer and of the embeddings
 
 
 def _forwards():
     graphdef, state = nnx.split(tiny_model(TINY, seed=4, scale=1.0))
-    full = jax.jit(lambda tokens: nnx.merge(graphdef, state)(tokens))
+    full = jax.jit(lambda tokens: nnx.merge(graphdef, state)(tokens, aux_layers=AUX))
     paged = jax.jit(lambda tokens, cache, tables, lens, staged, parents: nnx.merge(graphdef, state).forward_paged(
-        tokens, cache, tables, lens, staged, tree_parents=parents))
+        tokens, cache, tables, lens, staged, tree_parents=parents, aux_layers=AUX))
     chain = jax.jit(lambda *args: nnx.merge(graphdef, state).forward_paged(*args))
     return full, paged, chain
 
@@ -61,8 +62,11 @@ def test_tree_nodes_see_their_root_path_only(committed, staged_n, seed):
     for node in range(NODES):
         path = root_path(parents, node)
         sequence = prefix + [nodes[i] for i in path]
-        expected = np.asarray(full(jnp.asarray(pad_rows([sequence], width))))[0, len(sequence) - 1]
-        np.testing.assert_allclose(np.asarray(tree.logits[0, node]), expected, atol=2e-4, rtol=2e-4)
+        logits, taps = full(jnp.asarray(pad_rows([sequence], width)))
+        np.testing.assert_allclose(np.asarray(tree.logits[0, node]), np.asarray(logits[0, len(sequence) - 1]),
+                                   atol=2e-4, rtol=2e-4)
+        np.testing.assert_allclose(np.asarray(tree.taps[0, node]), np.asarray(taps[0, len(sequence) - 1]),
+                                   atol=2e-5, rtol=2e-5)
     # a chain tree (parents t - 1) is the chain forward
     chain_parents = jnp.arange(-1, NODES - 1, dtype=jnp.int32)[None]
     as_tree = paged(jnp.array([nodes], jnp.int32), cache, tables, lens, staged, chain_parents)

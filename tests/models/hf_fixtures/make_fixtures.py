@@ -10,7 +10,10 @@ bfloat16 on disk) it writes ``<name>/`` with
 - ``tokenizer.json``: a tiny BPE tokenizer (``tokenizers``) whose vocabulary is the model's,
 - ``expected.json``: the prompts, transformers' 32-token greedy continuation of each (``generate``,
   with its KV cache) and tokenizer round-trip samples,
-- ``logits.npz``: transformers' float32 logits over each prompt + continuation (``logits_<i>``).
+- ``logits.npz``: transformers' float32 logits over each prompt + continuation (``logits_<i>``),
+- ``hidden_states.npz``: its float32 ``output_hidden_states`` over each (``hidden_<i>``,
+  [num_layers + 1, T, hidden]: entry l < num_layers is the input of layer l, 0 the embeddings; the
+  last is the final norm's output).
 
 Every parameter (norm weights and biases too) is random, so a tensor mapped to the wrong place
 shows. The script checks that transformers' full forward agrees with its own greedy continuation
@@ -24,7 +27,10 @@ deterministic for a given torch/transformers version), from the repository root:
     /tmp/fixture-venv/bin/pip install transformers==4.57.6 safetensors tokenizers numpy
     /tmp/fixture-venv/bin/python tests/models/hf_fixtures/make_fixtures.py [NAME ...]
 
-(NAMEs: make only those fixtures; each has its own seeds, so the others stay as they are). Made with
+(NAMEs: make only those fixtures; each has its own seeds, so the others stay as they are).
+``make_fixtures.py --hidden-states [NAME ...]`` only (re)writes ``hidden_states.npz`` from the
+committed checkpoint and ``expected.json``, after checking that the logits of that forward are
+``logits.npz``'s (how those files were added, with torch 2.13.0+cpu). Made with
 torch 2.13.0+cpu, transformers 4.57.6, tokenizers 0.22.2; ``qwen3`` later, alone, with torch
 2.14.1+cu130 (PyPI's wheel, run on the CPU, Python 3.12), transformers 4.57.6, tokenizers 0.22.2
 (each fixture's ``expected.json`` records its versions).
@@ -127,6 +133,25 @@ def greedy(model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def load(directory: pathlib.Path):
+    """The checkpoint on disk, computed in float32 (a bfloat16 checkpoint is upcast exactly)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+
+
+def write_hidden_states(directory: pathlib.Path, model, sequences: list[list[int]]) -> list[np.ndarray]:
+    """Writes ``hidden_states.npz`` (float32 ``hidden_<i>``: [num_layers + 1, T, hidden]) over each
+    sequence; returns the float32 logits [T, vocab] of the same forwards."""
+    hidden, logits = {}, []
+    for i, seq in enumerate(sequences):
+        with torch.no_grad():
+            out = model(torch.tensor([seq]), output_hidden_states=True)
+        hidden[f"hidden_{i}"] = torch.stack(out.hidden_states)[:, 0].float().numpy()
+        logits.append(out.logits[0].float().numpy())
+    np.savez_compressed(directory / "hidden_states.npz", **hidden)
+    return logits
+
+
 def make(name: str, spec: dict, seed: int) -> dict | None:
     """Writes fixture ``name`` from ``seed``; None (try another seed) if a greedy step is a near-tie
     or a continuation repeats a few tokens."""
@@ -147,9 +172,7 @@ def make(name: str, spec: dict, seed: int) -> dict | None:
     tokenizer = make_tokenizer(spec["style"])
     tokenizer.save(str(directory / "tokenizer.json"))
 
-    # What is on disk, computed in float32 (a bfloat16 checkpoint is upcast exactly).
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
-                                                              attn_implementation="eager").eval()
+    model = load(directory)
     rng = np.random.default_rng(seed)
     prompts = [tokenizer.encode(TEXTS[0]).ids, rng.integers(3, VOCAB, 9).tolist()]
     continuations, logits = [], {}
@@ -166,6 +189,7 @@ def make(name: str, spec: dict, seed: int) -> dict | None:
         continuations.append(continuation)
         logits[f"logits_{i}"] = full.astype(np.float32)
     np.savez_compressed(directory / "logits.npz", **logits)
+    write_hidden_states(directory, model, [p + c for p, c in zip(prompts, continuations)])
     expected = {
         "prompts": prompts, "continuations": continuations,
         "tokenizer": [{"text": t, "ids": tokenizer.encode(t).ids,
@@ -178,12 +202,29 @@ def make(name: str, spec: dict, seed: int) -> dict | None:
     return expected
 
 
+def add_hidden_states(name: str) -> None:
+    """Writes ``hidden_states.npz`` of committed fixture ``name``, changing none of its other files."""
+    directory = OUT / name
+    expected = json.loads((directory / "expected.json").read_text())
+    sequences = [p + c for p, c in zip(expected["prompts"], expected["continuations"])]
+    logits = write_hidden_states(directory, load(directory), sequences)
+    with np.load(directory / "logits.npz") as committed:
+        for i, got in enumerate(logits):
+            np.testing.assert_allclose(got, committed[f"logits_{i}"], rtol=1e-4, atol=1e-4, err_msg=name)
+    print(f"{name}: hidden_states.npz, {(directory / 'hidden_states.npz').stat().st_size / 1024:.0f} KiB")
+
+
 def main(names: list[str]) -> None:
+    hidden_only = names[:1] == ["--hidden-states"]
+    names = names[hidden_only:]
     unknown = sorted(set(names) - set(FIXTURES))
     if unknown:
         raise SystemExit(f"make_fixtures.py: unknown fixtures {unknown} (known: {list(FIXTURES)})")
     for index, (name, spec) in enumerate(FIXTURES.items()):
         if names and name not in names:
+            continue
+        if hidden_only:
+            add_hidden_states(name)
             continue
         seed = 100 * index
         while make(name, spec, seed) is None:
