@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-# The head make_bin_fixture.py writes as eagle3_head.bin (float16), for a target of BIN_TARGET sizes.
-BIN_TARGET = dict(vocab_size=24, num_layers=4, d_model=16, num_heads=2, num_kv_heads=1, head_dim=8, ffn_dim=32)
+# The head make_bin_fixture.py writes as eagle3_head.bin (float16), for a target with hidden size 16
+# and vocabulary 24 (test_eagle3.TARGET).
 BIN_HEAD = dict(hidden=16, heads=2, kv_heads=1, head_dim=8, ffn=32, target_vocab=24, draft_vocab=12, seed=7)
 
 LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
