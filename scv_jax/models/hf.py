@@ -146,22 +146,22 @@ def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
 
 
 # ---------------------------------------------------------------------------------------- tensors
-def _open(file: pathlib.Path):
-    """``safe_open`` of a weights file; a file it cannot read (empty, truncated, not safetensors) raises
-    a ValueError naming it."""
+def open_safetensors(file: pathlib.Path, caller: str = "load_hf"):
+    """``safe_open`` (numpy) of a weights file; a file it cannot read (empty, truncated, not safetensors)
+    raises a ValueError naming it, prefixed with ``caller``."""
     from safetensors import SafetensorError, safe_open
 
     try:
         return safe_open(file, framework="numpy")
     except SafetensorError as e:
-        raise ValueError(f"load_hf: {file} is not a readable safetensors file ({e}): re-download it") from None
+        raise ValueError(f"{caller}: {file} is not a readable safetensors file ({e}): re-download it") from None
 
 
 def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     """{tensor name: safetensors file holding it}, from the index file or the single file's header."""
     index = directory / INDEX_FILE
     if index.exists():
-        data = _read_json(index)
+        data = read_json(index)
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict):
             raise ValueError(f"load_hf: {index} has no 'weight_map' object")
@@ -173,7 +173,7 @@ def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     single = directory / SINGLE_FILE
     if not single.exists():
         raise FileNotFoundError(f"load_hf: {directory} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with _open(single) as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -229,14 +229,14 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16") -> Transformer
     config_file = directory / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"load_hf: {config_file} not found")
-    hf = _read_json(config_file)
+    hf = read_json(config_file)
     try:
         config = config_from_hf(hf, dtype=dtype)
     except ValueError as e:
         raise ValueError(f"load_hf: {config_file}: {e}") from None
     files = _weight_files(directory)
     with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(_open(file)) for file in sorted(set(files.values()))}
+        handles = {file: stack.enter_context(open_safetensors(file)) for file in sorted(set(files.values()))}
         _check_tensors(directory, _expected_shapes(config), files, handles, config)
 
         def read(name: str, layer: int | None) -> tuple[np.ndarray, str]:
@@ -247,12 +247,13 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16") -> Transformer
         return assemble_transformer(config, read)
 
 
-def _read_json(file: pathlib.Path) -> Any:
-    """The JSON value in ``file``; ValueError naming the file when it is not UTF-8 JSON."""
+def read_json(file: pathlib.Path, caller: str = "load_hf") -> Any:
+    """The JSON value in ``file``; ValueError naming the file (prefixed with ``caller``) when it is not
+    UTF-8 JSON."""
     try:
         return json.loads(file.read_bytes())
     except ValueError as e:      # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"load_hf: {file} is not valid JSON ({e})") from None
+        raise ValueError(f"{caller}: {file} is not valid JSON ({e})") from None
 
 
 def eos_token_ids(path: str | pathlib.Path) -> list[int]:
@@ -263,7 +264,7 @@ def eos_token_ids(path: str | pathlib.Path) -> list[int]:
     for name in ("generation_config.json", "config.json"):
         file = directory / name
         if file.is_file():
-            data = _read_json(file)
+            data = read_json(file)
             eos = data.get("eos_token_id") if isinstance(data, dict) else None
             if eos is not None:
                 ids = eos if isinstance(eos, list) else [eos]

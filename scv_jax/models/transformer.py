@@ -55,19 +55,22 @@ class SwiGLU(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    """Grouped-query attention with RoPE; q/k/v project from ``in_features`` (default ``d_model``) inputs."""
+
+    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs, *, in_features: int | None = None):
         c = config
         self.config = c
-        self.q = _linear(c, c.d_model, c.num_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
-        self.k = _linear(c, c.d_model, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
-        self.v = _linear(c, c.d_model, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
+        fan_in = in_features or c.d_model
+        self.q = _linear(c, fan_in, c.num_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
+        self.k = _linear(c, fan_in, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
+        self.v = _linear(c, fan_in, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
         self.o = _linear(c, c.num_heads * c.head_dim, c.d_model, rngs)
         # Qwen3: each query / key head RMS-normalised (one scale for all heads) before RoPE
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.jnp_dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.jnp_dtype) if c.qk_norm else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend):
-        """x: [B, T, d_model] at positions int32[B, T]. Returns the output [B, T, d_model] and the new
+        """x: [B, T, in_features] at positions int32[B, T]. Returns the output [B, T, d_model] and the new
         tokens' keys (normed when ``qk_norm``, RoPE applied), values [B, T, kv_heads, D]."""
         c = self.config
         batch, num_tokens, _ = x.shape
@@ -126,6 +129,17 @@ def _concat_taps(layer_taps: dict[int, jax.Array], aux_layers: tuple[int, ...]) 
     """[B, T, len(aux_layers) * d_model]: ``layer_taps[i]`` (the input of layer i, [B, T, d_model]) for
     each layer i of ``aux_layers``, in its order."""
     return jnp.concatenate([layer_taps[i] for i in aux_layers], axis=-1)
+
+
+def paged_positions(num_tokens: int, context_lens: jax.Array, staged: StagedKV | None,
+                    tree_parents: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(context_lens, staged_lens) as int32[B] and the positions int32[B, T] of a paged forward's new
+    tokens: context + staged + t, or + t's depth when ``tree_parents`` (``PagedModel.forward_paged``)."""
+    context_lens = context_lens.astype(jnp.int32)
+    staged_lens = jnp.zeros_like(context_lens) if staged is None else staged.lengths.astype(jnp.int32)
+    offsets = (jnp.arange(num_tokens, dtype=jnp.int32)[None, :] if tree_parents is None
+               else tree_depths(tree_parents))
+    return context_lens, staged_lens, (context_lens + staged_lens)[:, None] + offsets
 
 
 class Transformer(nnx.Module):
@@ -236,12 +250,7 @@ class Transformer(nnx.Module):
         form a tree (new token t's parent, -1 = after the context and staged entries): each attends to
         its ancestors and itself only, at position context + staged + its depth. ``aux_layers``: also the
         new tokens' taps, ``taps`` [B, T, len(aux_layers) * d_model] (as ``model(tokens, aux_layers)``)."""
-        num_tokens = tokens.shape[1]
-        context_lens = context_lens.astype(jnp.int32)
-        staged_lens = jnp.zeros_like(context_lens) if staged is None else staged.lengths.astype(jnp.int32)
-        offsets = (jnp.arange(num_tokens, dtype=jnp.int32)[None, :] if tree_parents is None
-                   else tree_depths(tree_parents))
-        positions = (context_lens + staged_lens)[:, None] + offsets
+        context_lens, staged_lens, positions = paged_positions(tokens.shape[1], context_lens, staged, tree_parents)
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         staged_kv = None if staged is None else (staged.keys, staged.values)
         window = self.config.sliding_window

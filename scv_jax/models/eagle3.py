@@ -1,0 +1,345 @@
+"""EAGLE-3 draft heads: one Llama decoder layer over the target's own features, loaded from the
+published checkpoints (SafeAILab EAGLE / SpecForge and vLLM speculators layouts) and bound to a target.
+
+    target = scv_jax.models.load_hf("/path/to/Llama-3.1-8B-Instruct")
+    head = scv_jax.models.load_eagle3("/path/to/EAGLE3-LLaMA3.1-Instruct-8B", target)
+
+The head shares the target's token embedding (checkpoints carry none). Guide: docs/eagle3.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from scv_jax.arguments import is_int
+from scv_jax.models.attention import causal_attention
+from scv_jax.models.config import TransformerConfig, canonical_dtype
+from scv_jax.models.hf import config_from_hf, open_safetensors, read_json
+from scv_jax.models.protocol import StagedKV
+from scv_jax.models.torch_checkpoint import read_torch_state_dict
+from scv_jax.models.transformer import Attention, RMSNorm, SwiGLU, Transformer, paged_positions
+from scv_jax.ops.attention.sharded import sharded_paged_attention
+from scv_jax.ops.commit.kv_cache import PagedKVCache
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+NORM_BEFORE_RESIDUAL_DEFAULT = False     # SafeAILab's forward; the speculators library's config default
+
+# Our parameter path -> (checkpoint tensor name, stored as [out, in] and so transposed). Layer tensors
+# are relative to the layout's layer prefix ("midlayer." or "layers.0.").
+_LAYER_TENSORS = {
+    "input_norm/scale": ("input_layernorm.weight", False),
+    "hidden_norm/scale": ("hidden_norm.weight", False),
+    "attn/q/kernel": ("self_attn.q_proj.weight", True),
+    "attn/k/kernel": ("self_attn.k_proj.weight", True),
+    "attn/v/kernel": ("self_attn.v_proj.weight", True),
+    "attn/o/kernel": ("self_attn.o_proj.weight", True),
+    "mlp_norm/scale": ("post_attention_layernorm.weight", False),
+    "mlp/gate/kernel": ("mlp.gate_proj.weight", True),
+    "mlp/up/kernel": ("mlp.up_proj.weight", True),
+    "mlp/down/kernel": ("mlp.down_proj.weight", True),
+}
+_GLOBAL_TENSORS = {
+    "fc/kernel": ("fc.weight", True),
+    "norm/scale": ("norm.weight", False),
+    "lm_head/kernel": ("lm_head.weight", True),
+}
+# Tensors a checkpoint may carry that the head does not use: the embedding (the target's is shared;
+# checked against it), the draft/target vocabulary maps (read separately) and training-only modules.
+_EMBEDDING = "embed_tokens.weight"
+_NOT_PARAMETERS = {_EMBEDDING, "d2t", "t2d", "verifier_lm_head.weight", "verifier_norm.weight"}
+
+
+class VocabMap(nnx.Variable):
+    """A constant of the checkpoint: int32[draft_vocab], the target id of each draft id."""
+
+
+class Eagle3Output(NamedTuple):
+    """What ``Eagle3Head.forward_paged`` returns.
+
+    Attributes:
+      logits: float32[B, T, target vocab] (-inf at target ids outside the draft vocabulary).
+      hidden: [B, T, d_model], the layer's output before the final norm: the next draft step's ``hidden``.
+      keys, values: the new tokens' K/V, [1, B, T, kv_heads, head_dim] (a one-layer cache's), to stage,
+        then commit.
+    """
+
+    logits: jax.Array
+    hidden: jax.Array
+    keys: jax.Array
+    values: jax.Array
+
+
+class Eagle3Head(nnx.Module):
+    """An EAGLE-3 draft head: ``combine`` projects three target features to one, ``__call__`` /
+    ``forward_paged`` run its decoder layer over (token embedding, feature) pairs.
+
+    Attributes:
+      config: the layer's ``TransformerConfig`` (``num_layers`` 1, ``vocab_size`` the target's), so a
+        paged cache is sized as for a draft model.
+      embed: the target's ``nnx.Embed`` (shared, not copied).
+      aux_layers: the three target layers whose input hidden states (layer k's input: the output of
+        layer k - 1, the embedding for k = 0) ``combine`` takes, in order.
+      norm_before_residual: the residual around attention is ``hidden_norm(hidden)`` (True) or
+        ``hidden`` (False).
+      draft_to_target: ``VocabMap`` of the draft ids' target ids, or None (the vocabularies are one).
+    """
+
+    def __init__(self, config: TransformerConfig, embed: nnx.Embed | None, *, draft_vocab_size: int,
+                 draft_to_target: np.ndarray | None, aux_layers: tuple[int, int, int],
+                 norm_before_residual: bool, rngs: nnx.Rngs):
+        c, dtype = config, config.jnp_dtype
+        self.config = c
+        self.embed = nnx.data(embed)      # data even while None (the loader attaches the target's)
+        self.aux_layers = tuple(aux_layers)
+        self.norm_before_residual = norm_before_residual
+        self.fc = nnx.Linear(3 * c.d_model, c.d_model, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.input_norm = RMSNorm(c.d_model, c.norm_eps, dtype)
+        self.hidden_norm = RMSNorm(c.d_model, c.norm_eps, dtype)
+        self.attn = Attention(c, rngs, in_features=2 * c.d_model)
+        self.mlp_norm = RMSNorm(c.d_model, c.norm_eps, dtype)
+        self.mlp = SwiGLU(c, rngs)
+        self.norm = RMSNorm(c.d_model, c.norm_eps, dtype)
+        self.lm_head = nnx.Linear(c.d_model, draft_vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
+                                  preferred_element_type=jnp.float32, rngs=rngs)
+        self.draft_to_target = (None if draft_to_target is None
+                                else VocabMap(jnp.asarray(draft_to_target, jnp.int32)))
+
+    def combine(self, taps: jax.Array) -> jax.Array:
+        """The head's input feature [B, T, d_model] from the ``aux_layers`` features concatenated in
+        order, taps [B, T, 3 * d_model] (the ``fc`` projection)."""
+        return self.fc(taps.astype(self.config.jnp_dtype))
+
+    def _logits(self, hidden_out: jax.Array) -> jax.Array:
+        """float32[B, T, target vocab]: the draft vocabulary's logits placed at their target ids."""
+        draft = self.lm_head(self.norm(hidden_out))
+        if self.draft_to_target is None:
+            return draft
+        full = jnp.full((*draft.shape[:-1], self.config.vocab_size), -jnp.inf, jnp.float32)
+        return full.at[..., self.draft_to_target[...]].set(draft)
+
+    def _forward(self, token_ids: jax.Array, hidden: jax.Array, positions: jax.Array, attend):
+        """The layer over rows (token_ids[B, T], hidden[B, T, d_model]) at positions int32[B, T]:
+        (logits, hidden_out, keys, values [B, T, kv_heads, D])."""
+        dtype = self.config.jnp_dtype
+        hidden = hidden.astype(dtype)
+        normed = self.hidden_norm(hidden)
+        x = jnp.concatenate([self.input_norm(self.embed(token_ids).astype(dtype)), normed], axis=-1)
+        attn_out, keys, values = self.attn(x, positions, attend)
+        x = (normed if self.norm_before_residual else hidden) + attn_out
+        x = x + self.mlp(self.mlp_norm(x))
+        return self._logits(x), x, keys, values
+
+    def __call__(self, token_ids: jax.Array, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Dense causal forward over T rows at positions 0..T-1: row t pairs ``hidden[:, t]`` (the
+        feature of position t) with ``token_ids[:, t]`` (the token at position t + 1).
+
+        Returns logits float32[B, T, target vocab] and hidden_out [B, T, d_model] (pre-final-norm).
+        """
+        positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1], dtype=jnp.int32), token_ids.shape)
+        logits, hidden_out, _, _ = self._forward(
+            token_ids, hidden, positions, lambda q, k, v: causal_attention(q, k, v, positions))
+        return logits, hidden_out
+
+    def forward_paged(self, token_ids: jax.Array, hidden: jax.Array, cache: PagedKVCache,
+                      block_tables: jax.Array, context_lens: jax.Array, staged: StagedKV | None = None, *,
+                      tree_parents: jax.Array | None = None, backend: str = "auto") -> Eagle3Output:
+        """``__call__``'s rows at positions ``context_lens + staged.lengths + t`` (tree depth for t with
+        ``tree_parents``), attending over a one-layer paged ``cache`` (read, never written), the
+        ``staged`` K/V ([1, B, S, kv_heads, D]) and the new rows, as ``PagedModel.forward_paged``."""
+        context_lens, staged_lens, positions = paged_positions(token_ids.shape[1], context_lens, staged,
+                                                               tree_parents)
+
+        def attend(q, k, v):
+            return sharded_paged_attention(
+                q, cache, 0, block_tables, context_lens, staged_keys=None if staged is None else staged.keys,
+                staged_values=None if staged is None else staged.values,
+                staged_lens=None if staged is None else staged_lens, new_keys=k, new_values=v,
+                new_token_parents=tree_parents, backend=backend)
+
+        logits, hidden_out, keys, values = self._forward(token_ids, hidden, positions, attend)
+        return Eagle3Output(logits, hidden_out, keys[None], values[None])
+
+
+# ---------------------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    config: TransformerConfig
+    layer_prefix: str
+    draft_vocab_size: int
+    aux_layers: tuple[int, int, int]
+    norm_before_residual: bool
+
+
+def _flag(raw: dict, field: str, default: bool) -> bool:
+    value = raw.get(field, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{field} must be true or false, got {value!r}")
+    return value
+
+
+def _settings(raw: Any, target: TransformerConfig, dtype: str) -> _Settings:
+    """The head's settings from its config.json (either layout); ValueError naming the field."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"must hold a JSON object, got {type(raw).__name__}")
+    if raw.get("speculators_model_type") is not None:
+        if raw["speculators_model_type"] != "eagle3":
+            raise ValueError(f"speculators_model_type {raw['speculators_model_type']!r} is not supported "
+                             "(only 'eagle3')")
+        fields, prefix, aux = raw.get("transformer_layer_config"), "layers.0.", raw.get(
+            "eagle_aux_hidden_state_layer_ids")
+        if not isinstance(fields, dict):
+            raise ValueError(f"transformer_layer_config must be an object, got {fields!r}")
+        if fields.get("model_type", "llama") != "llama":
+            raise ValueError(f"transformer_layer_config.model_type {fields['model_type']!r} is not supported "
+                             "(only 'llama')")
+    elif raw.get("architectures") == [EAGLE3_ARCHITECTURE]:
+        fields, prefix = raw, "midlayer."
+        eagle_config = raw.get("eagle_config") or {}
+        aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None
+    else:
+        raise ValueError(f"architectures {raw.get('architectures')!r} is not supported (an EAGLE-3 head has "
+                         f"[{EAGLE3_ARCHITECTURE!r}] or speculators_model_type 'eagle3')")
+    for field in ("norm_before_fc", "fc_norm", "norm_output"):
+        if _flag(raw, field, False):
+            raise ValueError(f"{field}: true is not supported")
+    layer = config_from_hf({"num_hidden_layers": 1, "vocab_size": target.vocab_size, **fields,
+                            "architectures": ["LlamaForCausalLM"]}, dtype=dtype)
+    if layer.num_layers != 1:
+        raise ValueError(f"num_hidden_layers {layer.num_layers} is not supported (an EAGLE-3 head has 1)")
+    for field, value in (("hidden_size", layer.d_model), ("target_hidden_size", raw.get("target_hidden_size"))):
+        if value is not None and value != target.d_model:
+            raise ValueError(f"{field} {value} differs from the target's hidden size {target.d_model}")
+    if layer.vocab_size != target.vocab_size:
+        raise ValueError(f"vocab_size {layer.vocab_size} differs from the target's vocabulary {target.vocab_size}")
+    draft_vocab = raw.get("draft_vocab_size", target.vocab_size)
+    if not is_int(draft_vocab, 1) or draft_vocab > target.vocab_size:
+        raise ValueError(f"draft_vocab_size must be an int in [1, {target.vocab_size}] (the target's "
+                         f"vocabulary), got {draft_vocab!r}")
+    if aux is None:
+        aux = (2, target.num_layers // 2, target.num_layers - 3)
+    elif not (isinstance(aux, list) and len(aux) == 3 and all(is_int(k, 0) and k <= target.num_layers for k in aux)):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids must be 3 layer ids in [0, {target.num_layers}], "
+                         f"got {aux!r}")
+    return _Settings(dataclasses.replace(layer, tie_embeddings=False), prefix, draft_vocab, tuple(aux),
+                     _flag(raw, "norm_before_residual", NORM_BEFORE_RESIDUAL_DEFAULT))
+
+
+# ---------------------------------------------------------------------------------------- tensors
+def _read_tensors(directory: pathlib.Path) -> tuple[pathlib.Path, dict[str, np.ndarray]]:
+    """The weights file (``WEIGHT_FILES``, first found) and all its tensors."""
+    for name in WEIGHT_FILES:
+        file = directory / name
+        if file.exists():
+            break
+    else:
+        raise FileNotFoundError(f"load_eagle3: {directory} has neither {' nor '.join(WEIGHT_FILES)}")
+    if file.suffix == ".bin":
+        try:
+            return file, read_torch_state_dict(file)
+        except ValueError as e:
+            raise ValueError(f"load_eagle3: {e}") from None
+    with open_safetensors(file, "load_eagle3") as f:
+        return file, {name: f.get_tensor(name) for name in f.keys()}
+
+
+def _draft_to_target(tensors: dict[str, np.ndarray], where: str, draft_vocab: int,
+                     target_vocab: int) -> np.ndarray | None:
+    """The target id of each draft id (``d2t``: target = draft + d2t[draft]), checked against ``t2d``;
+    None where the vocabularies are one."""
+    d2t, t2d = tensors.get("d2t"), tensors.get("t2d")
+    if d2t is None:
+        if draft_vocab < target_vocab:
+            raise ValueError(f"load_eagle3: tensor d2t is missing from {where}: draft_vocab_size {draft_vocab} "
+                             f"is smaller than the target's vocabulary {target_vocab}")
+        return None
+    if d2t.shape != (draft_vocab,) or not np.issubdtype(d2t.dtype, np.integer):
+        raise ValueError(f"load_eagle3: tensor d2t in {where} must be integers of shape [{draft_vocab}], "
+                         f"got {d2t.dtype} {list(d2t.shape)}")
+    target_ids = np.arange(draft_vocab) + d2t
+    if target_ids.min() < 0 or target_ids.max() >= target_vocab or len(np.unique(target_ids)) != draft_vocab:
+        raise ValueError(f"load_eagle3: tensor d2t in {where} maps draft ids outside [0, {target_vocab}) or "
+                         "two onto one target id")
+    if t2d is not None and (t2d.shape != (target_vocab,)
+                            or not np.array_equal(np.flatnonzero(t2d), np.sort(target_ids))):
+        raise ValueError(f"load_eagle3: tensor t2d in {where} is not the [{target_vocab}] mask of d2t's target ids")
+    return target_ids
+
+
+def _checkpoint_name(path: str, layer_prefix: str) -> tuple[str, bool]:
+    if path in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[path]
+    name, transposed = _LAYER_TENSORS[path]
+    return layer_prefix + name, transposed
+
+
+def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "bfloat16") -> Eagle3Head:
+    """An ``Eagle3Head`` with an EAGLE-3 checkpoint's config and weights, sharing ``target``'s embedding.
+
+    Args:
+      path: a local directory with ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``
+        (read without torch), in the EAGLE-3 layout (SafeAILab EAGLE, SpecForge: architectures
+        ``["LlamaForCausalLMEagle3"]``, the layer under ``midlayer.``) or the speculators one
+        (``speculators_model_type: "eagle3"``, the layer under ``layers.0.``).
+      target: the model whose features the head drafts from (e.g. ``load_hf``'s); same hidden size and
+        vocabulary as the checkpoint's.
+      dtype: parameter and activation dtype, "bfloat16" (default), "float16" or "float32".
+    Returns:
+      The head; its logits are over the target's vocabulary.
+    Raises:
+      FileNotFoundError: a missing directory, config.json or weights file.
+      ValueError: an unsupported layout or config field, a hidden size or vocabulary the target does
+        not share, a missing, unexpected or misshapen tensor (the message names the file and field).
+    """
+    dtype = canonical_dtype(dtype, "load_eagle3: dtype")
+    directory = pathlib.Path(path)
+    config_file = directory / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"load_eagle3: {config_file} not found")
+    try:
+        s = _settings(read_json(config_file, "load_eagle3"), target.config, dtype)
+    except ValueError as e:
+        message = str(e)
+        raise ValueError(message if message.startswith("load_eagle3:")
+                         else f"load_eagle3: {config_file}: {message}") from None
+    file, tensors = _read_tensors(directory)
+    draft_to_target = _draft_to_target(tensors, str(file), s.draft_vocab_size, target.config.vocab_size)
+    embedding = tensors.get(_EMBEDDING)
+    if embedding is not None and embedding.shape != target.embed.embedding.shape:
+        raise ValueError(f"load_eagle3: tensor {_EMBEDDING} in {file} has shape {list(embedding.shape)}, the "
+                         f"target's embedding {list(target.embed.embedding.shape)}")
+    abstract = nnx.eval_shape(lambda: Eagle3Head(
+        s.config, None, draft_vocab_size=s.draft_vocab_size, draft_to_target=draft_to_target,
+        aux_layers=s.aux_layers, norm_before_residual=s.norm_before_residual, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    used = set()
+    for path_parts, var in nnx.to_flat_state(state):
+        name = "/".join(map(str, path_parts))
+        spec = var.get_value()
+        if name == "draft_to_target":
+            var.set_value(jnp.asarray(draft_to_target, spec.dtype))
+            continue
+        hf_name, transposed = _checkpoint_name(name, s.layer_prefix)
+        if hf_name not in tensors:
+            raise ValueError(f"load_eagle3: tensor {hf_name} is missing from {file}")
+        tensor = tensors[hf_name]
+        expected = tuple(reversed(spec.shape)) if transposed else tuple(spec.shape)
+        if tensor.shape != expected or not jnp.issubdtype(tensor.dtype, jnp.floating):
+            raise ValueError(f"load_eagle3: tensor {hf_name} in {file} is {tensor.dtype} {list(tensor.shape)}, "
+                             f"config.json implies floating point {list(expected)}")
+        var.set_value(jnp.asarray(tensor.T if transposed else tensor).astype(spec.dtype))
+        used.add(hf_name)
+    extra = sorted(n for n in tensors if n not in used and n not in _NOT_PARAMETERS
+                   and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ValueError(f"load_eagle3: tensor {extra[0]} in {file} is not used by an EAGLE-3 head")
+    head = nnx.merge(graphdef, state)
+    head.embed = target.embed
+    return head
