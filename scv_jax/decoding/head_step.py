@@ -51,9 +51,12 @@ def read_rows(cache: HeadCache, block_tables: jax.Array, positions: jax.Array) -
 
 
 def write_rows(cache: HeadCache, block_tables: jax.Array, positions: jax.Array, mask: jax.Array, *,
-               features: jax.Array | None = None, tokens: jax.Array | None = None) -> HeadCache:
+               after: jax.Array, features: jax.Array | None = None, tokens: jax.Array | None = None) -> HeadCache:
     """The cache with ``features`` [B, T, d_model] and/or ``tokens`` int32[B, T] stored at int32[B, T]
-    ``positions`` where bool[B, T] ``mask`` (and the position has a block)."""
+    ``positions`` where bool[B, T] ``mask`` (and the position has a block). ``after`` (computed from
+    what the step read of the cache) orders the write after those reads, so the donated pages update in
+    place (as ``device_step.commit_positions``)."""
+    mask, _ = jax.lax.optimization_barrier((mask, after))
     slots = _slots(cache, block_tables, positions)
     total = cache.tokens.size
     where = jnp.where(mask & (slots >= 0), slots, total).reshape(-1)        # total: dropped
@@ -143,9 +146,9 @@ class HeadChainVerifier(ChainVerifier):
         accepted = result.num_accepted[:, None]
         live = inputs.request_mask[:, None]
         cache = write_rows(cache._replace(kv=kv), block_tables, positions, live & (t <= accepted),
-                           features=scored.output.taps)
+                           after=staged.keys, features=scored.output.taps)
         return write_rows(cache, block_tables, positions[:, :-1] + 1, live & (t[:, :-1] < accepted),
-                          tokens=proposal.tokens)
+                          after=staged.keys, tokens=proposal.tokens)
 
 
 def make_head_prefill_step(target: SplitModel, head: SplitModel, block_size: int, aux_layers: tuple[int, ...]):
@@ -155,7 +158,7 @@ def make_head_prefill_step(target: SplitModel, head: SplitModel, block_size: int
     cache) commit up to the chunk's second-to-last token (its last row's token is the next chunk's first
     or the pending one), and every position's feature is stored."""
 
-    def prefill_step(target_params, draft_params, target_cache, head_cache: HeadCache, block_tables, tokens, start,
+    def prefill_step(target_params, draft_params, target_cache, draft_cache: HeadCache, block_tables, tokens, start,
                      count, request_mask=None, *, backend: str = "auto"):
         if request_mask is not None:
             count = jnp.where(request_mask, count, 0)
@@ -163,7 +166,7 @@ def make_head_prefill_step(target: SplitModel, head: SplitModel, block_size: int
                                                         aux_layers=aux_layers, backend=backend)
         target_cache = commit_positions(target_cache, out.keys, out.values, block_tables, start, count, block_size,
                                         backend, after=out.logits)
-        model = head.merge(draft_params)
+        model, head_cache = head.merge(draft_params), draft_cache
         features = model.combine(out.taps)                                           # [B, C, d_model]
         before, _ = read_rows(head_cache, block_tables, (start - 1)[:, None])
         shift = (start == 0).astype(jnp.int32)        # a first chunk has no row before its first token
@@ -177,7 +180,7 @@ def make_head_prefill_step(target: SplitModel, head: SplitModel, block_size: int
                               jnp.maximum(count - shift, 0), block_size, backend, after=o.hidden)
         t = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
         head_cache = write_rows(head_cache._replace(kv=kv), block_tables, start[:, None] + t, t < count[:, None],
-                                features=features)
+                                after=o.hidden, features=features)
         return target_cache, head_cache
 
     return prefill_step

@@ -1,0 +1,147 @@
+"""An EAGLE-3 head drafting in the engine: greedy output equals the target's alone (chains, adaptive k,
+requests arriving mid-flight, chunked prompts, one-token prompts), sampled tokens keep the filtered
+target distribution, nothing of a rejected draft reaches the head's cache, and a head fitted to the
+target's continuations sees its drafts accepted."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, TreeConfig
+from scv_jax.models import load_eagle3
+from tests.decoding.common import MAX_NEW, SMALL, prompts
+from tests.decoding.test_engine import FILTERS, first_two_tokens_follow_the_target, run, target_logits, tokens  # noqa: F401
+from tests.models.eagle3_fixtures.heads import head_config, head_tensors
+from tests.models.fixtures import TINY
+from tests.models.test_eagle3 import write_head
+
+HEAD = dict(hidden=TINY.d_model, heads=4, kv_heads=2, head_dim=8, ffn=48, target_vocab=TINY.vocab_size,
+            draft_vocab=12)
+CHAIN = DecoderConfig(**{**vars(SMALL), "k": 3})
+ADAPTIVE = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 2, 4)})
+
+
+def fit(head, target, sequences: list[list[int]], steps: int = 300):
+    """``head`` trained (adam, in place) to predict ``sequences``' token t + 2 from the target's feature
+    of position t and token t + 1, and again from its own hidden_out of the row before (two unrolled
+    draft steps): the target's own continuations, so its drafts should then be accepted."""
+    tokens = jnp.asarray(sequences, jnp.int32)
+    _, taps = target(tokens, aux_layers=head.aux_layers)
+    graphdef, params, frozen = nnx.split(head, lambda path, value: isinstance(value, nnx.Param)
+                                         and "embed" not in path, ...)
+    inputs, labels = tokens[:, 1:-1], tokens[:, 2:]
+
+    def loss(params):
+        model = nnx.merge(graphdef, params, frozen)
+        hidden = model.combine(taps[:, :-2])
+        logits, out = model(inputs, hidden)
+        again, _ = model(inputs, jnp.concatenate([hidden[:, :1], out[:, :-1]], axis=1))
+        return sum(optax.softmax_cross_entropy_with_integer_labels(x, labels).mean() for x in (logits, again))
+
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def update(params, state):
+        grads = jax.grad(loss)(params)
+        changes, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, changes), state
+
+    state = optimizer.init(params)
+    for _ in range(steps):
+        params, state = update(params, state)
+    nnx.update(head, params)
+    return float(loss(params))
+
+
+def random_head(target, directory, seed: int, **fields):
+    """A random head over the taps of layers (0, 1, 1) of the 2-layer target."""
+    spec = {**HEAD, **fields}
+    return load_eagle3(write_head(directory, head_tensors(**spec, seed=seed),
+                                  head_config(**spec, aux_layers=(0, 1, 1))), target, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def head(target, tmp_path_factory):
+    """A random head (most drafts rejected)."""
+    return random_head(target, tmp_path_factory.mktemp("head"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def fitted(target, autoregressive, tmp_path_factory):
+    """(a head fitted to the target's greedy continuations of ``FIT_PROMPTS``, its final loss)."""
+    model = random_head(target, tmp_path_factory.mktemp("fitted"), seed=4, draft_vocab=TINY.vocab_size)
+    continuations = autoregressive.generate(FIT_PROMPTS, 2 * MAX_NEW).tokens
+    return model, fit(model, target, [p + c for p, c in zip(FIT_PROMPTS, continuations)])
+
+
+FIT_PROMPTS = [p[:6] + [0] * (6 - len(p[:6])) for p in prompts(40, 8)]
+
+
+@pytest.mark.parametrize("config", [CHAIN, ADAPTIVE], ids=["chain", "adaptive"])
+def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregressive, fitted, config):
+    engine = Engine(target, fitted[0], config=config, eos_token_id=None)
+    batch = FIT_PROMPTS[:2] + prompts(31, 2) + [[5]]     # 1 to 19 tokens (prefill chunks of 16), and one
+    free = autoregressive.generate(batch, MAX_NEW).tokens
+    params = SamplingParams(max_tokens=MAX_NEW)
+    outputs = run(engine, {0: [(batch[0], params, "0"), (batch[4], params, "4")],
+                           2: [(batch[1], params, "1"), (batch[2], params, "2")], 5: [(batch[3], params, "3")]})
+    assert [tokens(outputs, str(i)) for i in range(5)] == free
+    assert sum(outputs[str(i)][-1].num_accepted_tokens for i in range(5)) > 0
+
+
+def test_offline_decoder_greedy_equals_the_target(target, autoregressive, head):
+    batch = prompts(32, 3)
+    out = SpeculativeDecoder(target, head, config=CHAIN).generate(batch, MAX_NEW)
+    assert out.tokens == autoregressive.generate(batch, MAX_NEW).tokens
+
+
+def test_no_rejected_draft_reaches_the_head_cache(target, head):
+    """One request with mostly rejected drafts: the head's cache holds one K/V row per position but its
+    last lag (at most k + 1) ones, one feature per position the target verified and no more tokens than
+    drafts were accepted: nothing of a rejected draft, whatever was drafted."""
+    engine = Engine(target, head, config=DecoderConfig(**{**vars(SMALL), "k": 4}), eos_token_id=None)
+    prompt = [3, 1, 4, 1, 5]
+    final = run(engine, {0: [(prompt, SamplingParams(max_tokens=MAX_NEW), "r")]})["r"][-1]
+    total = len(prompt) + len(final.token_ids)
+    target_cache, cache = engine.runner.caches.take()
+    engine.runner.caches.put(target_cache, cache)
+    kv_rows = int(np.count_nonzero(np.any(np.asarray(cache.kv.k_pages) != 0, axis=(0, -2, -1))))
+    feature_rows = int(np.count_nonzero(np.any(np.asarray(cache.features) != 0, axis=-1)))
+    assert feature_rows == total - 1
+    assert total - 2 - 4 <= kv_rows <= total - 2
+    assert np.count_nonzero(np.asarray(cache.tokens)) <= final.num_accepted_tokens
+
+
+@pytest.mark.parametrize("filters", ["all"])
+def test_sampled_tokens_follow_the_filtered_target(target, target_logits, head, filters):  # noqa: F811
+    engine = Engine(target, head, config=DecoderConfig(**{**vars(SMALL), "k": 2}))
+    prompt, count = [3, 1, 4, 3, 1], 400
+    params = SamplingParams(max_tokens=3, **FILTERS[filters])
+    outputs = run(engine, {0: [(prompt, SamplingParams(**{**vars(params), "seed": i}), str(i)) for i in range(count)]},
+                  max_steps=2 * count)
+    sampled = [tokens(outputs, str(i)) for i in range(count)]
+    first_two_tokens_follow_the_target(sampled, prompt, params, target_logits)
+
+
+def test_bad_configs_are_refused(target, head):
+    with pytest.raises(ValueError, match="SpeculativeDecoder: an EAGLE head drafts chains"):
+        SpeculativeDecoder(target, head, config=DecoderConfig(**{**vars(SMALL), "tree": TreeConfig(3, 2, 6)}))
+    with pytest.raises(ValueError, match="packed_verify"):
+        SpeculativeDecoder(target, head, config=DecoderConfig(**{**vars(SMALL), "packed_verify": True}))
+
+
+
+def test_a_fitted_heads_drafts_are_accepted(target, autoregressive, fitted):
+    """Positions, the hidden handed from draft to draft and the feature of the last accepted token must
+    all line up for a head that learned the target's continuations to see its drafts accepted."""
+    model, loss = fitted
+    assert loss < 0.2
+    decoder = SpeculativeDecoder(target, model, config=DecoderConfig(**{**vars(SMALL), "k": 4}))
+    out = decoder.generate(FIT_PROMPTS, 2 * MAX_NEW)
+    assert out.tokens == autoregressive.generate(FIT_PROMPTS, 2 * MAX_NEW).tokens
+    assert out.stats.acceptance_rate > 0.9, out.stats.acceptance_per_position
