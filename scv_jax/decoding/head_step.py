@@ -71,13 +71,15 @@ def write_rows(cache: HeadCache, block_tables: jax.Array, positions: jax.Array, 
 
 
 class HeadProposal(NamedTuple):
-    """A head step's drafts (``ChainProposal``'s fields, so the chain acceptance takes it), whether each request could draft (``valid``
-    bool[B]: it has a feature), and the merged head (its ``combine`` maps the scored taps)."""
+    """A head step's drafts (``ChainProposal``'s fields, so the chain acceptance takes it), whether each
+    request could draft (``valid`` bool[B]: it has a feature), what the catch-up read of the head cache
+    (``read``: its rows' features and tokens) and the merged head (its ``combine`` maps the scored taps)."""
 
     tokens: jax.Array
     probs: jax.Array | None
     staged: StagedKV
     valid: jax.Array
+    read: tuple[jax.Array, jax.Array]
     head: Any
 
 
@@ -108,7 +110,7 @@ class HeadChainVerifier(ChainVerifier):
         out = head.forward_paged(tokens, features, cache.kv, block_tables, start, backend=backend)
         if k == 0:
             return HeadProposal(jnp.zeros((lag.shape[0], 0), jnp.int32), None, StagedKV(out.keys, out.values, lag),
-                                valid, head)
+                                valid, (features, tokens), head)
 
         def forward(token, staged, hidden):
             o = head.forward_paged(token[:, None], hidden[:, None], cache.kv, block_tables, start, staged,
@@ -118,7 +120,7 @@ class HeadChainVerifier(ChainVerifier):
         hidden = jnp.take_along_axis(out.hidden, (lag - 1)[:, None, None], axis=1)[:, 0]
         chain = draft_chain(out, lag, forward, hidden, inputs.keys, sampling, k=k, greedy=greedy,
                             controls=inputs.controls)
-        return HeadProposal(chain.tokens, chain.probs, chain.staged, valid, head)
+        return HeadProposal(chain.tokens, chain.probs, chain.staged, valid, (features, tokens), head)
 
     def score(self, target, target_cache, block_tables, inputs, proposal: HeadProposal, *, k, packed_k, backend
               ) -> ChainScored:
@@ -146,9 +148,9 @@ class HeadChainVerifier(ChainVerifier):
         accepted = result.num_accepted[:, None]
         live = inputs.request_mask[:, None]
         cache = write_rows(cache._replace(kv=kv), block_tables, positions, live & (t <= accepted),
-                           after=staged.keys, features=scored.output.taps)
+                           after=proposal.read[0], features=scored.output.taps)
         return write_rows(cache, block_tables, positions[:, :-1] + 1, live & (t[:, :-1] < accepted),
-                          after=staged.keys, tokens=proposal.tokens)
+                          after=proposal.read[1], tokens=proposal.tokens)
 
 
 def make_head_prefill_step(target: SplitModel, head: SplitModel, block_size: int, aux_layers: tuple[int, ...]):

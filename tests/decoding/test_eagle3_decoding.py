@@ -100,21 +100,27 @@ def test_offline_decoder_greedy_equals_the_target(target, autoregressive, head):
     assert out.tokens == autoregressive.generate(batch, MAX_NEW).tokens
 
 
-def test_no_rejected_draft_reaches_the_head_cache(target, head):
-    """One request with mostly rejected drafts: the head's cache holds one K/V row per position but its
-    last lag (at most k + 1) ones, one feature per position the target verified and no more tokens than
-    drafts were accepted: nothing of a rejected draft, whatever was drafted."""
+def test_the_head_cache_holds_verified_rows_only(target, head):
+    """One request with mostly rejected drafts, alone in a fresh engine (its blocks are the pool's first,
+    in order, so position p is slot p): the head's cache holds the target's combined taps of each
+    position it verified, the accepted drafts' tokens at their positions, and one K/V row per position
+    but the last lag (at most k + 1) ones: nothing of a rejected draft, nothing past the verified text."""
     engine = Engine(target, head, config=DecoderConfig(**{**vars(SMALL), "k": 4}), eos_token_id=None)
     prompt = [3, 1, 4, 1, 5]
     final = run(engine, {0: [(prompt, SamplingParams(max_tokens=MAX_NEW), "r")]})["r"][-1]
-    total = len(prompt) + len(final.token_ids)
+    sequence = prompt + list(final.token_ids)
     target_cache, cache = engine.runner.caches.take()
     engine.runner.caches.put(target_cache, cache)
-    kv_rows = int(np.count_nonzero(np.any(np.asarray(cache.kv.k_pages) != 0, axis=(0, -2, -1))))
-    feature_rows = int(np.count_nonzero(np.any(np.asarray(cache.features) != 0, axis=-1)))
-    assert feature_rows == total - 1
-    assert total - 2 - 4 <= kv_rows <= total - 2
-    assert np.count_nonzero(np.asarray(cache.tokens)) <= final.num_accepted_tokens
+    _, taps = target(jnp.asarray([sequence]), aux_layers=head.aux_layers)
+    features = np.asarray(cache.features).reshape(-1, TINY.d_model)
+    np.testing.assert_allclose(features[:len(sequence) - 1], np.asarray(head.combine(taps))[0, :-1], atol=1e-5)
+    assert not features[len(sequence) - 1:].any()
+    tokens = np.asarray(cache.tokens).reshape(-1)
+    written = np.flatnonzero(tokens)
+    assert len(written) <= final.num_accepted_tokens and np.array_equal(tokens[written], np.asarray(sequence)[written])
+    kv_rows = np.any(np.asarray(cache.kv.k_pages) != 0, axis=(0, -2, -1)).reshape(-1)
+    committed = int(kv_rows.sum())
+    assert len(sequence) - 2 - 4 <= committed <= len(sequence) - 2 and kv_rows[:committed].all()
 
 
 @pytest.mark.parametrize("filters", ["all"])
