@@ -13,7 +13,7 @@ import sys
 from typing import Callable, Sequence
 
 from scv_jax.demo import WORKLOADS
-from scv_jax.launch import check_memory, load_models, ngram_drafter
+from scv_jax.launch import check_memory, checkpoints, load_models, ngram_drafter
 from scv_jax.serving.detokenize import IncrementalDetokenizer
 
 DEFAULT_PROMPT = "import sys\n\n\ndef "
@@ -96,6 +96,22 @@ def _add_packed_verify(parser: argparse.ArgumentParser) -> None:
                         help="the target scores only the drafts each step offers (DecoderConfig.packed_verify)")
 
 
+def _add_models(parser: argparse.ArgumentParser, *, ngram_help: str, suffix_help: str) -> None:
+    """``--model`` / ``--revision``, the drafters ``--draft`` (with ``--draft-revision``), ``--ngram`` and
+    ``--suffix`` (one at most) of ``generate`` and ``serve``."""
+    parser.add_argument("--model", required=True, metavar="DIR|ID",
+                        help="the target: a model directory or a Hugging Face Hub id (org/name)")
+    parser.add_argument("--revision", metavar="REV",
+                        help="the branch, tag or commit of a Hub id --model (None: its default branch)")
+    drafter = parser.add_mutually_exclusive_group()
+    drafter.add_argument("--draft", metavar="DIR|ID",
+                         help="a draft model (same vocabulary): a directory or a Hugging Face Hub id")
+    drafter.add_argument("--ngram", action="store_true", help=ngram_help)
+    drafter.add_argument("--suffix", action="store_true", help=suffix_help)
+    parser.add_argument("--draft-revision", metavar="REV",
+                        help="the branch, tag or commit of a Hub id --draft (None: its default branch)")
+
+
 def _parser() -> argparse.ArgumentParser:
     formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = _Parser(prog="scv-jax", description=__doc__, formatter_class=formatter)
@@ -114,15 +130,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="draft by prompt lookup (n-gram matches in the text so far) instead of the draft model")
     _add_ngram_sizes(demo)
     _add_packed_verify(demo)
-    generate = sub.add_parser("generate", help="continue a text with a local Hugging Face model",
+    generate = sub.add_parser("generate", help="continue a text with a Hugging Face model (a directory or a Hub id)",
                               formatter_class=formatter)
-    generate.add_argument("--model", required=True, metavar="DIR", help="the target's model directory")
-    drafter = generate.add_mutually_exclusive_group()
-    drafter.add_argument("--draft", metavar="DIR", help="a draft model's directory (same vocabulary)")
-    drafter.add_argument("--ngram", action="store_true",
-                         help="draft by prompt lookup (n-gram matches in the text so far), no draft model")
-    drafter.add_argument("--suffix", action="store_true",
-                         help="suffix decoding: draft from the text so far and earlier outputs, no draft model")
+    _add_models(generate, ngram_help="draft by prompt lookup (n-gram matches in the text so far), no draft model",
+                suffix_help="suffix decoding: draft from the text so far and earlier outputs, no draft model")
     generate.add_argument("--prompt", required=True, help="text to continue")
     generate.add_argument("--max-new-tokens", type=_int_at_least(1), default=128, help="tokens to generate")
     generate.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
@@ -162,13 +173,9 @@ def _parser() -> argparse.ArgumentParser:
 def _add_serve(sub, formatter) -> None:
     serve = sub.add_parser("serve", help="serve a Hugging Face model over an OpenAI-compatible HTTP API",
                            formatter_class=formatter)
-    serve.add_argument("--model", required=True, metavar="DIR", help="the target's model directory")
-    drafter = serve.add_mutually_exclusive_group()
-    drafter.add_argument("--draft", metavar="DIR", help="a draft model's directory (same vocabulary)")
-    drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup, no draft model")
-    drafter.add_argument("--suffix", action="store_true",
-                         help="suffix decoding: draft from the text so far and the outputs served before (kept "
-                              "for the server's life), no draft model")
+    _add_models(serve, ngram_help="draft by prompt lookup, no draft model",
+                suffix_help="suffix decoding: draft from the text so far and the outputs served before (kept for "
+                            "the server's life), no draft model")
     mode = serve.add_mutually_exclusive_group()
     mode.add_argument("--k", type=_int_at_least(0), default=4, help="fixed drafts per step (with a drafter)")
     mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
@@ -327,16 +334,17 @@ def run_generate(args: argparse.Namespace) -> int:
     from scv_jax.models.hf import eos_token_ids
 
     _clamp_k(args)
-    tokenizer = load_tokenizer(args.model)
+    dirs = checkpoints(args)
+    tokenizer = load_tokenizer(dirs.model)
     prompt = tokenizer.encode(_utf8(args.prompt))
     if not prompt:
         raise ValueError("--prompt encodes to no tokens")
-    models = load_models(args)
+    models = load_models(args, dirs)
     if models.position_limit is not None and len(prompt) + args.max_new_tokens > models.position_limit[0]:
         limit, path = models.position_limit
         raise ValueError(f"--prompt ({len(prompt)} tokens) + --max-new-tokens {args.max_new_tokens} exceed "
                          f"the model's max_position_embeddings {limit} ({path}/config.json)")
-    eos = eos_token_ids(args.model)
+    eos = eos_token_ids(dirs.model)
     config = _decoder_config(args, len(prompt), cache_dtype=args.dtype)
     check_memory(config, models.cached + (models.target,) * args.compare, flag=_MEMORY_FLAG, advice=_MEMORY_ADVICE)
     decoders = [SpeculativeDecoder(models.target, models.drafter, config=config)]

@@ -1,19 +1,49 @@
-"""What ``scv-jax generate`` and ``scv-jax serve`` share before they decode: the drafter and models their
-flags name (``--model``, ``--draft``, ``--ngram`` with ``--ngram-min`` / ``--ngram-max``, ``--suffix`` with
-``--suffix-*``, ``--dtype``) and
-the check that the KV caches fit the memory, whose error names the running command's flags."""
+"""What ``scv-jax generate`` and ``scv-jax serve`` share before they decode: the checkpoints, drafter and
+models their flags name (``--model`` / ``--revision``, ``--draft`` / ``--draft-revision``, ``--ngram`` with
+``--ngram-min`` / ``--ngram-max``, ``--suffix`` with ``--suffix-*``, ``--dtype``) and the check that the KV
+caches fit the memory, whose error names the running command's flags."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import pathlib
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
     from scv_jax.decoding.config import DecoderConfig
     from scv_jax.decoding.proposers.base import HostDrafter
     from scv_jax.decoding.proposers.ngram import NgramDrafter
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """The directories of ``--model`` and ``--draft`` (None: no draft model): a local directory as given,
+    a Hugging Face Hub id's snapshot at ``--revision`` / ``--draft-revision`` (downloaded, or found in
+    the cache)."""
+
+    model: pathlib.Path
+    draft: pathlib.Path | None
+
+
+def _checkpoint(path_or_id: str, revision: str | None, flag: str) -> pathlib.Path:
+    """``checkpoint_dir`` of a flag's value; its error starts with the flag."""
+    from scv_jax.models.hub import checkpoint_dir
+
+    try:
+        return checkpoint_dir(path_or_id, revision=revision)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{flag} {error}") from None
+
+
+def checkpoints(args: argparse.Namespace) -> Checkpoints:
+    """The ``Checkpoints`` of ``--model`` and ``--draft``, each resolved once (a Hub id's files are then
+    read from one commit). Raises ValueError naming the flag for a mistake."""
+    if args.draft_revision is not None and not args.draft:
+        raise ValueError("--draft-revision needs --draft")
+    return Checkpoints(_checkpoint(args.model, args.revision, "--model"),
+                       _checkpoint(args.draft, args.draft_revision, "--draft") if args.draft else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +56,7 @@ class Models:
     target: Any
     drafter: Any
     cached: tuple[Any, ...]
-    position_limit: tuple[int, str] | None
+    position_limit: tuple[int, pathlib.Path] | None
 
 
 def ngram_drafter(args: argparse.Namespace) -> NgramDrafter:
@@ -53,24 +83,24 @@ def host_drafter(args: argparse.Namespace) -> HostDrafter | None:
     return None
 
 
-def load_models(args: argparse.Namespace) -> Models:
-    """The target of ``--model`` and the drafter of ``--draft`` / ``--ngram`` / ``--suffix``, in ``--dtype``;
-    the host drafter's settings are checked before any weights load. Raises ValueError naming the flag for
-    a mistake."""
+def load_models(args: argparse.Namespace, dirs: Checkpoints) -> Models:
+    """The target of ``--model`` and the drafter of ``--draft`` / ``--ngram`` / ``--suffix`` (the models
+    from ``dirs``), in ``--dtype``; the host drafter's settings are checked before any weights load.
+    Raises ValueError naming the flag for a mistake."""
     from scv_jax.models import load_hf
 
     host = host_drafter(args)
-    target = load_hf(args.model, dtype=args.dtype)
-    if not args.draft:
-        return Models(target, host, (target,), _position_limit([(target, args.model)]))
-    draft = load_hf(args.draft, dtype=args.dtype)
+    target = load_hf(dirs.model, dtype=args.dtype)
+    if dirs.draft is None:
+        return Models(target, host, (target,), _position_limit([(target, dirs.model)]))
+    draft = load_hf(dirs.draft, dtype=args.dtype)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"--draft {args.draft} has vocab_size {draft.config.vocab_size}, the target "
                          f"{args.model} has {target.config.vocab_size}: they must share the vocabulary")
-    return Models(target, draft, (target, draft), _position_limit([(target, args.model), (draft, args.draft)]))
+    return Models(target, draft, (target, draft), _position_limit([(target, dirs.model), (draft, dirs.draft)]))
 
 
-def _position_limit(models: list[tuple[Any, str]]) -> tuple[int, str] | None:
+def _position_limit(models: list[tuple[Any, pathlib.Path]]) -> tuple[int, pathlib.Path] | None:
     """The smallest ``max_position_embeddings`` of (model, directory) pairs and its directory."""
     limits = [(limit, path) for model, path in models
               if (limit := getattr(model.config, "max_position_embeddings", None)) is not None]

@@ -16,6 +16,7 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SCV_JAX_CACHE_DIR", "off")   # tests write no user cache (scv_jax.graph.persistent_cache)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")         # a Hub id never reaches the network (tests/models/hub_cache.py)
 _RUN_CACHE = "SCV_JAX_TEST_RUN_CACHE"                # set by the process that made the run's cache directory
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:    # the first pytest process (the xdist controller)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="scv_jax_tests_")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 from scv_jax import cli
 from scv_jax.models import TransformerConfig, load_tokenizer
 from tests.models.fixtures import tiny_model
+from tests.models.hub_cache import cache_repo, offline_hub
 
 BYTE_TARGET = TransformerConfig(vocab_size=256, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
                                 head_dim=16, ffn_dim=64)
@@ -137,11 +139,42 @@ def test_generate_continues_text_with_a_checkpoint(capsys, drafter, label):
 def test_generate_mistakes_are_one_line_errors(capsys, monkeypatch, tmp_path):
     assert cli.main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
     assert "tokenizer.json not found" in capsys.readouterr().err
-    small = {FIXTURE: tiny_model(BYTE_TARGET), "other": tiny_model(TransformerConfig(vocab_size=300))}
+    other = tmp_path / "other"
+    other.mkdir()
+    small = {pathlib.Path(FIXTURE): tiny_model(BYTE_TARGET), other: tiny_model(TransformerConfig(vocab_size=300))}
     monkeypatch.setattr("scv_jax.models.load_hf", lambda path, dtype: small[path])
-    assert cli.main(["generate", "--model", FIXTURE, "--draft", "other", "--prompt", "x"]) == 2
+    assert cli.main(["generate", "--model", FIXTURE, "--draft", str(other), "--prompt", "x"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--draft other has vocab_size 300" in err and "must share the vocabulary" in err
+    assert err.count("\n") == 1 and f"--draft {other} has vocab_size 300" in err and "must share the vocabulary" in err
+
+
+def test_generate_with_hub_ids(capsys, monkeypatch, tmp_path):
+    """--model and --draft (at --draft-revision) as Hugging Face Hub ids, from an offline cache: the text
+    of the model's directory."""
+    cache = offline_hub(monkeypatch, tmp_path / "hub")
+    cache_repo(cache, "org/qwen2", pathlib.Path(FIXTURE))
+    cache_repo(cache, "org/draft", pathlib.Path(FIXTURE), refs=("v1",))      # no main: the revision is needed
+    common = ["--prompt", "hello hello hello", "--max-new-tokens", "8", "--dtype", "float32", "--k", "3"]
+    assert cli.main(["generate", "--model", FIXTURE, "--draft", FIXTURE, *common]) == 0
+    text = capsys.readouterr().out.split("\n\n")[0]
+    hub_ids = ["--model", "org/qwen2", "--draft", "org/draft", "--draft-revision", "v1"]
+    assert cli.main(["generate", *hub_ids, *common]) == 0
+    out = capsys.readouterr().out
+    assert out.split("\n\n")[0] == text and text.startswith("hello") and "speculative (k=3)" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "org/missing"], "error: --model org/missing is not a local directory and not (completely) in "
+                                 "the Hugging Face cache at {cache}, and HF_HUB_OFFLINE is set"),
+    (["--model", FIXTURE, "--draft", "org/missing"], "error: --draft org/missing is not a local directory"),
+    (["--model", FIXTURE, "--revision", "v1"],
+     f"error: --model {FIXTURE} is a local directory: a revision ('v1') applies to Hub ids only"),
+    (["--model", FIXTURE, "--draft-revision", "v1"], "error: --draft-revision needs --draft"),
+    (["--model", "./missing"], "error: --model missing not found"),
+])
+def test_checkpoint_mistakes_are_one_line_errors(argv, message, monkeypatch, tmp_path, capsys):
+    cache = offline_hub(monkeypatch, tmp_path / "hub")
+    _assert_one_line_error(["generate", *argv, "--prompt", "x"], message.format(cache=cache), capsys)
 
 
 def _recording_generate(monkeypatch, capsys):

@@ -1,6 +1,8 @@
-"""Loading Hugging Face checkpoints (Llama 2/3/3.1/3.2, Qwen2, Qwen3, Mistral) from a local directory.
+"""Loading Hugging Face checkpoints (Llama 2/3/3.1/3.2, Qwen2, Qwen3, Mistral) from a local directory
+or the Hugging Face Hub (``scv_jax.models.hub``).
 
     model = scv_jax.models.load_hf("/path/to/Llama-3.2-1B", dtype="bfloat16")
+    model = scv_jax.models.load_hf("meta-llama/Llama-3.2-1B", revision="main")
 
 The directory holds ``config.json`` and ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``. Tensors are read one at a time (``safetensors``, memory-mapped),
@@ -21,6 +23,7 @@ import numpy as np
 from scv_jax.arguments import is_int
 from scv_jax.models.assemble import LAYER_PREFIX, assemble_transformer, parameter_shapes
 from scv_jax.models.config import Llama3RopeScaling, TransformerConfig, canonical_dtype
+from scv_jax.models.hub import checkpoint_dir
 from scv_jax.models.transformer import Transformer
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -207,25 +210,27 @@ def _check_tensors(directory: pathlib.Path, expected: dict[str, tuple[int, ...]]
                          "config.json describes")
 
 
-def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16") -> Transformer:
+def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16", revision: str | None = None) -> Transformer:
     """A ``Transformer`` (a ``PagedModel``) with a Hugging Face checkpoint's config and weights.
 
     Args:
       path: a local model directory with ``config.json`` and ``model.safetensors`` or
-        ``model.safetensors.index.json`` plus its shards. Architectures: LlamaForCausalLM (incl.
-        ``rope_scaling`` type "llama3"), Qwen2ForCausalLM, Qwen3ForCausalLM (q/k norms),
-        MistralForCausalLM (sliding window honoured).
+        ``model.safetensors.index.json`` plus its shards, or a Hugging Face Hub id (``org/name``) of
+        one. Architectures: LlamaForCausalLM (incl. ``rope_scaling`` type "llama3"), Qwen2ForCausalLM,
+        Qwen3ForCausalLM (q/k norms), MistralForCausalLM (sliding window honoured).
       dtype: parameter and activation dtype, "bfloat16" (default), "float16" or "float32"; the
         checkpoint's tensors are cast one at a time.
+      revision: a Hub id's branch, tag or commit hash (None: its default branch).
     Returns:
       The model: ``model(tokens int32[B, T])`` gives float32 logits [B, T, vocab].
     Raises:
-      FileNotFoundError: a missing directory, config.json or weights file.
+      FileNotFoundError: a missing directory, config.json or weights file, an unknown Hub id or
+        revision, an id not cached while offline (``scv_jax.models.hub.checkpoint_dir``).
       ValueError: an unsupported architecture or config field, a missing, unexpected or misshapen
         tensor (the message names it).
     """
     dtype = canonical_dtype(dtype, "load_hf: dtype")
-    directory = pathlib.Path(path)
+    directory = checkpoint_dir(path, revision=revision)
     config_file = directory / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"load_hf: {config_file} not found")
@@ -256,11 +261,12 @@ def read_json(file: pathlib.Path, caller: str = "load_hf") -> Any:
         raise ValueError(f"{caller}: {file} is not valid JSON ({e})") from None
 
 
-def eos_token_ids(path: str | pathlib.Path) -> list[int]:
-    """The end-of-sequence ids a model directory declares (``generation_config.json``, else
-    ``config.json``; ``eos_token_id`` may be one id or a list, e.g. Llama-3-Instruct's three); []
-    when it declares none. Raises ValueError naming the file for ids that are not ints >= 0."""
-    directory = pathlib.Path(path)
+def eos_token_ids(path: str | pathlib.Path, *, revision: str | None = None) -> list[int]:
+    """The end-of-sequence ids a model directory (or Hub id at ``revision``) declares
+    (``generation_config.json``, else ``config.json``; ``eos_token_id`` may be one id or a list, e.g.
+    Llama-3-Instruct's three); [] when it declares none. Raises ValueError naming the file for ids that
+    are not ints >= 0."""
+    directory = checkpoint_dir(path, revision=revision)
     for name in ("generation_config.json", "config.json"):
         file = directory / name
         if file.is_file():

@@ -1,9 +1,12 @@
-"""Text <-> token ids with a Hugging Face model directory's ``tokenizer.json`` (``tokenizers`` package)."""
+"""Text <-> token ids with a Hugging Face model directory's (or Hub id's) ``tokenizer.json`` (``tokenizers``
+package)."""
 
 from __future__ import annotations
 
 import pathlib
 from typing import Sequence
+
+from scv_jax.models.hub import checkpoint_dir
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -45,14 +48,17 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
 
-def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
-    """The tokenizer of a model directory (its ``tokenizer.json``) or of a ``tokenizer.json`` file.
+def load_tokenizer(path: str | pathlib.Path, *, revision: str | None = None) -> Tokenizer:
+    """The tokenizer of a model directory or Hugging Face Hub id (at ``revision``; its ``tokenizer.json``)
+    or of a ``tokenizer.json`` file.
 
-    Raises FileNotFoundError when the file is missing, ImportError when ``tokenizers`` is not installed
-    and ValueError when the file cannot be parsed.
+    Raises FileNotFoundError when the file is missing (or the id unknown,
+    ``scv_jax.models.hub.checkpoint_dir``), ImportError when ``tokenizers`` is not installed and
+    ValueError when the file cannot be parsed.
     """
-    path = pathlib.Path(path)
-    file = path / TOKENIZER_FILE if path.is_dir() else path
+    file = pathlib.Path(path)
+    if revision is not None or not file.is_file():
+        file = checkpoint_dir(path, revision=revision) / TOKENIZER_FILE
     if not file.is_file():
         raise FileNotFoundError(f"load_tokenizer: {file} not found")
     try:

@@ -11,6 +11,8 @@ import json
 import pathlib
 from typing import Any
 
+from scv_jax.models.hub import checkpoint_dir
+
 CONFIG_FILE = "tokenizer_config.json"
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -60,12 +62,13 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed on these messages: {e}") from None
 
 
-def load_chat_template(path: str | pathlib.Path) -> ChatTemplate | None:
-    """The chat template of a model directory, or None when its tokenizer_config.json has none.
+def load_chat_template(path: str | pathlib.Path, *, revision: str | None = None) -> ChatTemplate | None:
+    """The chat template of a model directory (or Hugging Face Hub id at ``revision``), or None when
+    its tokenizer_config.json has none.
 
     A template list (Hugging Face's named templates) gives its "default" one. Raises ValueError naming
     the file when it is not JSON or the template does not compile."""
-    file = pathlib.Path(path) / CONFIG_FILE
+    file = checkpoint_dir(path, revision=revision) / CONFIG_FILE
     if not file.is_file():
         return None
     try:

@@ -12,7 +12,10 @@ import argparse
 import asyncio
 import dataclasses
 import sys
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from scv_jax.launch import Checkpoints
 
 DEFAULT_MAX_MODEL_LEN = 2048     # the context served when --max-model-len is not given (at most the model's)
 CANCEL_AFTER_SECONDS = 10        # past --shutdown-timeout, uvicorn cancels what has still not ended
@@ -40,14 +43,15 @@ class Served:
     vocab_size: int
 
 
-def make_engine(args: argparse.Namespace) -> Served:
-    """The ``Engine`` of ``args`` (not warmed up). Raises ValueError naming the flag for a bad one."""
+def make_engine(args: argparse.Namespace, dirs: Checkpoints) -> Served:
+    """The ``Engine`` of ``args`` with the models of ``dirs`` (not warmed up). Raises ValueError naming
+    the flag for a bad one."""
     from scv_jax.decoding.config import DecoderConfig
     from scv_jax.launch import check_memory, load_models
     from scv_jax.models.hf import eos_token_ids
 
     mesh_shape = parse_mesh(args.mesh) if args.mesh else None
-    models = load_models(args)
+    models = load_models(args, dirs)
     limit = models.position_limit[0] if models.position_limit is not None else None
     max_model_len = args.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
     if limit is not None and max_model_len > limit:
@@ -70,7 +74,7 @@ def make_engine(args: argparse.Namespace) -> Served:
     from scv_jax import Engine
 
     engine = Engine(models.target, models.drafter, config=config, mesh=mesh,
-                    eos_token_id=eos_token_ids(args.model) or None)
+                    eos_token_id=eos_token_ids(dirs.model) or None)
     return Served(engine, max_model_len, models.target.config.vocab_size)
 
 
@@ -108,15 +112,17 @@ def _uvicorn_server(app, host: str, port: int, grace: float, end_requests: Calla
 
 def serve(args: argparse.Namespace) -> int:
     """Runs ``scv-jax serve`` until SIGINT / SIGTERM; 0 after a clean shutdown."""
+    from scv_jax.launch import checkpoints
     from scv_jax.models import load_tokenizer
     from scv_jax.serving.app import ServingContext, build_app
     from scv_jax.serving.chat import load_chat_template
     from scv_jax.serving.engine_loop import EngineLoop
     from scv_jax.serving.metrics import ServerMetrics
 
-    tokenizer = load_tokenizer(args.model)
-    chat_template = load_chat_template(args.model)
-    served = make_engine(args)
+    dirs = checkpoints(args)
+    tokenizer = load_tokenizer(dirs.model)
+    chat_template = load_chat_template(dirs.model)
+    served = make_engine(args, dirs)
     if tokenizer.vocab_size > served.vocab_size:
         raise ValueError(f"--model {args.model}: its tokenizer has {tokenizer.vocab_size} ids, the model's "
                          f"vocab_size is {served.vocab_size}")

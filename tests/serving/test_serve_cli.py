@@ -6,6 +6,7 @@ import pytest
 
 from scv_jax import cli
 from scv_jax.serving.server import batch_buckets
+from tests.models.hub_cache import offline_hub
 
 
 def _one_line_error(argv: list[str], message: str, capsys) -> None:
@@ -42,6 +43,12 @@ def test_serve_mistakes_are_one_line_errors(checkpoint, argv, message, capsys):
 
 def test_a_directory_without_a_tokenizer(tmp_path, capsys):
     _one_line_error(["serve", "--model", str(tmp_path)], "tokenizer.json not found", capsys)
+
+
+def test_an_id_not_in_the_cache_offline(monkeypatch, tmp_path, capsys):
+    offline_hub(monkeypatch, tmp_path / "hub")
+    _one_line_error(["serve", "--model", "org/missing"], "scv-jax serve: error: --model org/missing is not a local "
+                    "directory and not (completely) in the Hugging Face cache", capsys)
 
 
 def test_batch_buckets_end_at_max_num_seqs():

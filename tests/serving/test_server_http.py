@@ -19,6 +19,7 @@ import pytest
 
 from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics, post_error, wait_for
 from tests.serving.fake_engine import expected_tokens
+from tests.models.hub_cache import cache_repo
 from tests.serving.harness import ServerProcess
 
 NAME = "tiny"
@@ -239,6 +240,19 @@ def test_metrics_agree_with_the_responses(server):
     assert per_pos == delta("vllm:spec_decode_num_accepted_tokens_total")
     assert delta("vllm:time_to_first_token_seconds_count") == len(outs)
     assert delta("vllm:spec_decode_num_drafts_total") > 0
+
+
+def test_a_hub_id_is_served_under_its_name(checkpoint, tmp_path, monkeypatch):
+    """``--model ORG/NAME`` from a Hub cache under $HF_HOME, offline: /v1/models lists the id."""
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)             # else it, not $HF_HOME/hub, is the cache
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    cache_repo(tmp_path / "home" / "hub", "org/tiny-bytes", checkpoint)
+    process = ServerProcess(["--model", "org/tiny-bytes"], tmp_path / "hub.log", fake=True,
+                            env={"HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"})
+    try:
+        assert [m.id for m in client(process.url).models.list().data] == ["org/tiny-bytes"]
+    finally:
+        assert process.stop(signal.SIGTERM) == 0, process.stderr()
 
 
 def test_a_full_queue_is_a_429(checkpoint, tmp_path):
