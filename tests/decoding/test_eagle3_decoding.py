@@ -14,7 +14,9 @@ from flax import nnx
 
 from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, TreeConfig
 from scv_jax.models import load_eagle3
+from scv_jax.graph.compile_counter import CompileCounter
 from tests.decoding.common import MAX_NEW, SMALL, prompts
+from tests.decoding.test_controls import CONTROLS, EOS, MASKS
 from tests.decoding.test_engine import FILTERS, first_two_tokens_follow_the_target, run, target_logits, tokens  # noqa: F401
 from tests.models.eagle3_fixtures.heads import head_config, head_tensors
 from tests.models.fixtures import TINY
@@ -151,3 +153,25 @@ def test_a_fitted_heads_drafts_are_accepted(target, autoregressive, fitted):
     out = decoder.generate(FIT_PROMPTS, 2 * MAX_NEW)
     assert out.tokens == autoregressive.generate(FIT_PROMPTS, 2 * MAX_NEW).tokens
     assert out.stats.acceptance_rate > 0.9, out.stats.acceptance_per_position
+
+
+def test_greedy_with_logit_controls_equals_autoregressive(target, autoregressive, fitted):
+    """Penalties, biases and masks apply to the head's drafts as to the target's logits (draft j's history
+    holds the drafts before it): greedy output equals autoregressive decoding's with the same controls."""
+    decoder = SpeculativeDecoder(target, fitted[0], config=DecoderConfig(**{**vars(SMALL), "k": 3}))
+    batch, accepted = FIT_PROMPTS[:4], 0.0
+    for group in (CONTROLS, MASKS):
+        params = [SamplingParams(max_tokens=12, **control) for control in group.values()][:4]
+        out = decoder.generate(batch, sampling=params, eos_token_id=EOS)
+        assert out.tokens == autoregressive.generate(batch, sampling=params, eos_token_id=EOS).tokens
+        accepted += out.stats.acceptance_rate
+    assert accepted > 0
+
+
+def test_warmup_then_generate_compiles_nothing(target, head):
+    config = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 2)})
+    decoder = SpeculativeDecoder(target, head, config=config)
+    decoder.warmup([4], config.max_seq_len)
+    with CompileCounter() as compiles:
+        out = decoder.generate(prompts(33, 5), MAX_NEW)
+    assert compiles.count == compiles.loads == 0 and out.stats.compiled == [], out.stats.compiled
