@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from scv_jax.decoding.caches import HeadCache
 from scv_jax.decoding.device_step import SplitModel, commit_positions
-from scv_jax.decoding.verifiers import ChainScored, ChainVerifier, draft_chain, drafts_before_stop, score
+from scv_jax.decoding.verifiers import (ChainScored, ChainVerifier, TreeScored, TreeVerifier, draft_chain,
+                                        drafts_before_stop, grow_tree, score, score_tree)
 from scv_jax.models.protocol import StagedKV
 from scv_jax.ops.commit.api import slots_from_block_table
 
@@ -70,17 +71,68 @@ def write_rows(cache: HeadCache, block_tables: jax.Array, positions: jax.Array, 
     return cache
 
 
-class HeadProposal(NamedTuple):
-    """A head step's drafts (``ChainProposal``'s fields, so the chain acceptance takes it), whether each
-    request could draft (``valid`` bool[B]: it has a feature), what the catch-up read of the head cache
-    (``read``: its rows' features and tokens) and the merged head (its ``combine`` maps the scored taps)."""
+class CatchUp(NamedTuple):
+    """A head step's catch-up over its missing rows.
 
-    tokens: jax.Array
-    probs: jax.Array | None
-    staged: StagedKV
+    Attributes:
+      out: the head's ``Eagle3Output`` over the rows [B, W] (request b's first ``lag[b]`` valid, at
+        positions ``start + row``); its K/V are the step's staged entries.
+      lag, start: int32[B]; valid: bool[B] the request has a feature to draft from (a real request past
+        position 0).
+      read: (features, tokens) the rows read of the head cache (later writes are ordered after them).
+      head: the merged head (its ``combine`` maps the scored taps).
+    """
+
+    out: Any
+    lag: jax.Array
+    start: jax.Array
     valid: jax.Array
     read: tuple[jax.Array, jax.Array]
     head: Any
+
+
+def catch_up(head, cache: HeadCache, block_tables: jax.Array, inputs, width: int, backend: str) -> CatchUp:
+    """The head over its ``lag`` missing rows (at most ``width``): features and tokens read from its cache,
+    the pending token last."""
+    lag = jnp.clip(inputs.lag, 1, width)
+    head_lens = inputs.context_lens - lag
+    start = jnp.maximum(head_lens, 0)
+    rows = jnp.arange(width, dtype=jnp.int32)[None, :]
+    features, _ = read_rows(cache, block_tables, start[:, None] + rows)
+    _, tokens = read_rows(cache, block_tables, start[:, None] + rows + 1)
+    tokens = jnp.where(rows == (lag - 1)[:, None], inputs.pending[:, None], tokens)
+    out = head.forward_paged(tokens, features, cache.kv, block_tables, start, backend=backend)
+    return CatchUp(out, lag, start, (head_lens >= 0) & inputs.request_mask, (features, tokens), head)
+
+
+def last_hidden(ran: CatchUp) -> jax.Array:
+    """[B, d_model] the catch-up's ``hidden_out`` at each request's last row (its first draft's input)."""
+    return jnp.take_along_axis(ran.out.hidden, (ran.lag - 1)[:, None, None], axis=1)[:, 0]
+
+
+def commit(cache: HeadCache, ran: CatchUp, features: jax.Array, drafts: jax.Array, num_accepted: jax.Array,
+           block_tables: jax.Array, inputs, *, block_size: int, backend: str, after: jax.Array) -> HeadCache:
+    """The head cache after a step: the catch-up rows' K/V, the combined taps ``features`` [B, D + 1,
+    d_model] of positions context + d for d <= num_accepted (the pending token's, then the accepted
+    drafts'), and the accepted ``drafts`` int32[B, D] at positions context + 1 + d, d < num_accepted."""
+    kv = commit_positions(cache.kv, ran.out.keys, ran.out.values, block_tables, ran.start,
+                          jnp.where(ran.valid, ran.lag, 0), block_size, backend, after=after)
+    t = jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
+    positions = inputs.context_lens[:, None] + t
+    accepted, live = num_accepted[:, None], inputs.request_mask[:, None]
+    cache = write_rows(cache._replace(kv=kv), block_tables, positions, live & (t <= accepted), after=ran.read[0],
+                       features=features)
+    return write_rows(cache, block_tables, positions[:, :-1] + 1, live & (t[:, :-1] < accepted), after=ran.read[1],
+                      tokens=drafts)
+
+
+class HeadProposal(NamedTuple):
+    """A head chain step's drafts (``ChainProposal``'s fields, so the chain acceptance takes it) and its
+    ``CatchUp``."""
+
+    tokens: jax.Array
+    probs: jax.Array | None
+    ran: CatchUp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,60 +149,94 @@ class HeadChainVerifier(ChainVerifier):
         if packed_k:
             raise ValueError(f"decode_step: an EAGLE head's steps verify dense chains (packed_k 0), got {packed_k}")
 
-    def propose(self, head, drafts, cache: HeadCache, block_tables, inputs, sampling, *, k, greedy, backend
-                ) -> HeadProposal:
-        lag = jnp.clip(inputs.lag, 1, self.width)
-        head_lens = inputs.context_lens - lag
-        valid = (head_lens >= 0) & inputs.request_mask
-        start = jnp.maximum(head_lens, 0)
-        rows = jnp.arange(self.width, dtype=jnp.int32)[None, :]
-        features, _ = read_rows(cache, block_tables, start[:, None] + rows)
-        _, tokens = read_rows(cache, block_tables, start[:, None] + rows + 1)
-        tokens = jnp.where(rows == (lag - 1)[:, None], inputs.pending[:, None], tokens)
-        out = head.forward_paged(tokens, features, cache.kv, block_tables, start, backend=backend)
-        if k == 0:
-            return HeadProposal(jnp.zeros((lag.shape[0], 0), jnp.int32), None, StagedKV(out.keys, out.values, lag),
-                                valid, (features, tokens), head)
-
-        def forward(token, staged, hidden):
-            o = head.forward_paged(token[:, None], hidden[:, None], cache.kv, block_tables, start, staged,
-                                   backend=backend)
-            return o.logits[:, 0], o.keys, o.values, o.hidden[:, 0]
-
-        hidden = jnp.take_along_axis(out.hidden, (lag - 1)[:, None, None], axis=1)[:, 0]
-        chain = draft_chain(out, lag, forward, hidden, inputs.keys, sampling, k=k, greedy=greedy,
-                            controls=inputs.controls)
-        return HeadProposal(chain.tokens, chain.probs, chain.staged, valid, (features, tokens), head)
-
-    def score(self, target, target_cache, block_tables, inputs, proposal: HeadProposal, *, k, packed_k, backend
-              ) -> ChainScored:
-        num_drafts = jnp.where(proposal.valid, inputs.num_drafts, 0)
-        if k:
-            num_drafts = drafts_before_stop(proposal.tokens, num_drafts, inputs.stop_ids)
-        out = score(target, target_cache, block_tables, inputs.pending, proposal.tokens, inputs.context_lens,
-                    backend=backend, aux_layers=self.aux_layers)
-        return ChainScored(out._replace(taps=proposal.head.combine(out.taps)), num_drafts, None)
+    def stages(self, k: int) -> "HeadChainVerifier":
+        return self
 
     def prefill_step(self, target: SplitModel, draft: SplitModel, block_size: int):
         return make_head_prefill_step(target, draft, block_size, self.aux_layers)
 
+    def propose(self, head, drafts, cache: HeadCache, block_tables, inputs, sampling, *, k, greedy, backend
+                ) -> HeadProposal:
+        ran = catch_up(head, cache, block_tables, inputs, self.width, backend)
+        if k == 0:
+            return HeadProposal(jnp.zeros((ran.lag.shape[0], 0), jnp.int32), None, ran)
+
+        def forward(token, staged, hidden):
+            o = head.forward_paged(token[:, None], hidden[:, None], cache.kv, block_tables, ran.start, staged,
+                                   backend=backend)
+            return o.logits[:, 0], o.keys, o.values, o.hidden[:, 0]
+
+        chain = draft_chain(ran.out, ran.lag, forward, last_hidden(ran), inputs.keys, sampling, k=k, greedy=greedy,
+                            controls=inputs.controls)
+        return HeadProposal(chain.tokens, chain.probs, ran)
+
+    def score(self, target, target_cache, block_tables, inputs, proposal: HeadProposal, *, k, packed_k, backend
+              ) -> ChainScored:
+        num_drafts = jnp.where(proposal.ran.valid, inputs.num_drafts, 0)
+        if k:
+            num_drafts = drafts_before_stop(proposal.tokens, num_drafts, inputs.stop_ids)
+        out = score(target, target_cache, block_tables, inputs.pending, proposal.tokens, inputs.context_lens,
+                    backend=backend, aux_layers=self.aux_layers)
+        return ChainScored(out._replace(taps=proposal.ran.head.combine(out.taps)), num_drafts, None)
+
     def commit_draft(self, cache: HeadCache, proposal: HeadProposal, scored: ChainScored, result, block_tables,
                      inputs, *, block_size, backend) -> HeadCache:
-        lag = jnp.clip(inputs.lag, 1, self.width)
-        start = jnp.maximum(inputs.context_lens - lag, 0)
-        staged = proposal.staged
-        kv = commit_positions(cache.kv, staged.keys[:, :, :self.width], staged.values[:, :, :self.width],
-                              block_tables, start, jnp.where(proposal.valid, lag, 0), block_size, backend,
-                              after=result.summary.packed)
-        # the pending token's and the accepted drafts' features; the accepted drafts' tokens
-        t = jnp.arange(scored.output.taps.shape[1], dtype=jnp.int32)[None, :]
-        positions = inputs.context_lens[:, None] + t
-        accepted = result.num_accepted[:, None]
-        live = inputs.request_mask[:, None]
-        cache = write_rows(cache._replace(kv=kv), block_tables, positions, live & (t <= accepted),
-                           after=proposal.read[0], features=scored.output.taps)
-        return write_rows(cache, block_tables, positions[:, :-1] + 1, live & (t[:, :-1] < accepted),
-                          after=proposal.read[1], tokens=proposal.tokens)
+        return commit(cache, proposal.ran, scored.output.taps, proposal.tokens, result.num_accepted, block_tables,
+                      inputs, block_size=block_size, backend=backend, after=result.summary.packed)
+
+
+class HeadTreeProposal(NamedTuple):
+    """A head tree step's tree (``TreeProposal``'s node fields) and its ``CatchUp``."""
+
+    tokens: jax.Array
+    parents: jax.Array
+    ran: CatchUp
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadTreeVerifier(TreeVerifier):
+    """EAGLE-2 dynamic trees from an EAGLE head (``verifiers.grow_tree``, each node's hidden input its
+    parent's ``hidden_out``); ``aux_layers``, ``width`` as ``HeadChainVerifier``'s (width: max_depth + 1)."""
+
+    aux_layers: tuple[int, ...] = ()
+    width: int = 1
+    every_step = True
+
+    def stages(self, k: int) -> "HeadTreeVerifier | HeadChainVerifier":
+        """k = 0 (no tree this step): the head's catch-up alone, as a chain step at k = 0 runs it."""
+        return self if k else HeadChainVerifier(self.aux_layers, self.width)
+
+    def prefill_step(self, target: SplitModel, draft: SplitModel, block_size: int):
+        return make_head_prefill_step(target, draft, block_size, self.aux_layers)
+
+    def propose(self, head, drafts, cache: HeadCache, block_tables, inputs, sampling, *, k, greedy, backend
+                ) -> HeadTreeProposal:
+        ran = catch_up(head, cache, block_tables, inputs, self.width, backend)
+        staged = StagedKV(ran.out.keys, ran.out.values, ran.lag)
+
+        def expand(tokens, parents, hidden):
+            o = head.forward_paged(tokens, hidden, cache.kv, block_tables, ran.start, staged, tree_parents=parents,
+                                   backend=backend)
+            return o.logits, o.hidden, o
+
+        tree = grow_tree(ran.out, ran.lag, expand, last_hidden(ran), tree=self.tree, controls=inputs.controls)
+        return HeadTreeProposal(tree.tokens, tree.parents, ran)
+
+    def score(self, target, target_cache, block_tables, inputs, proposal: HeadTreeProposal, *, k, packed_k, backend
+              ) -> TreeScored:
+        cap = jnp.where(proposal.ran.valid, jnp.minimum(inputs.num_drafts, self.tree.max_depth), 0)
+        scored = score_tree(target, target_cache, block_tables, inputs, proposal, cap, backend=backend,
+                            aux_layers=self.aux_layers)
+        return scored._replace(output=scored.output._replace(taps=proposal.ran.head.combine(scored.output.taps)))
+
+    def commit_draft(self, cache: HeadCache, proposal: HeadTreeProposal, scored: TreeScored, result, block_tables,
+                     inputs, *, block_size, backend) -> HeadCache:
+        path = jnp.maximum(result.accepted_nodes, 0)                                   # [B, max_depth]
+        rows = jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1], axis=1)       # pending, then the path
+        features = jnp.take_along_axis(scored.output.taps, rows[:, :, None], axis=1)
+        drafts = jnp.take_along_axis(proposal.tokens, path, axis=1)
+        return commit(cache, proposal.ran, features, drafts, result.num_accepted, block_tables, inputs,
+                      block_size=block_size, backend=backend, after=result.output_token_ids)
 
 
 def make_head_prefill_step(target: SplitModel, head: SplitModel, block_size: int, aux_layers: tuple[int, ...]):

@@ -33,7 +33,7 @@ from scv_jax.decoding.plan import DecodeWork, PrefillWork, SamplingColumn, StepR
 from scv_jax.decoding.proposers.base import Proposer
 from scv_jax.decoding.requests import RequestBatch
 from scv_jax.decoding.stats import GenerateStats
-from scv_jax.decoding.head_step import HeadChainVerifier
+from scv_jax.decoding.head_step import HeadChainVerifier, HeadTreeVerifier
 from scv_jax.decoding.verifiers import ChainVerifier, TreeVerifier
 from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
 from scv_jax.graph.compile_counter import CompileCounter
@@ -85,14 +85,16 @@ class StepRunner:
         self.draft, self.draft_params = (SplitModel.of(draft_placed.graphdef, draft_placed.state)
                                          if draft_model is not None else (None, None))
         self.pool = self.placement.pool
-        head = proposer.verifier == "head"
+        head = proposer.every_step          # an EAGLE head: its cache a HeadCache, its verifiers head_step's
         self.caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_placed.cache_dims,
                                   draft_placed.cache_dims, factory=self.placement.new_cache,
                                   draft_features=(draft_model.config.d_model, draft_model.config.dtype) if head else None)
         self.step_ks = proposer.step_ks
         self.packed_ks = self._packed_draft_counts()
         if head:
-            verifier = HeadChainVerifier(tuple(draft_model.aux_layers), proposer.max_lag)
+            aux_layers = tuple(draft_model.aux_layers)
+            verifier = (HeadChainVerifier(aux_layers, proposer.max_lag) if proposer.verifier == "chain"
+                        else HeadTreeVerifier(cfg.tree, aux_layers, proposer.max_lag))
         else:
             verifier = ChainVerifier() if proposer.verifier == "chain" else TreeVerifier(cfg.tree)
         self.prefill_executable, self.decode_executable = step_executables(

@@ -23,11 +23,10 @@ verifier's for every verifier. No cache receives a rejected token's K/V. The hos
 from __future__ import annotations
 
 from scv_jax.decoding.device_step import ControlState, SplitModel, step_inputs
-from scv_jax.decoding.verifiers import ChainVerifier, Verifier
+from scv_jax.decoding.verifiers import Verifier
 from scv_jax.ops.sampling.api import token_logprobs
 from scv_jax.sampling_params import MAX_LOGPROBS
 
-_AUTOREGRESSIVE = ChainVerifier()      # every verifier's k = 0 step
 
 
 def _check(verifier: Verifier, drafts, draft_params, *, k: int, logprobs: bool, packed_k: int) -> None:
@@ -81,9 +80,9 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           vLLM's), with ``controls`` then the ``ControlState`` with the emitted tokens recorded.
         """
         _check(verifier, drafts, draft_params, k=k, logprobs=logprobs, packed_k=packed_k)
-        stages = verifier if k or verifier.every_step else _AUTOREGRESSIVE
+        stages = verifier.stages(k)
         inputs = step_inputs(rows, request_mask, sampling, controls)
-        draft_model = None if draft_params is None or not (k or verifier.every_step) else draft.merge(draft_params)
+        draft_model = None if draft_params is None or not (k or stages.every_step) else draft.merge(draft_params)
         proposal = stages.propose(draft_model, drafts if k else None, draft_cache, block_tables, inputs, sampling,
                                   k=k, greedy=greedy, backend=backend)
         scored = stages.score(target.merge(target_params), target_cache, block_tables, inputs, proposal, k=k,

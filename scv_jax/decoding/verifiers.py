@@ -71,6 +71,9 @@ class Verifier(Protocol):
     name: str
     every_step: bool      # its drafter runs in every step, k = 0 included (an EAGLE head: ``head_step``)
 
+    def stages(self, k: int) -> "Verifier":
+        """The verifier whose stages a step at ``k`` runs (k = 0: plain decoding's, the chain verifier's)."""
+
     def drafts_shape(self, k: int) -> tuple[int, ...]:
         """The shape of host drafts past the batch axis."""
 
@@ -343,6 +346,9 @@ class ChainVerifier:
     name = "chain"
     every_step = False
 
+    def stages(self, k: int) -> "Verifier":
+        return self if k else ChainVerifier()
+
     def prefill_step(self, target: SplitModel, draft: SplitModel | None, block_size: int):
         return make_prefill_step(target, draft, block_size)
 
@@ -421,32 +427,50 @@ def _top_children(logits: jax.Array, scores: jax.Array, width: int) -> tuple[jax
 def draft_tree(draft, draft_cache: PagedKVCache, block_tables: jax.Array, lag_tokens: jax.Array, lag: jax.Array,
                draft_lens: jax.Array, *, tree: TreeConfig, backend: str,
                controls: LogitControls | None = None) -> TreeProposal:
-    """EAGLE-2's dynamic tree: after the catch-up forward the root's top ``branching`` children; then per
-    level the ``branching`` frontier nodes with the best cumulative draft log-probability expand their
-    top ``branching`` children (one draft forward of every expanded node so far, tree attention, over
-    the staged catch-up tokens); the ``draft_nodes()`` best candidates by cumulative log-probability
-    (ties: the earlier candidate), in rank order. Children are the draft's top-k: deterministic. With
-    ``controls`` every node's logits take them over the committed history (not the node's path: the
-    target's verification alone decides what is accepted)."""
-    width, batch = tree.branching, lag_tokens.shape[0]
+    """A draft model's EAGLE-2 tree (``grow_tree``) after its catch-up forward over the lag tokens."""
     out = draft.forward_paged(lag_tokens, draft_cache, block_tables, draft_lens, backend=backend)
     staged = StagedKV(out.keys, out.values, lag)
-    root = controlled(controls, jnp.take_along_axis(out.logits, (lag - 1)[:, None, None], axis=1))   # [B, 1, V]
+
+    def expand(tokens, parents, carry):
+        last = draft.forward_paged(tokens, draft_cache, block_tables, draft_lens, staged, tree_parents=parents,
+                                   backend=backend)
+        return last.logits, carry, last
+
+    return grow_tree(out, lag, expand, None, tree=tree, controls=controls)
+
+
+def grow_tree(catch_up, lag: jax.Array, expand, root_carry, *, tree: TreeConfig,
+              controls: LogitControls | None = None) -> TreeProposal:
+    """EAGLE-2's dynamic tree: after the catch-up forward (``catch_up.logits`` [B, W, V], request b's
+    root at row lag[b] - 1) the root's top ``branching`` children; then per level the ``branching``
+    frontier nodes with the best cumulative draft log-probability expand their top ``branching`` children
+    (``expand(tokens int32[B, E], tree_parents int32[B, E], carry) -> (logits [B, E, V], carry_out, out)``:
+    one draft forward of every expanded node so far, tree attention, over the staged catch-up tokens;
+    ``carry`` the drafter's own per-node input, each node taking its parent's ``carry_out``: an EAGLE head's
+    hidden state, ``root_carry`` [B, ...] the root's; None for a draft model); the ``draft_nodes()`` best
+    candidates by cumulative log-probability (ties: the earlier candidate), in rank order. Children are
+    the draft's top-k: deterministic. With ``controls`` every node's logits take them over the committed
+    history (not the node's path: the target's verification alone decides what is accepted)."""
+    width, batch = tree.branching, lag.shape[0]
+    root = controlled(controls, jnp.take_along_axis(catch_up.logits, (lag - 1)[:, None, None], axis=1))   # [B, 1, V]
     tokens, scores = _top_children(root, jnp.zeros((batch, 1), jnp.float32), width)
     pool_tokens, pool_scores = [tokens[:, 0]], [scores[:, 0]]
     pool_parents = [jnp.full((batch, width), -1, jnp.int32)]
     frontier = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))   # pool indices
     frontier_tokens, frontier_scores = tokens[:, 0], scores[:, 0]
-    expanded, expanded_tokens, expanded_parents, last = [], [], [], None
+    frontier_carry = jax.tree.map(lambda c: jnp.repeat(c[:, None], width, axis=1), root_carry)
+    expanded, expanded_tokens, expanded_parents, expanded_carry, last = [], [], [], [], None
     rows = jnp.arange(batch)[:, None]
     parents = jnp.full((batch, width), -1, jnp.int32)      # the frontier's parents among the expanded nodes
     for level in range(1, tree.max_depth):
         expanded.append(frontier)
         expanded_tokens.append(frontier_tokens)
         expanded_parents.append(parents)
-        last = draft.forward_paged(jnp.concatenate(expanded_tokens, axis=1), draft_cache, block_tables, draft_lens,
-                                   staged, tree_parents=jnp.concatenate(expanded_parents, axis=1), backend=backend)
-        tokens, scores = _top_children(controlled(controls, last.logits[:, -width:]), frontier_scores, width)
+        expanded_carry.append(frontier_carry)
+        logits, carry_out, last = expand(jnp.concatenate(expanded_tokens, axis=1),
+                                         jnp.concatenate(expanded_parents, axis=1),
+                                         jax.tree.map(lambda *c: jnp.concatenate(c, axis=1), *expanded_carry))
+        tokens, scores = _top_children(controlled(controls, logits[:, -width:]), frontier_scores, width)
         offset = sum(t.shape[1] for t in pool_tokens)
         pool_tokens.append(tokens.reshape(batch, -1))
         pool_scores.append(scores.reshape(batch, -1))
@@ -454,6 +478,8 @@ def draft_tree(draft, draft_cache: PagedKVCache, block_tables: jax.Array, lag_to
         frontier_scores, chosen = jax.lax.top_k(scores.reshape(batch, -1), width)      # ties: lower index
         frontier, frontier_tokens = offset + chosen, tokens.reshape(batch, -1)[rows, chosen]
         parents = (level - 1) * width + chosen // width       # the expanding frontier slot's place
+        frontier_carry = jax.tree.map(lambda c: jnp.take_along_axis(
+            c, parents.reshape(batch, width, *(1,) * (c.ndim - 2)), axis=1), carry_out)
     all_tokens, all_scores, all_parents = (jnp.concatenate(x, axis=1) for x in (pool_tokens, pool_scores, pool_parents))
     _, picked = jax.lax.top_k(all_scores, tree.draft_nodes())      # rank order; a parent ranks before its child
     parent_pool = all_parents[rows, picked]
@@ -465,7 +491,7 @@ def draft_tree(draft, draft_cache: PagedKVCache, block_tables: jax.Array, lag_to
         node_of = jnp.where(jnp.any(match, axis=2), jnp.argmax(match, axis=2), -1).astype(jnp.int32)
     else:
         node_of = jnp.zeros((batch, 0), jnp.int32)
-    return TreeProposal(all_tokens[rows, picked], node_parents, node_of, out, last)
+    return TreeProposal(all_tokens[rows, picked], node_parents, node_of, catch_up, last)
 
 
 def tree_inputs(tokens: jax.Array, parents: jax.Array, cap: jax.Array, stop_ids: jax.Array
@@ -564,6 +590,18 @@ def commit_draft_tree(draft_cache: PagedKVCache, proposal: TreeProposal, result:
     return _commit(draft_cache, jnp.concatenate(keys, axis=2), jnp.concatenate(values, axis=2), slots, mask, backend)
 
 
+def score_tree(target, target_cache: PagedKVCache, block_tables: jax.Array, inputs: StepInputs, proposal,
+               cap: jax.Array, *, backend: str, aux_layers: tuple[int, ...] | None = None) -> "TreeScored":
+    """Stage 2 of a tree step: the target over ``[pending, nodes]`` with tree attention, each request
+    accepting at most ``cap`` int32[B] nodes (``tree_inputs``); with the taps of ``aux_layers`` when given."""
+    forward_parents, accept_parents = tree_inputs(proposal.tokens, proposal.parents, cap, inputs.stop_ids)
+    taps = {} if aux_layers is None else dict(aux_layers=aux_layers)
+    out = target.forward_paged(jnp.concatenate([inputs.pending[:, None], proposal.tokens], axis=1), target_cache,
+                               block_tables, inputs.context_lens, tree_parents=forward_parents, backend=backend,
+                               **taps)
+    return TreeScored(out, accept_parents, forward_parents)
+
+
 class TreeScored(NamedTuple):
     """A tree step's target forward over [pending, nodes] and the acceptance's node parents (a node that
     may not be accepted is its own parent, ``tree_inputs``)."""
@@ -581,6 +619,9 @@ class TreeVerifier:
     tree: TreeConfig
     name = "tree"
     every_step = False
+
+    def stages(self, k: int) -> "Verifier":
+        return self if k else ChainVerifier()
 
     def prefill_step(self, target: SplitModel, draft: SplitModel | None, block_size: int):
         return make_prefill_step(target, draft, block_size)
@@ -602,12 +643,8 @@ class TreeVerifier:
         return TreeProposal(drafts[:, 0].astype(jnp.int32), drafts[:, 1].astype(jnp.int32))
 
     def score(self, target, target_cache, block_tables, inputs, proposal, *, k, packed_k, backend) -> TreeScored:
-        forward_parents, accept_parents = tree_inputs(proposal.tokens, proposal.parents,
-                                                      jnp.minimum(inputs.num_drafts, self.tree.max_depth),
-                                                      inputs.stop_ids)
-        out = target.forward_paged(jnp.concatenate([inputs.tail[:, -1:], proposal.tokens], axis=1), target_cache,
-                                   block_tables, inputs.context_lens, tree_parents=forward_parents, backend=backend)
-        return TreeScored(out, accept_parents, forward_parents)
+        return score_tree(target, target_cache, block_tables, inputs, proposal,
+                          jnp.minimum(inputs.num_drafts, self.tree.max_depth), backend=backend)
 
     def accept(self, target_cache, scored, proposal, inputs, sampling, block_tables, *, block_size, greedy,
                backend) -> tuple[PagedKVCache, StepSummary, Any]:

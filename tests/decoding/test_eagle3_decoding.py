@@ -26,6 +26,7 @@ HEAD = dict(hidden=TINY.d_model, heads=4, kv_heads=2, head_dim=8, ffn=48, target
             draft_vocab=12)
 CHAIN = DecoderConfig(**{**vars(SMALL), "k": 3})
 ADAPTIVE = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 2, 4)})
+TREE = DecoderConfig(**{**vars(SMALL), "tree": TreeConfig(max_depth=3, branching=2, max_nodes=6)})
 
 
 def fit(head, target, sequences: list[list[int]], steps: int = 300):
@@ -84,7 +85,7 @@ def fitted(target, autoregressive, tmp_path_factory):
 FIT_PROMPTS = [p[:6] + [0] * (6 - len(p[:6])) for p in prompts(40, 8)]
 
 
-@pytest.mark.parametrize("config", [CHAIN, ADAPTIVE], ids=["chain", "adaptive"])
+@pytest.mark.parametrize("config", [CHAIN, ADAPTIVE, TREE], ids=["chain", "adaptive", "tree"])
 def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregressive, fitted, config):
     engine = Engine(target, fitted[0], config=config, eos_token_id=None)
     batch = FIT_PROMPTS[:2] + prompts(31, 2) + [[5]]     # 1 to 19 tokens (prefill chunks of 16), and one
@@ -96,18 +97,13 @@ def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregres
     assert sum(outputs[str(i)][-1].num_accepted_tokens for i in range(5)) > 0
 
 
-def test_offline_decoder_greedy_equals_the_target(target, autoregressive, head):
-    batch = prompts(32, 3)
-    out = SpeculativeDecoder(target, head, config=CHAIN).generate(batch, MAX_NEW)
-    assert out.tokens == autoregressive.generate(batch, MAX_NEW).tokens
-
-
-def test_the_head_cache_holds_verified_rows_only(target, head):
+@pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 4}), TREE], ids=["chain", "tree"])
+def test_the_head_cache_holds_verified_rows_only(target, head, config):
     """One request with mostly rejected drafts, alone in a fresh engine (its blocks are the pool's first,
     in order, so position p is slot p): the head's cache holds the target's combined taps of each
     position it verified, the accepted drafts' tokens at their positions, and one K/V row per position
     but the last lag (at most k + 1) ones: nothing of a rejected draft, nothing past the verified text."""
-    engine = Engine(target, head, config=DecoderConfig(**{**vars(SMALL), "k": 4}), eos_token_id=None)
+    engine = Engine(target, head, config=config, eos_token_id=None)
     prompt = [3, 1, 4, 1, 5]
     final = run(engine, {0: [(prompt, SamplingParams(max_tokens=MAX_NEW), "r")]})["r"][-1]
     sequence = prompt + list(final.token_ids)
@@ -125,20 +121,18 @@ def test_the_head_cache_holds_verified_rows_only(target, head):
     assert len(sequence) - 2 - 4 <= committed <= len(sequence) - 2 and kv_rows[:committed].all()
 
 
-@pytest.mark.parametrize("filters", ["all"])
-def test_sampled_tokens_follow_the_filtered_target(target, target_logits, head, filters):  # noqa: F811
-    engine = Engine(target, head, config=DecoderConfig(**{**vars(SMALL), "k": 2}))
+@pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 2}), TREE], ids=["chain", "tree"])
+def test_sampled_tokens_follow_the_filtered_target(target, target_logits, head, config):  # noqa: F811
+    engine = Engine(target, head, config=config)
     prompt, count = [3, 1, 4, 3, 1], 400
-    params = SamplingParams(max_tokens=3, **FILTERS[filters])
+    params = SamplingParams(max_tokens=3, **FILTERS["all"])
     outputs = run(engine, {0: [(prompt, SamplingParams(**{**vars(params), "seed": i}), str(i)) for i in range(count)]},
                   max_steps=2 * count)
     sampled = [tokens(outputs, str(i)) for i in range(count)]
     first_two_tokens_follow_the_target(sampled, prompt, params, target_logits)
 
 
-def test_bad_configs_are_refused(target, head):
-    with pytest.raises(ValueError, match="SpeculativeDecoder: an EAGLE head drafts chains"):
-        SpeculativeDecoder(target, head, config=DecoderConfig(**{**vars(SMALL), "tree": TreeConfig(3, 2, 6)}))
+def test_packed_verification_is_refused(target, head):
     with pytest.raises(ValueError, match="packed_verify"):
         SpeculativeDecoder(target, head, config=DecoderConfig(**{**vars(SMALL), "packed_verify": True}))
 

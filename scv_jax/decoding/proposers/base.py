@@ -141,10 +141,11 @@ def smallest_fitting(step_ks: tuple[int, ...], most: int) -> int:
 
 
 class Proposer:
-    """A drafter's host half: which verifier scores its drafts ("chain", "tree" or "head": an EAGLE head's
-    chains), the static k values its steps compile (``step_ks``, 0 first), the most drafts a step
-    accepts, whether its device half runs a draft model (which keeps a draft cache that lags the
-    target's, caught up on the host when it lags more than ``MAX_CATCH_UP``), and each step's ``Drafts``.
+    """A drafter's host half: which verifier scores its drafts ("chain" or "tree"), the static k values
+    its steps compile (``step_ks``, 0 first), the most drafts a step accepts, whether its device half
+    runs a draft model (which keeps a draft cache that lags the target's, caught up on the host when it
+    lags more than ``MAX_CATCH_UP``) or runs in every step (an EAGLE head, ``every_step``), and each
+    step's ``Drafts``.
 
     The host drafter (``host``), if any, receives the request lifecycle hooks.
     """

@@ -30,12 +30,17 @@ class DraftModelChain(Proposer):
         return lag_after_step(lag, num_accepted, step_k)
 
 
+def head_lag_after_step(lag: np.ndarray, num_accepted: np.ndarray, step_k: int) -> np.ndarray:
+    """An EAGLE head's lag after a step (``decoding.head_step``): the tokens the step emitted, whose
+    rows it runs next (it runs every step, k = 0 included, so it never lags more)."""
+    return num_accepted + 1
+
+
 class HeadChain(DraftModelChain):
     """Chains from an EAGLE head (``decoding.head_step``): it runs every step, k = 0 included, over the
     rows its previous step emitted, so it lags by ``num_accepted + 1`` (at most the largest k + 1, all on
     the device: never caught up on the host)."""
 
-    verifier = "head"
     has_draft_model = False
     every_step = True
 
@@ -43,8 +48,7 @@ class HeadChain(DraftModelChain):
         super().__init__(allowed_k)
         self.max_lag = self.max_depth + 1
 
-    def lag_after_step(self, lag: np.ndarray, num_accepted: np.ndarray, step_k: int) -> np.ndarray:
-        return num_accepted + 1
+    lag_after_step = staticmethod(head_lag_after_step)
 
 
 class DraftModelTree(Proposer):
@@ -68,3 +72,17 @@ class DraftModelTree(Proposer):
         """1, or 2 when a node was accepted: the last accepted node's K/V is not committed (the draft may
         never have run it); a k = 0 step adds its token to the lag."""
         return lag + 1 if step_k == 0 else 1 + (num_accepted > 0)
+
+
+class HeadTree(DraftModelTree):
+    """EAGLE-2 dynamic trees from an EAGLE head (``decoding.head_step.HeadTreeVerifier``); its lag as
+    ``HeadChain``'s (at most max_depth + 1)."""
+
+    has_draft_model = False
+    every_step = True
+
+    def __init__(self, tree):
+        super().__init__(tree)
+        self.max_lag = self.max_depth + 1
+
+    lag_after_step = staticmethod(head_lag_after_step)

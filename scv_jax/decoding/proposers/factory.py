@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from scv_jax.decoding.proposers.base import HostDrafter, Proposer
-from scv_jax.decoding.proposers.draft_model import DraftModelChain, DraftModelTree, HeadChain
+from scv_jax.decoding.proposers.draft_model import DraftModelChain, DraftModelTree, HeadChain, HeadTree
 from scv_jax.decoding.proposers.host import HostChains, HostTrees
 from scv_jax.decoding.proposers.ngram import NgramDrafter
 
@@ -37,7 +37,5 @@ def make_proposer(draft: Any, allowed_k: tuple[int, ...], tree, vocab_size: int)
     if host is not None:
         return HostChains(host, allowed_k, vocab_size) if tree is None else HostTrees(host, tree, vocab_size)
     if is_head(draft):
-        if tree is not None:
-            raise ValueError("an EAGLE head drafts chains only so far: use DecoderConfig(tree=None)")
-        return HeadChain(allowed_k)
+        return HeadChain(allowed_k) if tree is None else HeadTree(tree)
     return DraftModelChain(allowed_k) if tree is None else DraftModelTree(tree)
