@@ -52,12 +52,13 @@ def read_rows(cache: HeadCache, block_tables: jax.Array, positions: jax.Array) -
 
 
 def write_rows(cache: HeadCache, block_tables: jax.Array, positions: jax.Array, mask: jax.Array, *,
-               after: jax.Array, features: jax.Array | None = None, tokens: jax.Array | None = None) -> HeadCache:
+               after: Any, features: jax.Array | None = None, tokens: jax.Array | None = None) -> HeadCache:
     """The cache with ``features`` [B, T, d_model] and/or ``tokens`` int32[B, T] stored at int32[B, T]
     ``positions`` where bool[B, T] ``mask`` (and the position has a block). ``after`` (computed from
     what the step read of the cache) orders the write after those reads, so the donated pages update in
     place (as ``device_step.commit_positions``)."""
-    mask, _ = jax.lax.optimization_barrier((mask, after))
+    (pages, mask), _ = jax.lax.optimization_barrier((((cache.features, cache.tokens), mask), after))
+    cache = cache._replace(features=pages[0], tokens=pages[1])
     slots = _slots(cache, block_tables, positions)
     total = cache.tokens.size
     where = jnp.where(mask & (slots >= 0), slots, total).reshape(-1)        # total: dropped
@@ -120,9 +121,11 @@ def commit(cache: HeadCache, ran: CatchUp, features: jax.Array, drafts: jax.Arra
     t = jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
     positions = inputs.context_lens[:, None] + t
     accepted, live = num_accepted[:, None], inputs.request_mask[:, None]
-    cache = write_rows(cache._replace(kv=kv), block_tables, positions, live & (t <= accepted), after=ran.read[0],
+    # after the catch-up's reads and what consumed them (at k = 0 nothing else orders the writes after them)
+    read = (ran.read, ran.out.keys, ran.out.values)
+    cache = write_rows(cache._replace(kv=kv), block_tables, positions, live & (t <= accepted), after=read,
                        features=features)
-    return write_rows(cache, block_tables, positions[:, :-1] + 1, live & (t[:, :-1] < accepted), after=ran.read[1],
+    return write_rows(cache, block_tables, positions[:, :-1] + 1, live & (t[:, :-1] < accepted), after=read,
                       tokens=drafts)
 
 

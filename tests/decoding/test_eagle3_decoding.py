@@ -98,11 +98,12 @@ def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregres
 
 
 @pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 4}), TREE], ids=["chain", "tree"])
-def test_the_head_cache_holds_verified_rows_only(target, head, config):
-    """One request with mostly rejected drafts, alone in a fresh engine (its blocks are the pool's first,
+def test_the_head_cache_holds_verified_rows_only(target, fitted, config):
+    """One request with accepted and rejected drafts (a prompt the fitted head did not learn), alone in a fresh engine (its blocks are the pool's first,
     in order, so position p is slot p): the head's cache holds the target's combined taps of each
     position it verified, the accepted drafts' tokens at their positions, and one K/V row per position
     but the last lag (at most k + 1) ones: nothing of a rejected draft, nothing past the verified text."""
+    head = fitted[0]
     engine = Engine(target, head, config=config, eos_token_id=None)
     prompt = [3, 1, 4, 1, 5]
     final = run(engine, {0: [(prompt, SamplingParams(max_tokens=MAX_NEW), "r")]})["r"][-1]
@@ -115,6 +116,7 @@ def test_the_head_cache_holds_verified_rows_only(target, head, config):
     assert not features[len(sequence) - 1:].any()
     tokens = np.asarray(cache.tokens).reshape(-1)
     written = np.flatnonzero(tokens)
+    assert 0 < final.num_accepted_tokens < len(final.token_ids) - 1
     assert len(written) <= final.num_accepted_tokens and np.array_equal(tokens[written], np.asarray(sequence)[written])
     kv_rows = np.any(np.asarray(cache.kv.k_pages) != 0, axis=(0, -2, -1)).reshape(-1)
     committed = int(kv_rows.sum())
@@ -162,10 +164,12 @@ def test_greedy_with_logit_controls_equals_autoregressive(target, autoregressive
     assert accepted > 0
 
 
-def test_warmup_then_generate_compiles_nothing(target, head):
+def test_warmup_then_generate_compiles_nothing_and_updates_the_caches_in_place(target, head):
     config = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 2)})
     decoder = SpeculativeDecoder(target, head, config=config)
     decoder.warmup([4], config.max_seq_len)
     with CompileCounter() as compiles:
         out = decoder.generate(prompts(33, 5), MAX_NEW)
     assert compiles.count == compiles.loads == 0 and out.stats.compiled == [], out.stats.compiled
+    for stats in decoder.graph_stats.values():       # the head's cache updated in place, k = 0 included
+        assert stats.copied_donations == stats.unaliased_donations == 0
