@@ -193,8 +193,8 @@ def _settings(raw: Any, target: TransformerConfig, dtype: str) -> _Settings:
         if raw["speculators_model_type"] != "eagle3":
             raise ValueError(f"speculators_model_type {raw['speculators_model_type']!r} is not supported "
                              "(only 'eagle3')")
-        fields, prefix, aux = raw.get("transformer_layer_config"), "layers.0.", raw.get(
-            "eagle_aux_hidden_state_layer_ids")
+        fields, prefix = raw.get("transformer_layer_config"), "layers.0."
+        aux = raw.get("eagle_aux_hidden_state_layer_ids")
         if not isinstance(fields, dict):
             raise ValueError(f"transformer_layer_config must be an object, got {fields!r}")
         if fields.get("model_type", "llama") != "llama":
@@ -303,12 +303,11 @@ def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "
     config_file = directory / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"load_eagle3: {config_file} not found")
+    raw = read_json(config_file, "load_eagle3")
     try:
-        s = _settings(read_json(config_file, "load_eagle3"), target.config, dtype)
+        s = _settings(raw, target.config, dtype)
     except ValueError as e:
-        message = str(e)
-        raise ValueError(message if message.startswith("load_eagle3:")
-                         else f"load_eagle3: {config_file}: {message}") from None
+        raise ValueError(f"load_eagle3: {config_file}: {e}") from None
     file, tensors = _read_tensors(directory)
     draft_to_target = _draft_to_target(tensors, str(file), s.draft_vocab_size, target.config.vocab_size)
     embedding = tensors.get(_EMBEDDING)
