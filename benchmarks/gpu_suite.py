@@ -5,8 +5,8 @@ On a CUDA GPU (one call, at most ``--budget-s`` seconds, 8 minutes by default, o
   2. native correctness: every kernel (Pallas backend, not interpret) on fresh random inputs against
      the XLA reference, every layout, dtype and register layout;
   3. the engine end to end (``scv_jax.Engine``: add_request / step until done) on a random Llama-shaped
-     float32 model made on the device, for the target alone, a draft model's chain and tree and n-gram
-     chains and tries, greedy (tokens must equal the target-only engine's) and sampled (seeded; must run
+     float32 model made on the device, for the target alone, a draft model's chain and tree, n-gram
+     chains and tries and an EAGLE-3 head's chain and tree, greedy (tokens must equal the target-only engine's) and sampled (seeded; must run
      to max_tokens with ids in range), timed per step beside the memory and launch floors;
   4. timings of each kernel and its XLA reference at the vLLM peer benchmark's sizes: per call (host
      dispatch included) and device time (``harness.device_seconds``: dependent calls chained inside
@@ -52,7 +52,8 @@ import bench_commit  # noqa: E402
 import harness  # noqa: E402
 import scv_jax  # noqa: E402
 from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, SpeculativeDecoder, TreeConfig  # noqa: E402
-from scv_jax.models import Transformer, TransformerConfig  # noqa: E402
+from flax import nnx  # noqa: E402
+from scv_jax.models import Eagle3Head, Transformer, TransformerConfig  # noqa: E402
 from scv_jax.ops.registry import cuda_available  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -374,7 +375,6 @@ def random_model(config: TransformerConfig, seed: int) -> Transformer:
     sqrt(fan in) for kernels and 1 for the embedding, norm scales 1 and biases 0, from JAX's "rbg"
     generator. (Flax's own init compiles one program per initializer, or one large one under
     ``nnx.jit``, with normal samples: tens of seconds on a CPU for the same kind of weights.)"""
-    from flax import nnx
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(seed))))
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
 
@@ -402,7 +402,6 @@ def random_model(config: TransformerConfig, seed: int) -> Transformer:
 def weight_bytes_per_forward(model: Transformer) -> int:
     """Parameter bytes one forward reads: every weight, less the input embedding table when the LM head
     is a separate matrix (a forward gathers only its tokens' rows then)."""
-    from flax import nnx
     total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if not model.config.tie_embeddings:
         total -= model.embed.embedding.get_value().nbytes
@@ -453,7 +452,8 @@ def engine_run(decoder: SpeculativeDecoder, prompts: list[list[int]], params: li
 
 
 def _engine_configs(sizes: EngineSizes) -> list[tuple[str, str | None, DecoderConfig]]:
-    """(name, drafter: None / "model" / "ngram", config) per decoder, the reference (no drafter) first."""
+    """(name, drafter: None / "model" / "ngram" / "eagle3", config) per decoder, the reference (no drafter)
+    first."""
     max_len = sizes.prompt_len + sizes.max_tokens
     blocks = -(-(max_len + 2 * max(sizes.k, sizes.tree.max_depth)) // sizes.block_size)
     geometry = dict(block_size=sizes.block_size, max_seq_len=blocks * sizes.block_size,
@@ -465,7 +465,20 @@ def _engine_configs(sizes: EngineSizes) -> list[tuple[str, str | None, DecoderCo
     return [("autoregressive", None, chain), (f"draft-model chain k={sizes.k}", "model", chain),
             (f"draft-model tree ({t.max_depth} deep, {t.branching} wide, {t.max_nodes} nodes)", "model", tree),
             (f"n-gram chain k={sizes.k}", "ngram", chain),
-            (f"n-gram trie ({t.max_depth} deep, {t.max_nodes} nodes)", "ngram", tree)]
+            (f"n-gram trie ({t.max_depth} deep, {t.max_nodes} nodes)", "ngram", tree),
+            (f"EAGLE-3 head chain k={sizes.k}", "eagle3", chain),
+            (f"EAGLE-3 head tree ({t.max_depth} deep, {t.branching} wide, {t.max_nodes} nodes)", "eagle3", tree)]
+
+
+def random_head(target: Transformer, seed: int) -> Eagle3Head:
+    """An EAGLE-3 head of the published shape for ``target`` (one layer of its width, taps of layers
+    (2, L // 2, L - 3) or the first ones of a shallow target, the full vocabulary), random weights made on
+    the device, sharing the target's embedding."""
+    config = dataclasses.replace(target.config, num_layers=1, tie_embeddings=False)
+    layers = target.config.num_layers
+    aux = (2, layers // 2, layers - 3) if layers >= 5 else (0, layers // 2, layers - 1)
+    return Eagle3Head(config, target.embed, draft_vocab_size=config.vocab_size, draft_to_target=None,
+                      aux_layers=aux, norm_before_residual=False, rngs=nnx.Rngs(seed))
 
 
 def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, bandwidth_source: str,
@@ -478,8 +491,10 @@ def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, band
     start = time.perf_counter()
     target = random_model(sizes.model, seed=0)
     draft = random_model(dataclasses.replace(sizes.model, num_layers=sizes.draft_layers), seed=1)
-    jax.block_until_ready(jax.tree.leaves(target) + jax.tree.leaves(draft))
+    head = random_head(target, seed=2)
+    jax.block_until_ready(jax.tree.leaves(target) + jax.tree.leaves(draft) + jax.tree.leaves(nnx.state(head)))
     target_bytes, draft_bytes = weight_bytes_per_forward(target), weight_bytes_per_forward(draft)
+    head_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(head))) - target.embed.embedding.get_value().nbytes
     prompts = engine_prompts(sizes)
     greedy = [SamplingParams(temperature=0.0, max_tokens=sizes.max_tokens)] * sizes.batch
     sampled = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=sizes.max_tokens) for i in range(sizes.batch)]
@@ -497,7 +512,7 @@ def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, band
             progress(f"engine: skip {name} (section budget {sizes.budget_s:.0f} s spent)")
             continue
         try:
-            drafting = {None: None, "model": draft, "ngram": NgramDrafter()}[drafter]
+            drafting = {None: None, "model": draft, "ngram": NgramDrafter(), "eagle3": head}[drafter]
             decoder = SpeculativeDecoder(target, drafting, config=config)
         except Exception as error:  # noqa: BLE001 - the suite reports every failure and goes on
             for mode in ("greedy", "sampled"):
@@ -506,9 +521,12 @@ def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, band
             progress(f"FAIL engine {name}: {rows[-1]['detail']}")
             continue
         # bytes one decode step reads: the target's weights and KV once (one verify forward), plus a draft
-        # model's weights and KV once per draft forward (k of a chain, max_depth of a tree)
-        draft_forwards = 0 if drafter != "model" else (config.tree.max_depth if config.tree else config.k)
-        floor_bytes = target_bytes + kv_bytes + draft_forwards * (draft_bytes + draft_kv_bytes)
+        # model's (or head's: one layer, weights without the shared embedding) weights and KV once per
+        # draft forward (k of a chain, max_depth of a tree)
+        draft_forwards = 0 if drafter not in ("model", "eagle3") else (config.tree.max_depth if config.tree else config.k)
+        per_forward = (draft_bytes + draft_kv_bytes if drafter == "model"
+                       else head_bytes + sizes.batch * mean_context * kv_bytes_per_token(head.config))
+        floor_bytes = target_bytes + kv_bytes + draft_forwards * per_forward
         for mode, params in (("greedy", greedy), ("sampled", sampled)):
             row = dict(config=name, mode=mode, floor_bytes=int(floor_bytes),
                        memory_floor_us=floor_bytes / hbm_bytes_per_s * 1e6)
