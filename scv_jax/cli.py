@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import shlex
 import sys
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from scv_jax.demo import WORKLOADS
 from scv_jax.launch import check_memory, checkpoints, load_models, ngram_drafter
@@ -96,9 +97,78 @@ def _add_packed_verify(parser: argparse.ArgumentParser) -> None:
                         help="the target scores only the drafts each step offers (DecoderConfig.packed_verify)")
 
 
+# --speculative-config (vLLM's JSON form): the attribute of each method's drafter flag. "model" and
+# "revision" (the methods of _MODEL_METHODS) set that flag and its revision; each other field sets one
+# flag's attribute, for the methods listed (None: any), checked as that flag is.
+_SPECULATIVE_METHODS = {"eagle3": "eagle3", "draft_model": "draft", "ngram": "ngram", "suffix": "suffix"}
+_MODEL_METHODS = ("eagle3", "draft_model")
+_SPECULATIVE_FIELDS: dict[str, tuple[tuple[str, ...] | None, str, Callable[[str], Any]]] = {
+    "num_speculative_tokens": (None, "k", _int_at_least(1)),
+    "prompt_lookup_min": (("ngram",), "ngram_min", _int_at_least(1)),
+    "prompt_lookup_max": (("ngram",), "ngram_max", _int_at_least(1)),
+    "suffix_decoding_max_tree_depth": (("suffix",), "suffix_max_depth", _int_at_least(1)),
+    "suffix_decoding_max_spec_factor": (("suffix",), "suffix_max_spec_factor", _non_negative()),
+    "suffix_decoding_min_token_prob": (("suffix",), "suffix_min_token_prob", _probability),
+    "suffix_decoding_max_cached_requests": (("suffix",), "suffix_max_cached_requests", _int_at_least(0)),
+}
+
+
+def _speculative_config(text: str) -> dict[str, Any]:
+    """``--speculative-config``'s JSON object -> {attribute: value} of the flags it stands for."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    method = config.get("method")
+    if not isinstance(method, str) or method not in _SPECULATIVE_METHODS:
+        raise argparse.ArgumentTypeError(f"method must be one of {', '.join(map(repr, _SPECULATIVE_METHODS))}, "
+                                         f"got {method!r}")
+    flag = _SPECULATIVE_METHODS[method]
+    settings: dict[str, Any] = {} if method in _MODEL_METHODS else {flag: True}
+    for field, value in config.items():
+        if field == "method":
+            continue
+        if field in ("model", "revision"):
+            methods, attribute = _MODEL_METHODS, flag if field == "model" else f"{flag}_revision"
+            if not isinstance(value, str) or not value:
+                raise argparse.ArgumentTypeError(f"{field} must be a non-empty string, got {value!r}")
+        elif field in _SPECULATIVE_FIELDS:
+            methods, attribute, parse = _SPECULATIVE_FIELDS[field]
+            try:
+                value = parse(json.dumps(value))
+            except argparse.ArgumentTypeError as error:
+                raise argparse.ArgumentTypeError(f"{field} {error}") from None
+        else:
+            known = ", ".join(["method", "model", "revision", *_SPECULATIVE_FIELDS])
+            raise argparse.ArgumentTypeError(f"unknown field {field!r} (scv-jax reads {known})")
+        if methods is not None and method not in methods:
+            raise argparse.ArgumentTypeError(f"{field} applies to method {' or '.join(map(repr, methods))}, "
+                                             f"not {method!r}")
+        settings[attribute] = value
+    if method in _MODEL_METHODS and flag not in settings:
+        raise argparse.ArgumentTypeError(f"method {method!r} needs a model (a directory or a Hugging Face Hub id)")
+    return settings
+
+
+def _apply_speculative_config(args: argparse.Namespace) -> None:
+    """Sets the flags ``--speculative-config`` stands for (over those also given); ValueError naming the
+    flags it cannot be given with."""
+    if args.speculative_config is None:
+        return
+    for flag, revision in (("--draft-revision", args.draft_revision), ("--eagle3-revision", args.eagle3_revision)):
+        if revision is not None:
+            raise ValueError(f"{flag}: not allowed with --speculative-config (give its \"revision\")")
+    if "k" in args.speculative_config and args.adaptive:
+        raise ValueError("--adaptive: not allowed with --speculative-config's num_speculative_tokens")
+    vars(args).update(args.speculative_config)
+
+
 def _add_models(parser: argparse.ArgumentParser, *, ngram_help: str, suffix_help: str) -> None:
-    """``--model`` / ``--revision``, the drafters ``--draft`` (with ``--draft-revision``), ``--ngram`` and
-    ``--suffix`` (one at most) of ``generate`` and ``serve``."""
+    """``--model`` / ``--revision``, the drafters ``--draft`` (with ``--draft-revision``), ``--eagle3``
+    (with ``--eagle3-revision``), ``--ngram``, ``--suffix`` and ``--speculative-config`` (one at most) of
+    ``generate`` and ``serve``."""
     parser.add_argument("--model", required=True, metavar="DIR|ID",
                         help="the target: a model directory or a Hugging Face Hub id (org/name)")
     parser.add_argument("--revision", metavar="REV",
@@ -106,10 +176,23 @@ def _add_models(parser: argparse.ArgumentParser, *, ngram_help: str, suffix_help
     drafter = parser.add_mutually_exclusive_group()
     drafter.add_argument("--draft", metavar="DIR|ID",
                          help="a draft model (same vocabulary): a directory or a Hugging Face Hub id")
+    drafter.add_argument("--eagle3", metavar="DIR|ID",
+                         help="an EAGLE-3 draft head trained for --model (docs/eagle3.md), in --dtype: a directory "
+                              "or a Hugging Face Hub id; it drafts chains on one device (not with "
+                              "--packed-verify, nor serve's --mesh)")
     drafter.add_argument("--ngram", action="store_true", help=ngram_help)
     drafter.add_argument("--suffix", action="store_true", help=suffix_help)
+    drafter.add_argument("--speculative-config", metavar="JSON", type=_speculative_config,
+                         help="the drafter in vLLM's form, e.g. '{\"method\": \"eagle3\", \"model\": \"org/head\", "
+                              "\"num_speculative_tokens\": 3}'. Methods: eagle3 (--eagle3), draft_model (--draft), "
+                              "ngram (--ngram), suffix (--suffix); fields: model, revision, num_speculative_tokens "
+                              "(--k), prompt_lookup_min/max (--ngram-min/max), suffix_decoding_max_tree_depth, "
+                              "_max_spec_factor, _min_token_prob, _max_cached_requests (--suffix-*); a field "
+                              "overrides its flag")
     parser.add_argument("--draft-revision", metavar="REV",
                         help="the branch, tag or commit of a Hub id --draft (None: its default branch)")
+    parser.add_argument("--eagle3-revision", metavar="REV",
+                        help="the branch, tag or commit of a Hub id --eagle3 (None: its default branch)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -333,6 +416,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from scv_jax.models import load_tokenizer
     from scv_jax.models.hf import eos_token_ids
 
+    _apply_speculative_config(args)
     _clamp_k(args)
     dirs = checkpoints(args)
     tokenizer = load_tokenizer(dirs.model)
@@ -384,6 +468,7 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from scv_jax.serving.server import serve
 
+    _apply_speculative_config(args)
     return serve(args)
 
 

@@ -1,7 +1,8 @@
 """What ``scv-jax generate`` and ``scv-jax serve`` share before they decode: the checkpoints, drafter and
-models their flags name (``--model`` / ``--revision``, ``--draft`` / ``--draft-revision``, ``--ngram`` with
-``--ngram-min`` / ``--ngram-max``, ``--suffix`` with ``--suffix-*``, ``--dtype``) and the check that the KV
-caches fit the memory, whose error names the running command's flags."""
+models their flags name (``--model`` / ``--revision``, ``--draft`` / ``--draft-revision``, ``--eagle3`` /
+``--eagle3-revision``, ``--ngram`` with ``--ngram-min`` / ``--ngram-max``, ``--suffix`` with
+``--suffix-*``, ``--dtype``) and the check that the KV caches fit the memory, whose error names the running
+command's flags."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoints:
-    """The directories of ``--model`` and ``--draft`` (None: no draft model): a local directory as given,
-    a Hugging Face Hub id's snapshot at ``--revision`` / ``--draft-revision`` (downloaded, or found in
-    the cache)."""
+    """The directories of ``--model``, ``--draft`` and ``--eagle3`` (None: not given): a local directory as
+    given, a Hugging Face Hub id's snapshot at ``--revision`` / ``--draft-revision`` /
+    ``--eagle3-revision`` (downloaded, or found in the cache)."""
 
     model: pathlib.Path
     draft: pathlib.Path | None
+    eagle3: pathlib.Path | None
 
 
 def _checkpoint(path_or_id: str, revision: str | None, flag: str) -> pathlib.Path:
@@ -38,20 +40,22 @@ def _checkpoint(path_or_id: str, revision: str | None, flag: str) -> pathlib.Pat
 
 
 def checkpoints(args: argparse.Namespace) -> Checkpoints:
-    """The ``Checkpoints`` of ``--model`` and ``--draft``, each resolved once (a Hub id's files are then
-    read from one commit). Raises ValueError naming the flag for a mistake."""
-    if args.draft_revision is not None and not args.draft:
-        raise ValueError("--draft-revision needs --draft")
+    """The ``Checkpoints`` of ``--model``, ``--draft`` and ``--eagle3``, each resolved once (a Hub id's
+    files are then read from one commit). Raises ValueError naming the flag for a mistake."""
+    optional = (("--draft", args.draft, args.draft_revision), ("--eagle3", args.eagle3, args.eagle3_revision))
+    for flag, path, revision in optional:
+        if revision is not None and not path:
+            raise ValueError(f"{flag}-revision needs {flag}")
     return Checkpoints(_checkpoint(args.model, args.revision, "--model"),
-                       _checkpoint(args.draft, args.draft_revision, "--draft") if args.draft else None)
+                       *(_checkpoint(path, revision, flag) if path else None for flag, path, revision in optional))
 
 
 @dataclasses.dataclass(frozen=True)
 class Models:
-    """The loaded models: the target, the drafter (a draft model, a ``HostDrafter`` or None: target
-    only), the models that hold KV caches (the target, then a draft model) and ``position_limit``, the
-    smallest ``max_position_embeddings`` among those with the directory whose config.json sets it
-    (None: no limit)."""
+    """The loaded models: the target, the drafter (a draft model, an EAGLE-3 head, a ``HostDrafter`` or
+    None: target only), the models that hold KV caches (the target, then a draft model or head) and
+    ``position_limit``, the smallest ``max_position_embeddings`` among those with the directory whose
+    config.json sets it (None: no limit)."""
 
     target: Any
     drafter: Any
@@ -83,14 +87,28 @@ def host_drafter(args: argparse.Namespace) -> HostDrafter | None:
     return None
 
 
+def _check_head_flags(args: argparse.Namespace) -> None:
+    """An EAGLE-3 head drafts dense chains on one device: ``--packed-verify`` and ``--mesh`` (``serve``)
+    are refused."""
+    for flag, given in (("--packed-verify", args.packed_verify), ("--mesh", getattr(args, "mesh", None))):
+        if given:
+            raise ValueError(f"{flag} does not apply to an EAGLE-3 head (--eagle3): it drafts dense chains "
+                             "on one device")
+
+
 def load_models(args: argparse.Namespace, dirs: Checkpoints) -> Models:
-    """The target of ``--model`` and the drafter of ``--draft`` / ``--ngram`` / ``--suffix`` (the models
-    from ``dirs``), in ``--dtype``; the host drafter's settings are checked before any weights load.
-    Raises ValueError naming the flag for a mistake."""
-    from scv_jax.models import load_hf
+    """The target of ``--model`` and the drafter of ``--draft`` / ``--eagle3`` / ``--ngram`` / ``--suffix``
+    (the models from ``dirs``), in ``--dtype``; the drafter's settings are checked before any weights
+    load. Raises ValueError naming the flag for a mistake."""
+    from scv_jax.models import load_eagle3, load_hf
 
     host = host_drafter(args)
+    if dirs.eagle3 is not None:
+        _check_head_flags(args)
     target = load_hf(dirs.model, dtype=args.dtype)
+    if dirs.eagle3 is not None:
+        head = load_eagle3(dirs.eagle3, target, dtype=args.dtype)
+        return Models(target, head, (target, head), _position_limit([(target, dirs.model), (head, dirs.eagle3)]))
     if dirs.draft is None:
         return Models(target, host, (target,), _position_limit([(target, dirs.model)]))
     draft = load_hf(dirs.draft, dtype=args.dtype)

@@ -13,8 +13,10 @@ import pytest
 
 from scv_jax import cli
 from scv_jax.models import TransformerConfig, load_tokenizer
+from tests.models.eagle3_fixtures.heads import head_config, head_tensors
 from tests.models.fixtures import tiny_model
 from tests.models.hub_cache import cache_repo, offline_hub
+from tests.models.test_eagle3 import write_head
 
 BYTE_TARGET = TransformerConfig(vocab_size=256, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1,
                                 head_dim=16, ffn_dim=64)
@@ -175,6 +177,139 @@ def test_generate_with_hub_ids(capsys, monkeypatch, tmp_path):
 def test_checkpoint_mistakes_are_one_line_errors(argv, message, monkeypatch, tmp_path, capsys):
     cache = offline_hub(monkeypatch, tmp_path / "hub")
     _assert_one_line_error(["generate", *argv, "--prompt", "x"], message.format(cache=cache), capsys)
+
+
+# an EAGLE-3 head for FIXTURE (hidden size 32, 96 ids; 2 layers: aux layer ids in [0, 2))
+HEAD = dict(hidden=32, heads=2, kv_heads=1, head_dim=16, ffn=64, target_vocab=96, draft_vocab=48)
+GREEDY = ["--prompt", "hello hello hello", "--max-new-tokens", "8", "--dtype", "float32", "--k", "3"]
+
+
+@pytest.fixture
+def eagle3_head(tmp_path) -> pathlib.Path:
+    return write_head(tmp_path / "head", head_tensors(**HEAD, seed=3), head_config(**HEAD, aux_layers=(0, 1, 1)))
+
+
+def _text_and_drafting(out: str) -> tuple[str, list[str]]:
+    """generate's text, and the stats rows that do not depend on the timing (the drafting mode and what
+    was accepted)."""
+    text, table = out.split("\n\n", 1)
+    rows = [row for row in table.splitlines() if row.startswith(("speculative", "mean accepted", "acceptance"))]
+    return text, [row.split("  ")[0] if row.startswith("speculative") else row for row in rows]
+
+
+def test_generate_with_an_eagle3_head(capsys, monkeypatch, tmp_path, eagle3_head):
+    """--eagle3 DIR drafts with the head and prints the target's greedy text (--compare: the target
+    alone), in --dtype; the head as a Hub id at a revision, named by --speculative-config, does the same."""
+    from scv_jax.models import load_eagle3
+
+    heads = []
+    monkeypatch.setattr("scv_jax.models.load_eagle3", lambda *args, **kwargs: heads.append(
+        load_eagle3(*args, **kwargs)) or heads[-1])
+    assert cli.main(["generate", "--model", FIXTURE, "--eagle3", str(eagle3_head), *GREEDY, "--compare"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative (k=3)" in out and "greedy outputs identical  yes" in out and "per position: 0" in out, out
+    cache = offline_hub(monkeypatch, tmp_path / "hub")
+    cache_repo(cache, "org/head", eagle3_head, refs=("v1",))        # no main: the revision is needed
+    config = {"method": "eagle3", "model": "org/head", "revision": "v1", "num_speculative_tokens": 3}
+    assert cli.main(["generate", "--model", FIXTURE, "--speculative-config", json.dumps(config), *GREEDY[:-2]]) == 0
+    assert _text_and_drafting(capsys.readouterr().out) == _text_and_drafting(out)
+    assert [head.config.dtype for head in heads] == ["float32", "float32"]
+
+
+@pytest.mark.parametrize("config, flags", [
+    ({"method": "eagle3", "model": "org/head", "revision": "v1", "num_speculative_tokens": 2},
+     ["--eagle3", "org/head", "--eagle3-revision", "v1", "--k", "2"]),
+    ({"method": "draft_model", "model": FIXTURE}, ["--draft", FIXTURE]),
+    ({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+     ["--ngram", "--k", "5", "--ngram-min", "2", "--ngram-max", "4"]),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 8, "suffix_decoding_max_spec_factor": 2.5,
+      "suffix_decoding_min_token_prob": 0.5, "suffix_decoding_max_cached_requests": 0},
+     ["--suffix", "--suffix-max-depth", "8", "--suffix-max-spec-factor", "2.5", "--suffix-min-token-prob", "0.5",
+      "--suffix-max-cached-requests", "0"]),
+], ids=["eagle3", "draft_model", "ngram", "suffix"])
+def test_speculative_config_sets_what_the_flags_set(config, flags, monkeypatch, capsys):
+    """vLLM's --speculative-config runs generate with the settings of the flags it stands for."""
+    seen = []
+
+    def record(args):
+        seen.append({name: value for name, value in vars(args).items()
+                     if name not in ("speculative_config", "command_line")})
+        raise ValueError("recorded")
+    monkeypatch.setattr(cli, "checkpoints", record)
+    common = ["generate", "--model", FIXTURE, "--prompt", "x"]
+    assert cli.main([*common, "--speculative-config", json.dumps(config)]) == 2
+    assert cli.main([*common, *flags]) == 2
+    assert seen[0] == seen[1] and capsys.readouterr().err.count("recorded") == 2
+
+
+HEAD_CONFIG = {"method": "eagle3", "model": "HEAD"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eagle3", "HEAD", "--draft", FIXTURE], "argument --draft: not allowed with argument --eagle3"),
+    (["--ngram", "--eagle3", "HEAD"], "argument --eagle3: not allowed with argument --ngram"),
+    (["--eagle3", "HEAD", "--packed-verify"], "error: --packed-verify does not apply to an EAGLE-3 head (--eagle3): "
+                                             "it drafts dense chains on one device"),
+    (["--eagle3-revision", "v1"], "error: --eagle3-revision needs --eagle3"),
+    (["--eagle3", "HEAD", "--eagle3-revision", "v1"], "error: --eagle3 HEAD is a local directory: a revision ('v1') "
+                                                     "applies to Hub ids only"),
+    (["--eagle3", "org/missing"], "error: --eagle3 org/missing is not a local directory and not (completely) in "
+                                  "the Hugging Face cache at {cache}, and HF_HUB_OFFLINE is set"),
+    (["--speculative-config", "{method: eagle3}"],
+     "error: argument --speculative-config: not valid JSON (Expecting property name enclosed in double quotes: "
+     "line 1 column 2"),
+    (["--speculative-config", "[]"], "error: argument --speculative-config: must be a JSON object, got '[]'"),
+    (["--speculative-config", {"method": "medusa", "model": "HEAD"}],
+     "argument --speculative-config: method must be one of 'eagle3', 'draft_model', 'ngram', 'suffix', got 'medusa'"),
+    (["--speculative-config", {"model": "HEAD"}], "argument --speculative-config: method must be one of"),
+    (["--speculative-config", {"method": ["eagle3"]}], "argument --speculative-config: method must be one of"),
+    (["--speculative-config", {"method": "eagle3", "num_speculative_tokens": 2}],
+     "argument --speculative-config: method 'eagle3' needs a model (a directory or a Hugging Face Hub id)"),
+    (["--speculative-config", {**HEAD_CONFIG, "model": 7}], "argument --speculative-config: model must be a "
+                                                           "non-empty string, got 7"),
+    (["--speculative-config", {**HEAD_CONFIG, "num_speculative_tokens": 0}],
+     "argument --speculative-config: num_speculative_tokens must be an int >= 1, got 0"),
+    (["--speculative-config", {**HEAD_CONFIG, "num_speculative_tokens": 2.5}],
+     "argument --speculative-config: num_speculative_tokens must be an int >= 1, got '2.5'"),
+    (["--speculative-config", {"method": "suffix", "suffix_decoding_min_token_prob": 2}],
+     "argument --speculative-config: suffix_decoding_min_token_prob must be a number in [0, 1], got '2'"),
+    (["--speculative-config", {**HEAD_CONFIG, "prompt_lookup_max": 3}],
+     "argument --speculative-config: prompt_lookup_max applies to method 'ngram', not 'eagle3'"),
+    (["--speculative-config", {"method": "ngram", "model": "HEAD"}],
+     "argument --speculative-config: model applies to method 'eagle3' or 'draft_model', not 'ngram'"),
+    (["--speculative-config", {**HEAD_CONFIG, "draft_tensor_parallel_size": 1}],
+     "argument --speculative-config: unknown field 'draft_tensor_parallel_size' (scv-jax reads method, model, "
+     "revision, num_speculative_tokens, prompt_lookup_min"),
+    (["--speculative-config", HEAD_CONFIG, "--eagle3", "HEAD"],
+     "argument --eagle3: not allowed with argument --speculative-config"),
+    (["--draft", FIXTURE, "--speculative-config", HEAD_CONFIG],
+     "argument --speculative-config: not allowed with argument --draft"),
+    (["--speculative-config", {**HEAD_CONFIG, "num_speculative_tokens": 2}, "--adaptive"],
+     "error: --adaptive: not allowed with --speculative-config's num_speculative_tokens"),
+    (["--speculative-config", HEAD_CONFIG, "--eagle3-revision", "v1"],
+     'error: --eagle3-revision: not allowed with --speculative-config (give its "revision")'),
+    (["--speculative-config", HEAD_CONFIG, "--packed-verify"], "error: --packed-verify does not apply to an "
+                                                              "EAGLE-3 head"),
+])
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_eagle3_mistakes_are_one_line_errors_before_loading_weights(command, argv, message, monkeypatch, tmp_path,
+                                                                     eagle3_head, capsys):
+    """``HEAD`` in an argument stands for the head's directory; a dict for its JSON."""
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights loaded before the arguments were checked")
+    monkeypatch.setattr("scv_jax.models.load_hf", no_weights)
+    cache = offline_hub(monkeypatch, tmp_path / "hub")
+    argv = [json.dumps(a).replace('"HEAD"', json.dumps(str(eagle3_head))) if isinstance(a, dict)
+            else a.replace("HEAD", str(eagle3_head)) for a in argv]
+    prompt = ["--prompt", "x"] if command == "generate" else []
+    _assert_one_line_error([command, "--model", FIXTURE, *argv, *prompt],
+                           message.replace("HEAD", str(eagle3_head)).format(cache=cache), capsys)
+
+
+def test_serve_refuses_a_head_on_a_mesh(monkeypatch, eagle3_head, capsys):
+    monkeypatch.setattr("scv_jax.models.load_hf", lambda *args, **kwargs: pytest.fail("weights loaded"))
+    _assert_one_line_error(["serve", "--model", FIXTURE, "--eagle3", str(eagle3_head), "--mesh", "1,1"],
+                           "error: --mesh does not apply to an EAGLE-3 head (--eagle3)", capsys)
 
 
 def _recording_generate(monkeypatch, capsys):

@@ -22,6 +22,7 @@ from scv_jax.arguments import is_int
 from scv_jax.models.attention import causal_attention
 from scv_jax.models.config import TransformerConfig, canonical_dtype
 from scv_jax.models.hf import config_from_hf, open_safetensors, read_json
+from scv_jax.models.hub import checkpoint_dir
 from scv_jax.models.protocol import StagedKV
 from scv_jax.models.torch_checkpoint import read_torch_state_dict
 from scv_jax.models.transformer import Attention, RMSNorm, SwiGLU, Transformer, paged_positions
@@ -280,26 +281,30 @@ def _checkpoint_name(path: str, layer_prefix: str) -> tuple[str, bool]:
     return layer_prefix + name, transposed
 
 
-def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "bfloat16") -> Eagle3Head:
+def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "bfloat16",
+                revision: str | None = None) -> Eagle3Head:
     """An ``Eagle3Head`` with an EAGLE-3 checkpoint's config and weights, sharing ``target``'s embedding.
 
     Args:
       path: a local directory with ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``
-        (read without torch), in the EAGLE-3 layout (SafeAILab EAGLE, SpecForge: architectures
-        ``["LlamaForCausalLMEagle3"]``, the layer under ``midlayer.``) or the speculators one
-        (``speculators_model_type: "eagle3"``, the layer under ``layers.0.``).
+        (read without torch), or a Hugging Face Hub id (``org/name``) of one, in the EAGLE-3 layout
+        (SafeAILab EAGLE, SpecForge: architectures ``["LlamaForCausalLMEagle3"]``, the layer under
+        ``midlayer.``) or the speculators one (``speculators_model_type: "eagle3"``, the layer under
+        ``layers.0.``).
       target: the model whose features the head drafts from (e.g. ``load_hf``'s); same hidden size and
         vocabulary as the checkpoint's.
       dtype: parameter and activation dtype, "bfloat16" (default), "float16" or "float32".
+      revision: a Hub id's branch, tag or commit hash (None: its default branch).
     Returns:
       The head; its logits are over the target's vocabulary.
     Raises:
-      FileNotFoundError: a missing directory, config.json or weights file.
+      FileNotFoundError: a missing directory, config.json or weights file, an unknown Hub id or
+        revision, an id not cached while offline (``scv_jax.models.hub.checkpoint_dir``).
       ValueError: an unsupported layout or config field, a hidden size or vocabulary the target does
         not share, a missing, unexpected or misshapen tensor (the message names the file and field).
     """
     dtype = canonical_dtype(dtype, "load_eagle3: dtype")
-    directory = pathlib.Path(path)
+    directory = checkpoint_dir(path, revision=revision)
     config_file = directory / "config.json"
     if not config_file.exists():
         raise FileNotFoundError(f"load_eagle3: {config_file} not found")

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 import pathlib
 
-# What load_hf, eos_token_ids, load_tokenizer and load_chat_template read: the config, the weights
-# (model.safetensors, or the index and the shards transformers names model-0000i-of-0000n.safetensors;
-# not e.g. Mistral's consolidated.safetensors, a second copy), the tokenizer and its chat template.
+# What load_hf, load_eagle3, eos_token_ids, load_tokenizer and load_chat_template read: the config, the
+# weights (model.safetensors, or the index and the shards transformers names
+# model-0000i-of-0000n.safetensors; not e.g. Mistral's consolidated.safetensors, a second copy; an
+# EAGLE-3 head's pytorch_model.bin), the tokenizer and its chat template.
 HUB_FILES = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
-             "tokenizer.json", "tokenizer_config.json")
+             "pytorch_model.bin", "tokenizer.json", "tokenizer_config.json")
 
 
 def _is_repo_id(path_or_id: str | os.PathLike) -> bool:

@@ -15,11 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from scv_jax.models import load_hf, load_tokenizer
+from scv_jax.models import load_eagle3, load_hf, load_tokenizer
 from scv_jax.models.hf import eos_token_ids
 from scv_jax.models.hub import HUB_FILES, checkpoint_dir
 from scv_jax.serving.chat import load_chat_template
+from tests.models.eagle3_fixtures.heads import BIN_HEAD, head_config
+from tests.models.fixtures import tiny_model
 from tests.models.hub_cache import COMMIT, cache_repo, offline_hub
+from tests.models.test_eagle3 import TARGET
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "hf_fixtures"
 V2 = "fedcba9876543210fedcba9876543210fedcba98"
@@ -134,12 +137,28 @@ def test_paths_that_are_not_directories(hub, tmp_path):
 
 
 def test_hub_files_are_what_the_loaders_read():
-    """Every file of every fixture the loaders read is fetched; test-only files and a second copy of the
-    weights (Mistral's consolidated.safetensors) are not."""
+    """Every file of every fixture the loaders read is fetched (an EAGLE-3 head's pytorch_model.bin
+    too); test-only files and a second copy of the weights (Mistral's consolidated.safetensors) are not."""
     from huggingface_hub.utils import filter_repo_objects
 
     names = {file.name for file in FIXTURES.glob("*/*")} | {"tokenizer_config.json", "consolidated.safetensors",
-                                                            "README.md", "original/model.pth"}
+                                                            "README.md", "original/model.pth", "pytorch_model.bin"}
     fetched = set(filter_repo_objects(names, allow_patterns=list(HUB_FILES)))
-    assert fetched == names - {"expected.json", "logits.npz", "consolidated.safetensors", "README.md",
-                               "original/model.pth"}
+    assert fetched == names - {"expected.json", "logits.npz", "hidden_states.npz", "consolidated.safetensors",
+                               "README.md", "original/model.pth"}
+
+
+def test_load_eagle3_reads_an_id(hub, tmp_path):
+    """An EAGLE-3 head (pytorch_model.bin) loads from its Hub id at a revision as from its directory."""
+    head = tmp_path / "head"
+    head.mkdir()
+    shutil.copy(FIXTURES.parent / "eagle3_fixtures" / "eagle3_head.bin", head / "pytorch_model.bin")
+    (head / "config.json").write_text(json.dumps(head_config(**BIN_HEAD)))
+    cache_repo(hub, "org/head", head, refs=("v1",))
+    target = tiny_model(TARGET)
+    by_id, local = load_eagle3("org/head", target, revision="v1"), load_eagle3(head, target)
+    assert by_id.config == local.config and by_id.embed is target.embed
+    for a, b in zip(_leaves(by_id), _leaves(local), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(FileNotFoundError, match="^org/head is not a local directory .* HF_HUB_OFFLINE is set$"):
+        load_eagle3("org/head", target)      # no main

@@ -1,7 +1,7 @@
 """``scv-jax serve`` on the real ``Engine`` with the tiny byte-level checkpoint (the demo draft exported):
 greedy completions and chats, streamed and not, equal to offline ``Engine`` greedy decoding of the
-same prompt, with a draft model + adaptive k and with n-gram drafting; 64 concurrent streams; the KV
-pool full again afterwards; a fault inside a real step."""
+same prompt, with a draft model + adaptive k, with n-gram drafting and with an EAGLE-3 head; 64
+concurrent streams; the KV pool full again afterwards; a fault inside a real step."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import time
 import openai
 import pytest
 
+from tests.models.eagle3_fixtures.heads import head_config, head_tensors
+from tests.models.test_eagle3 import write_head
 from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics
 from tests.serving.harness import ServerProcess
 
@@ -131,6 +133,21 @@ def test_host_drafters_greedy_outputs_equal_offline_decoding(checkpoint, tmp_pat
             text = "".join(ch.choices[0].text for ch in c.completions.create(**kwargs, stream=True)) if stream \
                 else c.completions.create(**kwargs).choices[0].text
             assert text == tokenizer.decode(offline(tokenizer.encode(prompt), 32))
+    finally:
+        assert process.stop(signal.SIGINT) == 0, process.stderr()
+
+
+def test_an_eagle3_head_serves_the_targets_greedy_text(checkpoint, tmp_path, offline, tokenizer):
+    """``serve --eagle3``: a random head for the checkpoint (hidden size 128, 256 ids, 1 layer: aux layer
+    ids 0) drafts, and the completion is the target's greedy text."""
+    spec = dict(hidden=128, heads=2, kv_heads=1, head_dim=64, ffn=128, target_vocab=256, draft_vocab=64)
+    head = write_head(tmp_path / "head", head_tensors(**spec, seed=2), head_config(**spec, aux_layers=(0, 0, 0)))
+    process = ServerProcess(["--model", str(checkpoint), *COMMON, "--eagle3", str(head), "--k", "2"],
+                            tmp_path / "eagle3.log")
+    try:
+        out = client(process.url).completions.create(model=NAME, prompt="def main(", max_tokens=12, temperature=0)
+        assert out.choices[0].text == tokenizer.decode(offline(tokenizer.encode("def main("), 12))
+        assert out.model_extra["spec_decode"]["num_draft_tokens"] > 0
     finally:
         assert process.stop(signal.SIGINT) == 0, process.stderr()
 
