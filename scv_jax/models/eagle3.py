@@ -226,8 +226,11 @@ def _settings(raw: Any, target: TransformerConfig, dtype: str) -> _Settings:
                          f"vocabulary), got {draft_vocab!r}")
     if aux is None:
         aux = (2, target.num_layers // 2, target.num_layers - 3)
-    elif not (isinstance(aux, list) and len(aux) == 3 and all(is_int(k, 0) and k <= target.num_layers for k in aux)):
-        raise ValueError(f"eagle_aux_hidden_state_layer_ids must be 3 layer ids in [0, {target.num_layers}], "
+        if target.num_layers < 5:
+            raise ValueError(f"eagle_aux_hidden_state_layer_ids is needed: the default (2, L // 2, L - 3) does not "
+                             f"fit a target of {target.num_layers} layers")
+    elif not (isinstance(aux, list) and len(aux) == 3 and all(is_int(k, 0) and k < target.num_layers for k in aux)):
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids must be 3 layer ids in [0, {target.num_layers}), "
                          f"got {aux!r}")
     return _Settings(dataclasses.replace(layer, tie_embeddings=False), prefix, draft_vocab, tuple(aux),
                      _flag(raw, "norm_before_residual", NORM_BEFORE_RESIDUAL_DEFAULT))
