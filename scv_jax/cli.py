@@ -209,8 +209,11 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--k", type=_int_at_least(0), default=6,
                       help="fixed drafts per step (0 = no speculation; at most max-new-tokens - 1)")
     mode.add_argument("--adaptive", action="store_true", help="choose k per step (AdaptiveController)")
-    demo.add_argument("--ngram", action="store_true",
-                      help="draft by prompt lookup (n-gram matches in the text so far) instead of the draft model")
+    demo_drafter = demo.add_mutually_exclusive_group()
+    demo_drafter.add_argument("--ngram", action="store_true", help="draft by prompt lookup (n-gram matches in "
+                              "the text so far) instead of the draft model")
+    demo_drafter.add_argument("--eagle3", action="store_true",
+                              help="draft with the shipped EAGLE-3 head (load_demo_head) instead of the draft model")
     _add_ngram_sizes(demo)
     _add_packed_verify(demo)
     generate = sub.add_parser("generate", help="continue a text with a Hugging Face model (a directory or a Hub id)",
@@ -373,6 +376,7 @@ def _print_stats(args: argparse.Namespace, spec, base=None, *, drafting: bool = 
     one when given."""
     s = spec.stats
     mode = ("adaptive k" if args.adaptive else f"k={args.k}") + (", n-gram" if args.ngram else "") + \
+        (", EAGLE-3 head" if getattr(args, "eagle3", False) else "") + \
         (", suffix" if getattr(args, "suffix", False) else "")
     label = f"speculative ({mode})" if drafting else "target only (no drafter)"
     per_position = " ".join(_ratio(a, ".2f") for a in s.acceptance_per_position) or "-"
@@ -393,7 +397,7 @@ def _print_stats(args: argparse.Namespace, spec, base=None, *, drafting: bool = 
 
 def run_demo(args: argparse.Namespace) -> int:
     from scv_jax.decoding.decoder import SpeculativeDecoder
-    from scv_jax.models import load_demo
+    from scv_jax.models import load_demo, load_demo_head
 
     prompt = list(_utf8(args.prompt).encode("utf-8"))
     if not prompt:
@@ -401,10 +405,11 @@ def run_demo(args: argparse.Namespace) -> int:
     ngram = ngram_drafter(args)      # checks the n-gram sizes before the weights load
     _clamp_k(args)
     target, draft = load_demo()
+    drafter = ngram if args.ngram else load_demo_head(target) if args.eagle3 else draft
     config = _decoder_config(args, len(prompt))
-    check_memory(config, [target, target] if args.ngram else [target, draft, target],   # two decoders' caches
+    check_memory(config, [target, target] if args.ngram else [target, drafter, target],   # two decoders' caches
                  flag=_MEMORY_FLAG, advice=_MEMORY_ADVICE)
-    spec, base = _run_decoders([SpeculativeDecoder(target, ngram if args.ngram else draft, config=config),
+    spec, base = _run_decoders([SpeculativeDecoder(target, drafter, config=config),
                                 SpeculativeDecoder(target, None, config=config)], prompt, args, None,
                                _text(prompt), _text)
     _print_stats(args, spec, base)

@@ -10,8 +10,9 @@ The head shares the target's token embedding (checkpoints carry none). Guide: do
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -126,9 +127,13 @@ class Eagle3Head(nnx.Module):
         full = jnp.full((*draft.shape[:-1], self.config.vocab_size), -jnp.inf, jnp.float32)
         return full.at[..., self.draft_to_target[...]].set(draft)
 
-    def _forward(self, token_ids: jax.Array, hidden: jax.Array, positions: jax.Array, attend):
-        """The layer over rows (token_ids[B, T], hidden[B, T, d_model]) at positions int32[B, T]:
-        (logits, hidden_out, keys, values [B, T, kv_heads, D])."""
+    def forward_rows(self, token_ids: jax.Array, hidden: jax.Array, positions: jax.Array,
+                     attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """The layer over rows (token_ids[B, T], hidden[B, T, d_model]) at positions int32[B, T], the
+        rows' queries, keys and values handed to ``attend(q [B, T, heads, D], keys, values [B, T,
+        kv_heads, D]) -> [B, T, heads, D]`` (which may attend to other keys as well, as training-time
+        test does): (logits, hidden_out, keys, values [B, T, kv_heads, D])."""
         dtype = self.config.jnp_dtype
         hidden = hidden.astype(dtype)
         normed = self.hidden_norm(hidden)
@@ -145,7 +150,7 @@ class Eagle3Head(nnx.Module):
         Returns logits float32[B, T, target vocab] and hidden_out [B, T, d_model] (pre-final-norm).
         """
         positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1], dtype=jnp.int32), token_ids.shape)
-        logits, hidden_out, _, _ = self._forward(
+        logits, hidden_out, _, _ = self.forward_rows(
             token_ids, hidden, positions, lambda q, k, v: causal_attention(q, k, v, positions))
         return logits, hidden_out
 
@@ -165,7 +170,7 @@ class Eagle3Head(nnx.Module):
                 staged_lens=None if staged is None else staged_lens, new_keys=k, new_values=v,
                 new_token_parents=tree_parents, backend=backend)
 
-        logits, hidden_out, keys, values = self._forward(token_ids, hidden, positions, attend)
+        logits, hidden_out, keys, values = self.forward_rows(token_ids, hidden, positions, attend)
         return Eagle3Output(logits, hidden_out, keys[None], values[None])
 
 
@@ -350,3 +355,44 @@ def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "
     head = nnx.merge(graphdef, state)
     head.embed = target.embed
     return head
+
+
+def save_eagle3(head: Eagle3Head, path: str | pathlib.Path, *, dtype: str = "float16") -> pathlib.Path:
+    """Writes ``head`` as an EAGLE-3 checkpoint in the SafeAILab/SpecForge layout (what ``load_eagle3``,
+    vLLM and SGLang read): ``config.json`` (architectures ``["LlamaForCausalLMEagle3"]``, the Llama
+    fields, ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids``) and
+    ``model.safetensors`` (``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``
+    int64[draft_vocab], ``t2d`` bool[target vocab]; no embedding). Weights in ``dtype``, "float16"
+    (default) or "float32". Returns the directory (created)."""
+    from safetensors.numpy import save_file
+
+    if dtype not in ("float16", "float32"):
+        raise ValueError(f"save_eagle3: dtype must be 'float16' or 'float32', got {dtype!r}")
+    directory = pathlib.Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    c = head.config
+    tensors = {}
+    for path_parts, var in nnx.to_flat_state(nnx.state(head, nnx.Param)):
+        name = "/".join(map(str, path_parts))
+        if name.startswith("embed/"):
+            continue                                    # the target's, shared
+        hf_name, transposed = _checkpoint_name(name, "midlayer.")
+        value = np.asarray(var.get_value(), np.float32)
+        tensors[hf_name] = np.ascontiguousarray((value.T if transposed else value).astype(dtype))
+    draft_vocab = tensors["lm_head.weight"].shape[0]
+    target_ids = (np.arange(draft_vocab) if head.draft_to_target is None
+                  else np.asarray(head.draft_to_target[...]))
+    tensors["d2t"] = (target_ids - np.arange(draft_vocab)).astype(np.int64)
+    tensors["t2d"] = np.isin(np.arange(c.vocab_size), target_ids)
+    save_file(tensors, str(directory / "model.safetensors"))
+    rope_scaling = None if c.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(c.rope_scaling)}
+    config = {"architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
+              "hidden_size": c.d_model, "intermediate_size": c.ffn_dim, "num_attention_heads": c.num_heads,
+              "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+              "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta, "rope_scaling": rope_scaling,
+              "max_position_embeddings": c.max_position_embeddings or 2048, "vocab_size": c.vocab_size,
+              "tie_word_embeddings": False, "torch_dtype": dtype, "draft_vocab_size": draft_vocab,
+              "norm_before_residual": head.norm_before_residual,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.aux_layers)}}
+    (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    return directory

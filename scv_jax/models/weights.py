@@ -15,6 +15,7 @@ from flax import nnx
 
 from scv_jax.models.assemble import LAYER_PREFIX, assemble_transformer, parameter_shapes
 from scv_jax.models.config import TransformerConfig
+from scv_jax.models.eagle3 import Eagle3Head, load_eagle3
 from scv_jax.models.transformer import Transformer
 
 DEMO_WEIGHTS_DIR = pathlib.Path(__file__).resolve().parent.parent / "demo" / "weights"
@@ -68,3 +69,10 @@ def load_demo(weights_dir: str | pathlib.Path | None = None) -> tuple[Transforme
         raise FileNotFoundError(f"load_demo: {missing} not found in {directory}; train them with "
                                 f"`python -m scv_jax.demo.train`")
     return load_model(directory / "target.npz"), load_model(directory / "draft.npz")
+
+
+def load_demo_head(target: Transformer, weights_dir: str | pathlib.Path | None = None) -> Eagle3Head:
+    """The shipped EAGLE-3 head of the demo target (``eagle3_head/``, trained by
+    ``python -m scv_jax.eagle3_train --target demo``), bound to ``target`` (``load_demo()[0]``)."""
+    directory = (pathlib.Path(weights_dir) if weights_dir is not None else DEMO_WEIGHTS_DIR) / "eagle3_head"
+    return load_eagle3(directory, target, dtype=target.config.dtype)
