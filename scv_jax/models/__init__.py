@@ -4,6 +4,7 @@ Hugging Face checkpoints (Llama, Qwen2, Qwen3, Mistral) with their tokenizers, a
 from scv_jax.models.config import Llama3RopeScaling, TransformerConfig
 from scv_jax.models.eagle3 import Eagle3Head, Eagle3Output, load_eagle3, save_eagle3
 from scv_jax.models.hf import load_hf
+from scv_jax.models.hub import checkpoint_dir
 from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, PagedModel, StagedKV
 from scv_jax.models.tokenizer import Tokenizer, load_tokenizer
 from scv_jax.models.transformer import Transformer
@@ -11,4 +12,5 @@ from scv_jax.models.weights import load_demo, load_demo_head, load_model, save_m
 
 __all__ = ["TransformerConfig", "Llama3RopeScaling", "Transformer", "PagedModel", "PagedForwardOutput",
            "PackedTokens", "StagedKV", "load_demo", "load_model", "save_model", "load_hf", "load_tokenizer",
-           "Tokenizer", "load_eagle3", "save_eagle3", "load_demo_head", "Eagle3Head", "Eagle3Output"]
+           "Tokenizer", "load_eagle3", "save_eagle3", "load_demo_head", "Eagle3Head", "Eagle3Output",
+           "checkpoint_dir"]
