@@ -74,13 +74,13 @@ def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregres
 
 @pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 4}), TREE], ids=["chain", "tree"])
 def test_the_head_cache_holds_verified_rows_only(target, fitted, config):
-    """One request with accepted and rejected drafts (a prompt the fitted head did not learn), alone in a fresh engine (its blocks are the pool's first,
+    """One request with accepted and rejected drafts, alone in a fresh engine (its blocks are the pool's first,
     in order, so position p is slot p): the head's cache holds the target's combined taps of each
     position it verified, the accepted drafts' tokens at their positions, and one K/V row per position
     but the last lag (at most k + 1) ones: nothing of a rejected draft, nothing past the verified text."""
     head = fitted[0]
     engine = Engine(target, head, config=config, eos_token_id=None)
-    prompt = [3, 1, 4, 1, 5]
+    prompt = FIT_PROMPTS[0][:3]            # the start of a learned text: some drafts accepted, some not
     final = run(engine, {0: [(prompt, SamplingParams(max_tokens=MAX_NEW), "r")]})["r"][-1]
     sequence = prompt + list(final.token_ids)
     target_cache, cache = engine.runner.caches.take()
