@@ -108,7 +108,7 @@ LLAMA_SMALL = TransformerConfig(vocab_size=32_000, num_layers=8, d_model=1024, n
                                 head_dim=64, ffn_dim=2816, rope_theta=5e5, tie_embeddings=False, dtype="float32")
 ENGINE_FULL = EngineSizes(model=LLAMA_SMALL, draft_layers=2, batch=8, prompt_len=128, max_tokens=64, k=4,
                           tree=TreeConfig(max_depth=4, branching=4, max_nodes=16), block_size=16, backend="auto",
-                          budget_s=180)
+                          budget_s=240)
 ENGINE_DRY = EngineSizes(model=TransformerConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2,
                                                  head_dim=8, ffn_dim=48, tie_embeddings=False),
                          draft_layers=1, batch=2, prompt_len=10, max_tokens=6, k=2,

@@ -31,7 +31,7 @@ def test_gpu_suite_dry_run(tmp_path):
     rows = engine["rows"]
     assert rows and all(r["ok"] for r in rows), rows
     assert {(r["config"], r["mode"]) for r in rows} >= {("autoregressive", "greedy"), ("autoregressive", "sampled")}
-    assert len(rows) + 2 * len(engine["skipped"]) == 10    # 5 configurations x greedy / sampled, or skipped (budget)
+    assert len(rows) + 2 * len(engine["skipped"]) == 14    # 7 configurations x greedy / sampled, or skipped (budget)
     assert all(r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["memory_floor_us"] > 0 for r in rows)
     assert all(r["detail"] == "identical to target-only" for r in rows if r["mode"] == "greedy"
                and r["config"] != "autoregressive")
