@@ -211,8 +211,8 @@ def test_aux_layers_default_and_from_config(tmp_path, target, layout):
     default = load_eagle3(write_head(tmp_path / "a", tensors, head_config(**HEAD, layout=layout)), target)
     assert default.aux_layers == (2, TARGET.num_layers // 2, TARGET.num_layers - 3) == (2, 4, 5)
     given_ids = load_eagle3(write_head(tmp_path / "b", tensors, head_config(**HEAD, layout=layout,
-                                                                            aux_layers=[1, 3, 8])), target)
-    assert given_ids.aux_layers == (1, 3, 8)
+                                                                            aux_layers=[1, 3, 7])), target)
+    assert given_ids.aux_layers == (1, 3, 7)
 
 
 def test_combine_is_the_fc_projection(tmp_path, target):
