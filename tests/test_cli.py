@@ -207,7 +207,7 @@ def test_generate_with_an_eagle3_head(capsys, monkeypatch, tmp_path, eagle3_head
         load_eagle3(*args, **kwargs)) or heads[-1])
     assert cli.main(["generate", "--model", FIXTURE, "--eagle3", str(eagle3_head), *GREEDY, "--compare"]) == 0
     out = capsys.readouterr().out
-    assert "speculative (k=3)" in out and "greedy outputs identical  yes" in out and "per position: 0" in out, out
+    assert "speculative (k=3, EAGLE-3 head)" in out and "greedy outputs identical  yes" in out and "per position: 0" in out, out
     cache = offline_hub(monkeypatch, tmp_path / "hub")
     cache_repo(cache, "org/head", eagle3_head, refs=("v1",))        # no main: the revision is needed
     config = {"method": "eagle3", "model": "org/head", "revision": "v1", "num_speculative_tokens": 3}
