@@ -3,6 +3,7 @@ controller, the n-gram drafter, the decoding loop, model config readers) share t
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import numpy as np
@@ -20,3 +21,10 @@ def require_int(where: str, name: str, value: Any, *, minimum: int, static: bool
         kind = "a Python int" if static else "an int"
         raise ValueError(f"{where}: {name} must be {kind} >= {minimum}{' (static)' if static else ''}, got {value!r}")
     return int(value)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Reports a user's mistake in one line (no usage dump, no traceback) and exits with status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")

@@ -13,6 +13,7 @@ import shlex
 import sys
 from typing import Any, Callable, Sequence
 
+from scv_jax.arguments import OneLineParser
 from scv_jax.demo import WORKLOADS
 from scv_jax.launch import check_memory, checkpoints, load_models, ngram_drafter
 from scv_jax.serving.detokenize import IncrementalDetokenizer
@@ -20,13 +21,6 @@ from scv_jax.serving.detokenize import IncrementalDetokenizer
 DEFAULT_PROMPT = "import sys\n\n\ndef "
 # what the memory check's error names for demo and generate: the flags that size their caches
 _MEMORY_FLAG, _MEMORY_ADVICE = "--max-new-tokens", "lower --max-new-tokens or shorten --prompt"
-
-
-class _Parser(argparse.ArgumentParser):
-    """Reports a user's mistake in one line (no usage dump, no traceback) and exits with status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -197,8 +191,8 @@ def _add_models(parser: argparse.ArgumentParser, *, ngram_help: str, suffix_help
 
 def _parser() -> argparse.ArgumentParser:
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = _Parser(prog="scv-jax", description=__doc__, formatter_class=formatter)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = OneLineParser(prog="scv-jax", description=__doc__, formatter_class=formatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     demo = sub.add_parser("demo", help="generate with the demo models: speculative vs autoregressive",
                           formatter_class=formatter)
     demo.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue (bytes)")

@@ -27,6 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from scv_jax.arguments import OneLineParser
 from scv_jax.models import Eagle3Head, Transformer, load_demo, load_hf, load_tokenizer, save_eagle3
 from scv_jax.models.attention import grouped_query_attention
 
@@ -190,11 +191,6 @@ def default_optimizer(lr: float, steps: int) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(schedule, weight_decay=0.01))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -225,7 +221,7 @@ def _aux_layers(text: str) -> tuple[int, int, int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m scv_jax.eagle3_train", description=__doc__,
+    parser = OneLineParser(prog="python -m scv_jax.eagle3_train", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", required=True, help="a load_hf directory or Hub id, or 'demo'")
     parser.add_argument("--data", required=True, type=pathlib.Path, help="a text file or a .jsonl of {'text': ...}")
