@@ -149,12 +149,14 @@ class ControlState(NamedTuple):
                    jnp.full((num_slots, MAX_BAD_WORDS, MAX_BAD_WORD_LEN), -1, jnp.int32),
                    jnp.full((num_slots, MAX_BAD_WORD_LEN - 1), -1, jnp.int32))
 
-    def write(self, slot: jax.Array, bias: jax.Array, prompt: jax.Array, words: jax.Array) -> "ControlState":
-        """Row ``slot`` for a new request: its bias float32[V], bad words int32[MAX_BAD_WORDS,
-        MAX_BAD_WORD_LEN] and no output, ``prompt`` bool[V] its prompt's tokens."""
+    def write(self, slot: jax.Array, bias: jax.Array, history: jax.Array, words: jax.Array,
+              recent: jax.Array) -> "ControlState":
+        """Row ``slot`` for a request that starts (or resumes after a preemption): its bias float32[V],
+        ``history`` int32[V] of its prompt and output so far, bad words int32[MAX_BAD_WORDS,
+        MAX_BAD_WORD_LEN] and ``recent`` int32[MAX_BAD_WORD_LEN - 1] output tokens (see the attributes)."""
         slot = jnp.clip(slot, 0, self.bias.shape[0] - 1)
-        return ControlState(self.bias.at[slot].set(bias), self.history.at[slot].set(prompt.astype(jnp.int32)),
-                            self.words.at[slot].set(words), self.recent.at[slot].set(-1))
+        return ControlState(self.bias.at[slot].set(bias), self.history.at[slot].set(history),
+                            self.words.at[slot].set(words), self.recent.at[slot].set(recent))
 
     def record(self, controls: "LogitControls", slots: jax.Array, tokens: jax.Array) -> "ControlState":
         """The state with int32[B, T] emitted ``tokens`` (-1 after the last) counted in the output of each

@@ -1,7 +1,8 @@
 """``Engine``: online speculative decoding, vLLM's ``EngineCore`` loop. Requests arrive at any time with
 their own ``SamplingParams`` (``add_request``) and leave when done or aborted; each ``step`` admits
 waiting requests (FIFO, while a batch row and their KV blocks are free), prefills them, runs one decode
-step of the running batch and returns a ``RequestOutput`` for every request that emitted tokens or ended.
+step of the running batch (preempting the most recently admitted request, to resume later, when the KV
+blocks run out) and returns a ``RequestOutput`` for every request that emitted tokens or ended.
 
     engine = scv_jax.Engine(target, draft, config=scv_jax.DecoderConfig(k=4))
     engine.add_request(list(b"def main("), scv_jax.SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64))
@@ -132,7 +133,8 @@ class Engine:
         self.max_num_seqs = largest if max_num_seqs is None else min(max_num_seqs, largest)
         self.progress = progress
         proposer = runner.proposer
-        batch = RequestBatch(largest, cfg.max_seq_len + runner.step_ks[-1] + 2, cfg.block_size, cfg.max_blocks_per_seq)
+        batch = RequestBatch(largest, cfg.max_seq_len + runner.step_ks[-1] + 2, cfg.block_size, cfg.max_blocks_per_seq,
+                             runner.pool.shards)
         self._scheduler = Scheduler(batch, runner.pool, proposer, runner.controllers, k=cfg.k,
                                     max_num_seqs=self.max_num_seqs, per_shard=largest // len(runner.pool.shards))
         self._rng = np.random.default_rng(seed)
@@ -162,8 +164,8 @@ class Engine:
         """Whether a request waits or runs, or an abort is still to be reported by ``step``."""
         return self._scheduler.has_unfinished()
 
-    def _check_fits(self, prompt: list[int], params: SamplingParams) -> int:
-        """The KV blocks the request reserves; raises ValueError when it can never run."""
+    def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raises ValueError when the request can never run (alone with the whole pool)."""
         runner, cfg = self.runner, self.config
         positions = len(prompt) + params.max_tokens - 1      # drafts never outrun the budget
         limit = runner.max_position_embeddings
@@ -180,7 +182,6 @@ class Engine:
             where = "the cache" if len(runner.pool.shards) == 1 else "a data shard"
             raise ValueError(f"add_request: the request needs {need} KV blocks but {where} holds "
                              f"{pool.num_blocks} (raise DecoderConfig.num_blocks)")
-        return need
 
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -222,7 +223,7 @@ class Engine:
                 raise ValueError(f"add_request: request_id must be a non-empty str or None, got {request_id!r}")
             if request_id in scheduler.requests:
                 raise ValueError(f"add_request: request_id {request_id!r} is already waiting or running")
-            need = self._check_fits(prompt, params)
+            self._check_fits(prompt, params)
             sampling = np.zeros(SamplingColumn.WIDTH, np.float32)
             sampling[:SamplingColumn.PRESENCE] = np.stack(batch_sampling_arrays([params]), axis=1)[0]
             sampling[SamplingColumn.TOP_K] = min(sampling[SamplingColumn.TOP_K], vocab)
@@ -232,7 +233,7 @@ class Engine:
                 params.controlled)
             keys = (stream_keys(params.seed) if params.seed is not None
                     else self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32).view(np.int32))
-            scheduler.add(Request(request_id, prompt, params, sampling, keys, stops, need, runner.new_request_id(),
+            scheduler.add(Request(request_id, prompt, params, sampling, keys, stops, runner.new_request_id(),
                                   np.zeros(runner.proposer.max_depth, np.int64)))
             self.stats.prompt_tokens += len(prompt)
         return request_id
@@ -261,6 +262,7 @@ class Engine:
         runner, scheduler, stats = self.runner, self._scheduler, self.stats
         with runner.lock:
             outputs = scheduler.take_ended()
+            stats.num_preemptions += scheduler.make_room()
             admitted = scheduler.admit()
             if admitted is not None:
                 runner.prefill(admitted, scheduler.batch, stats, progress=self.progress)

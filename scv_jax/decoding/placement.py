@@ -77,7 +77,6 @@ class ShardedBlockPool:
 
     def __init__(self, num_blocks: int, num_shards: int):
         self.shards = [BlockPool(num_blocks // num_shards) for _ in range(num_shards)]
-        self._index = {id(pool): s for s, pool in enumerate(self.shards)}
 
     @property
     def num_blocks(self) -> int:
@@ -87,16 +86,14 @@ class ShardedBlockPool:
     def num_free(self) -> int:
         return sum(pool.num_free for pool in self.shards)
 
-    def shard_of(self, pool: BlockPool) -> int:
-        """The data shard whose pool ``pool`` is."""
-        return self._index[id(pool)]
-
-    def pick(self, need: int, load: Sequence[int], per_shard: int) -> int | None:
+    def pick(self, need: int, load: Sequence[int], growth: Sequence[int], per_shard: int) -> int | None:
         """The data shard to run a new request on that needs ``need`` blocks: of the shards running fewer
-        than ``per_shard`` requests (``load[s]``) with ``need`` blocks available, the one running the
-        fewest, then the one with the most available; None when none can take it now."""
-        fits = [s for s, pool in enumerate(self.shards) if load[s] < per_shard and pool.num_available >= need]
-        return min(fits, key=lambda s: (load[s], -self.shards[s].num_available), default=None)
+        than ``per_shard`` requests (``load[s]``) with ``need`` blocks free beside the ``growth[s]`` their
+        running requests need for their next step, the one running the fewest, then the one with the most
+        room; None when none can take it now."""
+        room = [pool.num_free - grow for pool, grow in zip(self.shards, growth)]
+        fits = [s for s in range(len(self.shards)) if load[s] < per_shard and room[s] >= need]
+        return min(fits, key=lambda s: (load[s], -room[s]), default=None)
 
 
 def _batch_fill(executable: ExecutableCache, name: str) -> Any:

@@ -89,12 +89,12 @@ class RequestBatch:
         control state is written when its prompt is prefilled), else None.
       active: int64[n] rows of the running requests, in admission order.
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
-      blocks: int32[S, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, from the
-        request's pool, which holds the rest of the blocks it may need in reserve (``reserved``);
-        shards: int64[S] the data shard of each request's pool (0 on one device).
+      blocks: int32[S, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, allocated
+        from the request's pool as its positions need them (``ensure``); shards: int64[S] the data shard
+        of each request's pool, ``pools[shard]`` (0 on one device).
     """
 
-    def __init__(self, num_slots: int, capacity: int, block_size: int, max_blocks: int):
+    def __init__(self, num_slots: int, capacity: int, block_size: int, max_blocks: int, pools: Sequence[BlockPool]):
         self.tokens = np.zeros((num_slots, capacity), np.int32)
         self.length, self.prompt_len, self.budget = (np.zeros(num_slots, np.int64) for _ in range(3))
         self.lag = np.ones(num_slots, np.int64)
@@ -104,10 +104,9 @@ class RequestBatch:
         self.controls: list[SamplingParams | None] = [None] * num_slots
         self.may_lag = False
         self.blocks = np.full((num_slots, max_blocks), -1, np.int32)
-        self.num_blocks, self.reserved = np.zeros(num_slots, np.int64), np.zeros(num_slots, np.int64)
-        self._addressable = np.zeros(num_slots, np.int64)     # num_blocks * block_size
+        self.num_blocks = np.zeros(num_slots, np.int64)
         self.shards = np.zeros(num_slots, np.int64)
-        self._pools: list[BlockPool | None] = [None] * num_slots
+        self.pools = list(pools)
         self._block_size = block_size
         self.active = np.zeros(0, np.int64)
 
@@ -119,20 +118,22 @@ class RequestBatch:
         """Blocks that hold ``positions`` cache positions."""
         return -(-positions // self._block_size)
 
-    def start(self, prompt: list[int], budget: int, pool: BlockPool, shard: int, sampling: np.ndarray,
+    def blocks_short(self, rows: np.ndarray, num_positions: np.ndarray) -> np.ndarray:
+        """int64[len(rows)] the blocks each request lacks to address ``num_positions`` positions."""
+        return np.maximum(-(-num_positions // self._block_size) - self.num_blocks[rows], 0)
+
+    def start(self, tokens: list[int], prompt_len: int, budget: int, shard: int, sampling: np.ndarray,
               keys: np.ndarray, stops: tuple[int, ...], controls: SamplingParams | None = None) -> int:
-        """Runs a request in the lowest free row, reserving the blocks of its prompt + ``budget`` - 1
-        positions (drafts never outrun a budget); ``controls``: its params when it has logit controls.
-        Returns the row."""
+        """Runs a request in the lowest free row (no blocks yet): ``tokens`` its prompt (``prompt_len``
+        tokens) and what it generated before it was preempted, ``budget`` the tokens it may still emit,
+        ``shard`` its pool; ``controls``: its params when it has logit controls. Returns the row."""
         free = np.setdiff1d(np.arange(self.num_slots), self.active)
         if not free.size:
             raise RuntimeError("RequestBatch.start: every row runs a request")
         row = int(free[0])
-        need = self.blocks_needed(len(prompt) + budget - 1)
-        pool.reserve(need)
-        self._pools[row], self.shards[row], self.reserved[row] = pool, shard, need
-        self.tokens[row, :len(prompt)] = prompt
-        self.prompt_len[row] = self.length[row] = len(prompt)
+        self.shards[row] = shard
+        self.tokens[row, :len(tokens)] = tokens
+        self.length[row], self.prompt_len[row] = len(tokens), prompt_len
         self.budget[row], self.lag[row] = budget, 1
         self.sampling[row], self.keys[row] = sampling, keys
         self.stops[row] = -1
@@ -147,28 +148,21 @@ class RequestBatch:
 
     def ensure(self, rows: np.ndarray, num_positions: np.ndarray) -> None:
         """Makes positions [0, num_positions[b]) of each request addressable (allocates blocks from
-        its reservation)."""
-        short = self._addressable[rows] < num_positions
-        if not short.any():
-            return
-        for row, positions in zip(rows[short].tolist(), num_positions[short].tolist()):
+        its pool; CacheFullError when it has too few free: the scheduler makes room first)."""
+        short = self.blocks_short(rows, num_positions)
+        for row, count in zip(rows[short > 0].tolist(), short[short > 0].tolist()):
             have = int(self.num_blocks[row])
-            count = self.blocks_needed(positions) - have
-            self.blocks[row, have:have + count] = self._pools[row].allocate(count)
-            self.reserved[row] -= count
+            self.blocks[row, have:have + count] = self.pools[self.shards[row]].allocate(count)
             self.num_blocks[row] = have + count
-            self._addressable[row] = (have + count) * self._block_size
 
     def finish(self, rows: np.ndarray) -> None:
-        """Ends the requests of ``rows``: their blocks and reservations go back to the pool, the rows
-        are free."""
+        """Ends (or preempts) the requests of ``rows``: their blocks go back to the pool, the rows are free."""
         for row in rows.tolist():
-            pool, count = self._pools[row], int(self.num_blocks[row])
-            pool.free(self.blocks[row, :count].tolist())
-            pool.unreserve(int(self.reserved[row]))
+            count = int(self.num_blocks[row])
+            self.pools[self.shards[row]].free(self.blocks[row, :count].tolist())
             self.blocks[row, :count] = -1
-            self.num_blocks[row] = self._addressable[row] = self.reserved[row] = 0
-            self._pools[row] = self.controls[row] = None
+            self.num_blocks[row] = 0
+            self.controls[row] = None
         self.active = self.active[~np.isin(self.active, rows)]
 
     def advance(self, rows: np.ndarray, emitted: np.ndarray, num_emitted: np.ndarray

@@ -39,6 +39,7 @@ from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
 from scv_jax.ops.registry import cuda_available
+from scv_jax.sampling_params import MAX_BAD_WORD_LEN
 
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
 
@@ -150,21 +151,30 @@ class StepRunner:
             state = jax.eval_shape(lambda: ControlState.zeros(self.largest_batch, self.vocab_size))
             vector = lambda dtype: jax.ShapeDtypeStruct((self.vocab_size,), dtype)  # noqa: E731
             self._control_writer = jax.jit(ControlState.write, donate_argnums=0).lower(
-                state, jax.ShapeDtypeStruct((), np.int32), vector(np.float32), vector(np.bool_),
-                jax.ShapeDtypeStruct(state.words.shape[1:], np.int32)).compile()
+                state, jax.ShapeDtypeStruct((), np.int32), vector(np.float32), vector(np.int32),
+                jax.ShapeDtypeStruct(state.words.shape[1:], np.int32),
+                jax.ShapeDtypeStruct(state.recent.shape[1:], np.int32)).compile()
         return self._control_writer
 
     def _write_controls(self, batch: RequestBatch, rows: np.ndarray) -> None:
-        """Writes the control-state rows of the requests in ``rows`` that have controls (their bias, their
-        prompt's tokens, their bad words of several tokens, no output yet)."""
+        """Writes the control-state rows of the requests in ``rows`` that have controls: their bias, bad
+        words of several tokens, and the history of their prompt and of their output so far (a request
+        resuming after a preemption has some)."""
+        recent_len = MAX_BAD_WORD_LEN - 1
         for row in rows.tolist():
             params = batch.controls[row]
             if params is None:
                 continue
-            prompt = np.zeros(self.vocab_size, np.bool_)
-            prompt[batch.tokens[row, :batch.prompt_len[row]]] = True
+            prompt_len, length = int(batch.prompt_len[row]), int(batch.length[row])
+            output = batch.tokens[row, prompt_len:length]
+            history = 2 * np.bincount(output, minlength=self.vocab_size).astype(np.int32)
+            history[batch.tokens[row, :prompt_len]] += 1
+            recent = np.full(recent_len, -1, np.int32)
+            if recent_len and output.size:
+                last = output[-recent_len:]
+                recent[recent_len - last.size:] = last
             self._controls = self._writer()(self._take_controls(), np.int32(row), params.bias_row(self.vocab_size),
-                                            prompt, params.bad_word_table())
+                                            history, params.bad_word_table(), recent)
 
     # ------------------------------------------------------------------ calls
     def _call(self, executable: ExecutableCache, stats: GenerateStats, *, use_target: bool = True,

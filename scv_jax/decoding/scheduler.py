@@ -1,12 +1,16 @@
 """``Scheduler``: the engine's host policy, no JAX. It holds the waiting queue and the running requests'
-``RequestBatch``; admits requests FIFO while a row and their KV blocks are free; plans each decode step
+``RequestBatch``; makes room for the running requests' next step (preempting the most recently admitted
+when the blocks run out); admits requests FIFO while a row and their KV blocks are free; plans each decode step
 (k from the config or the adaptive controller, each request's cap, the proposer's drafts, a catch-up of
 lagging drafts) as a ``DecodeWork``; and turns the step's ``StepResult`` into ``RequestOutput``s,
 ending the requests that finished. The proposer's host drafter hears every request's lifecycle.
 
-Blocks: a request reserves the KV blocks of its prompt + max_tokens - 1 positions when admitted and
-allocates them as it grows, so a running request never runs out; they return to the pool the moment it
-ends.
+Blocks are allocated on demand: a request is admitted when its tokens so far and its first step's
+drafts fit beside what the running requests need for their next step; it allocates blocks as it grows;
+they return to the pool the moment it ends. When the running requests' next step does not fit its pool,
+the most recently admitted one is preempted by recompute: its blocks return to the pool, its drafter
+hears ``finish``, and it waits at the front of the queue with its tokens so far, which it prefills again
+when it resumes (its output is unchanged: the random streams are by position).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class BlockPools(Protocol):
 
     shards: list
 
-    def pick(self, need: int, load: Sequence[int], per_shard: int) -> int | None: ...
+    def pick(self, need: int, load: Sequence[int], growth: Sequence[int], per_shard: int) -> int | None: ...
 
 
 @dataclasses.dataclass
@@ -52,11 +56,10 @@ class Request:
     sampling: np.ndarray            # float32[SamplingColumn.WIDTH]
     keys: np.ndarray                # int32[2] its random stream
     stops: tuple[int, ...]
-    need: int                       # KV blocks it reserves when admitted
     controller_id: int
     accepted_at: np.ndarray         # int64[max_depth] accepted drafts at each position
     row: int = -1                   # its RequestBatch row while it runs
-    token_ids: list[int] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)      # generated so far
     drafted: int = 0
 
     def output(self, new: list[int], reason: FinishReason | None, logprobs=None) -> RequestOutput:
@@ -120,31 +123,77 @@ class Scheduler:
             if self.proposer.host is not None:
                 self.proposer.host.finish(request.request_id)
 
+    # ------------------------------------------------------------------ blocks
+    def _growth(self, rows: np.ndarray) -> np.ndarray:
+        """int64[len(rows)] the blocks each running request may need for its next step: its tokens and as
+        many drafts as the deepest step may verify (never past its budget)."""
+        state = self.batch
+        drafts = np.minimum(state.budget[rows] - 1, self.proposer.max_depth)
+        return state.blocks_short(rows, state.length[rows] + drafts)
+
+    def _shard_growth(self) -> np.ndarray:
+        """int64[shards] the blocks the running requests of each data shard may need for their next step."""
+        state = self.batch
+        rows = state.active
+        return np.bincount(state.shards[rows], self._growth(rows), minlength=len(self._pools.shards)).astype(np.int64)
+
+    def make_room(self) -> int:
+        """Preempts running requests, the most recently admitted first, until every data shard's pool
+        holds the blocks its running requests may need for their next step; returns how many it preempted
+        (a request alone always fits: ``Engine.add_request`` refuses one larger than a pool)."""
+        state, preempted = self.batch, 0
+        for shard, pool in enumerate(self._pools.shards):
+            while True:
+                rows = state.active[state.shards[state.active] == shard]     # in admission order
+                if rows.size <= 1 or self._growth(rows).sum() <= pool.num_free:
+                    break
+                self._preempt(int(rows[-1]))
+                preempted += 1
+        return preempted
+
+    def _preempt(self, row: int) -> None:
+        """Frees ``row``'s request and its blocks, tells the drafter, and queues it first again."""
+        request = self.running.pop(row)
+        self.batch.finish(np.array([row], np.int64))
+        request.row = -1
+        if self.proposer.host is not None:
+            self.proposer.host.finish(request.request_id)
+        self.waiting.appendleft(request)
+        self._unverified = None          # proposals are checked against the rows they were made for
+
     # ------------------------------------------------------------------ admission
     def admit(self) -> PrefillWork | None:
-        """Moves waiting requests, in order, to free rows while their blocks fit (on a mesh, on the data
-        shard with the fewest requests); returns the prefill of their prompts (but the last tokens)."""
+        """Moves waiting requests, in order, to free rows while their tokens so far and their first step
+        fit beside the running requests' next step (on a mesh, on the data shard with the fewest
+        requests); returns the prefill of their tokens (but the last)."""
         state, pools = self.batch, self._pools
         admitted = []
+        growth = self._shard_growth() if self.waiting else None
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            params = request.params
+            tokens = request.prompt + request.token_ids
+            budget = params.max_tokens - len(request.token_ids)
+            need = state.blocks_needed(len(tokens) + min(budget - 1, self.proposer.max_depth))
             load = np.bincount(state.shards[state.active], minlength=len(pools.shards))
-            shard = pools.pick(request.need, load, self._per_shard)
+            shard = pools.pick(need, load, growth, self._per_shard)
             if shard is None:
                 break
             self.waiting.popleft()
-            request.row = state.start(request.prompt, request.params.max_tokens, pools.shards[shard], shard,
-                                      request.sampling, request.keys, request.stops,
-                                      request.params if request.params.controlled else None)
+            growth[shard] += need
+            request.row = state.start(tokens, len(request.prompt), budget, shard, request.sampling, request.keys,
+                                      request.stops, params if params.controlled else None)
             self.running[request.row] = request
             admitted.append(request.row)
             if self.proposer.host is not None:
                 self.proposer.host.start(request.request_id, request.prompt)
+                if request.token_ids:
+                    self.proposer.host.extend(request.request_id, request.token_ids)
         if not admitted:
             return None
         self._unverified = None          # proposals are checked against the rows they were made for
         rows = np.array(admitted, np.int64)
-        return PrefillWork(rows, np.zeros(rows.size, np.int64), state.prompt_len[rows] - 1, draft_only=False)
+        return PrefillWork(rows, np.zeros(rows.size, np.int64), state.length[rows] - 1, draft_only=False)
 
     # ------------------------------------------------------------------ a step
     def _token_views(self, rows: np.ndarray) -> list[np.ndarray]:

@@ -30,6 +30,8 @@ class GenerateStats:
         dense step of B rows, B * (packed_k + 1) a packed one (``DecoderConfig.packed_verify``).
       catch_up_calls: draft-only prefill calls that brought a lagging draft up to date after k = 0
         steps (``positions``).
+      num_preemptions: running requests preempted (by recompute) because the KV blocks ran out
+        (``Engine``; they resumed later with the same output).
       compile_seconds: wall time of the calls that compiled an executable (first use of a shape
         bucket; 0 after ``warmup``); compile_count: XLA compilations during the call; compiled: what
         they compiled, one entry each: a step executable's bucket (``"decode_step(batch=4, blocks=16,
@@ -55,6 +57,7 @@ class GenerateStats:
     step_seconds: dict[tuple[int, int], list] = dataclasses.field(default_factory=dict)
     scored_tokens: int = 0
     catch_up_calls: int = 0
+    num_preemptions: int = 0
     compiled: list[str] = dataclasses.field(default_factory=list)
     fallbacks: dict[str, str] = dataclasses.field(default_factory=dict)
 

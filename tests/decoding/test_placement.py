@@ -18,16 +18,20 @@ from tests.models.fixtures import TINY, tiny_model
 
 def test_a_new_request_goes_to_the_least_loaded_shard_that_can_take_it():
     """Each data shard runs at most its share of the largest bucket: a new request goes to the least
-    loaded shard with a free slot and its blocks available (then the one with most available), or waits."""
+    loaded shard with a free slot and its blocks free beside its running requests' next growth (then the
+    one with most room), or waits."""
     pool = ShardedBlockPool(16, 2)                        # 8 blocks a shard
     assert pool.num_blocks == 16 and pool.num_free == 16 and all(p.num_blocks == 8 for p in pool.shards)
-    assert pool.pick(3, [2, 1], per_shard=2) == 1         # shard 0 is full
-    assert pool.pick(3, [1, 1], per_shard=2) == 0         # a tie in load and blocks: the first
-    pool.shards[0].reserve(6)
-    assert pool.pick(2, [1, 1], per_shard=2) == 1         # the same load: the most blocks available
-    assert pool.pick(3, [0, 1], per_shard=2) == 1         # shard 0 has 2 blocks available
-    assert pool.pick(3, [0, 2], per_shard=2) is None      # nowhere now: the request waits
-    assert pool.num_free == 16 and pool.shards[0].num_available == 2
+    assert pool.pick(3, [2, 1], [0, 0], per_shard=2) == 1     # shard 0 is full
+    assert pool.pick(3, [1, 1], [0, 0], per_shard=2) == 0     # a tie in load and blocks: the first
+    held = pool.shards[0].allocate(5)
+    assert pool.pick(2, [1, 1], [0, 0], per_shard=2) == 1     # the same load: the most room
+    assert pool.pick(3, [0, 1], [0, 0], per_shard=2) == 0     # the fewest requests first
+    assert pool.pick(3, [0, 1], [1, 0], per_shard=2) == 1     # shard 0's requests grow by a block: 2 left
+    assert pool.pick(3, [0, 2], [1, 0], per_shard=2) is None  # nowhere now: the request waits
+    assert pool.num_free == 11
+    pool.shards[0].free(held)
+    assert pool.num_free == 16
 
 
 def test_shard_major_rows_and_their_padding():
