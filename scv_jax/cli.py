@@ -65,6 +65,35 @@ def _add_ngram_sizes(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ngram-max", type=_int_at_least(1), default=3, help="longest n-gram matched (--ngram)")
 
 
+_BYTE_UNITS = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12,
+               "KI": 2 ** 10, "MI": 2 ** 20, "GI": 2 ** 30, "TI": 2 ** 40}
+
+
+def _byte_size(text: str) -> int:
+    """A number of bytes >= 1: an int, or a number with a unit (K, M, G, T: powers of 1000; Ki, Mi, Gi, Ti:
+    of 1024; a trailing B allowed), e.g. 500M or 2GiB."""
+    body = text.strip().upper().removesuffix("B")
+    number = body.rstrip("KMGTI")
+    unit = body[len(number):]
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        value = float("nan")
+    if not (math.isfinite(value) and value >= 1):
+        raise argparse.ArgumentTypeError(f"must be a byte count >= 1 (e.g. 2000000000, 500M or 2GiB), got {text!r}")
+    return int(value)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
 def _probability(text: str) -> float:
     try:
         value = float(text)
@@ -268,8 +297,14 @@ def _add_serve(sub, formatter) -> None:
                        help="most requests waiting beyond --max-num-seqs before answering 429")
     serve.add_argument("--max-model-len", type=_int_at_least(2), default=None,
                        help="context length served, prompt + output (default: the model's, at most 2048)")
-    serve.add_argument("--num-blocks", type=_int_at_least(1), default=None,
-                       help="KV-cache blocks of 16 positions (default: --max-num-seqs full-length requests)")
+    pool = serve.add_mutually_exclusive_group()
+    pool.add_argument("--kv-cache-memory", type=_byte_size, metavar="BYTES",
+                      help="memory for the KV caches, e.g. 2GiB: the pool holds the blocks of 16 positions that fit "
+                           "(default: --gpu-memory-utilization on a GPU; on a CPU --max-num-seqs full-length requests)")
+    pool.add_argument("--gpu-memory-utilization", type=_fraction, metavar="F",
+                      help="fraction of the GPU's memory the server may use, weights included (vLLM's; default 0.9 "
+                           "on a GPU): the KV caches get what the weights leave")
+    pool.add_argument("--num-blocks", type=_int_at_least(1), default=None, help="KV-cache blocks of 16 positions")
     serve.add_argument("--served-model-name", metavar="NAME", help="the model name clients use (default: --model)")
     serve.add_argument("--mesh", metavar="DATA,MODEL", help="decode on a device mesh of DATA x MODEL devices")
     serve.add_argument("--no-warmup", action="store_true",

@@ -129,21 +129,34 @@ def _memory_bytes() -> tuple[int, str]:
     """(bytes, where): the default device's free memory, or the host's physical memory (CPU)."""
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"free on {jax.devices()[0].device_kind}"
+    memory = device_memory()
+    if memory is not None:
+        return memory[0] - memory[1], f"free on {jax.devices()[0].device_kind}"
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of host memory"
+
+
+def device_memory() -> tuple[int, int] | None:
+    """(bytes the default device may use, bytes in use) when it reports them (a GPU), else None (a CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return (stats["bytes_limit"], stats.get("bytes_in_use", 0)) if "bytes_limit" in stats else None
+
+
+def kv_bytes_per_position(models: Sequence, cache_dtype: str) -> int:
+    """Bytes one cache position takes: K and V, every layer of each of ``models``."""
+    from scv_jax.ops.commit.kv_cache import parse_cache_dtype
+
+    per_position = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim for m in models)
+    return per_position * parse_cache_dtype(cache_dtype).itemsize
 
 
 def check_memory(config: DecoderConfig, models: Sequence, *, flag: str, advice: str) -> None:
     """Raises ValueError before the caches are allocated when they would not fit the memory: K and V,
     every layer of each of ``models``, ``config.num_blocks`` blocks. ``flag`` (the running command's
     flag that sized them) starts the message and ``advice`` (which of its flags to change) ends it."""
-    from scv_jax.ops.commit.kv_cache import parse_cache_dtype
-
-    per_position = sum(2 * m.config.num_layers * m.config.num_kv_heads * m.config.head_dim for m in models)
     positions = config.num_blocks * config.block_size
-    needed = positions * per_position * parse_cache_dtype(config.cache_dtype).itemsize
+    needed = positions * kv_bytes_per_position(models, config.cache_dtype)
     available, where = _memory_bytes()
     if needed > available:
         raise ValueError(f"{flag}: the KV caches for {positions} positions need {needed / 2**30:.1f} GiB, "

@@ -3,7 +3,8 @@
 Counters: ``vllm:request_success_total{finished_reason}``, ``vllm:prompt_tokens_total``,
 ``vllm:generation_tokens_total`` and the speculative ones, ``vllm:spec_decode_num_drafts_total``
 (request-steps that drafted), ``vllm:spec_decode_num_draft_tokens_total``,
-``vllm:spec_decode_num_accepted_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}``;
+``vllm:spec_decode_num_accepted_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}``,
+``vllm:num_preemptions_total`` (running requests preempted when the KV blocks ran out);
 gauges ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (the
 fraction of the KV-cache blocks held by requests: 0 when the pool is full again); histograms
 ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
@@ -37,6 +38,9 @@ class ServerMetrics:
         self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted at each draft position", ("position",))
+        self.preemptions = counter("vllm:num_preemptions", "Running requests preempted (to resume later) when the "
+                                   "KV-cache blocks ran out")
+        self._preemptions_counted = 0
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels,
                              registry=self.registry)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", labels,
@@ -62,6 +66,9 @@ class ServerMetrics:
         self.labels(self.running).set(engine.num_running)
         self.labels(self.waiting).set(engine.num_waiting)
         self.labels(self.kv_usage).set(1 - engine.num_free_blocks / engine.num_blocks)
+        preemptions = engine.stats.num_preemptions
+        self.labels(self.preemptions).inc(preemptions - self._preemptions_counted)
+        self._preemptions_counted = preemptions
 
     def add_spec_decode(self, drafts: int, draft_tokens: int, accepted: int, accepted_per_pos) -> None:
         """One step's speculative counts of one request (increments)."""

@@ -12,7 +12,7 @@ import argparse
 import asyncio
 import dataclasses
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 if TYPE_CHECKING:
     from scv_jax.launch import Checkpoints
@@ -43,6 +43,54 @@ class Served:
     vocab_size: int
 
 
+class Pool(NamedTuple):
+    """The KV-cache pool ``serve`` allocates: its blocks, the flag that sized them, a line for the log."""
+
+    num_blocks: int
+    flag: str
+    summary: str
+
+
+def pool_blocks(args: argparse.Namespace, cached_models: list, max_model_len: int, data_shards: int) -> Pool:
+    """The KV-cache pool (its summary tells the requests of ``max_model_len`` it holds at once at worst):
+    ``--num-blocks``; ``--kv-cache-memory`` bytes; or
+    ``--gpu-memory-utilization`` of the device's memory less what is in use (the weights; default 0.9 on a
+    device that reports its memory); on a CPU by default ``--max-num-seqs`` requests of ``max_model_len``.
+    A multiple of the mesh's data shards. Raises ValueError naming the flag when they hold no request."""
+    from scv_jax.decoding.config import DecoderConfig
+    from scv_jax.launch import device_memory, kv_bytes_per_position
+
+    block_size = DecoderConfig.block_size
+    block_bytes = kv_bytes_per_position(cached_models, args.dtype) * block_size
+    per_request = -(-max_model_len // block_size)
+    memory = device_memory()
+    if args.num_blocks:
+        num_blocks, flag = args.num_blocks, "--num-blocks"
+    elif args.kv_cache_memory:
+        num_blocks, flag = args.kv_cache_memory // block_bytes, "--kv-cache-memory"
+    elif args.gpu_memory_utilization is not None or memory is not None:
+        flag = "--gpu-memory-utilization"
+        if memory is None:
+            raise ValueError(f"{flag}: this device does not report its memory (a CPU): pass --kv-cache-memory "
+                             "BYTES or --num-blocks")
+        utilization = 0.9 if args.gpu_memory_utilization is None else args.gpu_memory_utilization
+        limit, in_use = memory
+        num_blocks = max(int(utilization * limit) - in_use, 0) // block_bytes
+    else:
+        num_blocks, flag = args.max_num_seqs * per_request, "--max-num-seqs"
+    if flag != "--num-blocks":          # as given, else a multiple of the data shards
+        num_blocks -= num_blocks % data_shards
+    if flag != "--num-blocks" and num_blocks < per_request * data_shards:
+        raise ValueError(f"{flag}: the KV cache holds {num_blocks} blocks of {block_size} positions "
+                         f"({block_bytes} bytes each), fewer than one request of --max-model-len {max_model_len} "
+                         f"needs on each of {data_shards} data shard(s) ({per_request}): give it more memory or "
+                         "lower --max-model-len")
+    return Pool(num_blocks, flag, f"KV cache: {num_blocks} blocks of {block_size} positions "
+                f"({num_blocks * block_bytes / 2 ** 30:.2f} GiB, sized by {flag}): {num_blocks // per_request} "
+                f"requests of --max-model-len {max_model_len} at once at worst, more as blocks are allocated on "
+                f"demand (--max-num-seqs {args.max_num_seqs})")
+
+
 def make_engine(args: argparse.Namespace, dirs: Checkpoints) -> Served:
     """The ``Engine`` of ``args`` with the models of ``dirs`` (not warmed up). Raises ValueError naming
     the flag for a bad one."""
@@ -56,17 +104,15 @@ def make_engine(args: argparse.Namespace, dirs: Checkpoints) -> Served:
     max_model_len = args.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
     if limit is not None and max_model_len > limit:
         raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-    block_size = DecoderConfig.block_size
-    num_blocks = args.num_blocks or args.max_num_seqs * -(-max_model_len // block_size)
+    pool = pool_blocks(args, models.cached, max_model_len, mesh_shape[0] if mesh_shape else 1)
+    num_blocks, flag = pool.num_blocks, pool.flag
     drafting = models.drafter is not None
     config = DecoderConfig(k=args.k if drafting else 0, adaptive=args.adaptive and drafting,
                            batch_buckets=batch_buckets(args.max_num_seqs), max_seq_len=max_model_len,
                            num_blocks=num_blocks, cache_dtype=args.dtype, packed_verify=args.packed_verify)
-    if args.num_blocks:
-        check_memory(config, models.cached, flag="--num-blocks", advice="lower --num-blocks")
-    else:       # the default --num-blocks: --max-num-seqs requests of --max-model-len
-        check_memory(config, models.cached, flag="--max-num-seqs",
-                     advice="lower --max-num-seqs or --max-model-len, or pass a smaller --num-blocks")
+    check_memory(config, models.cached, flag=flag, advice=f"lower {flag}" if flag != "--max-num-seqs" else
+                 "lower --max-num-seqs or --max-model-len, or pass --kv-cache-memory or --num-blocks")
+    print(pool.summary, file=sys.stderr, flush=True)
     mesh = None
     if mesh_shape is not None:
         from scv_jax import decoder_mesh

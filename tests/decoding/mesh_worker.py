@@ -61,6 +61,8 @@ QWEN_TINY = TransformerConfig(vocab_size=64, num_layers=2, d_model=64, num_heads
 CONFIG = DecoderConfig(k=3, block_size=8, num_blocks=64, max_seq_len=64, prefill_chunk=16, batch_buckets=(4,),
                        context_buckets=(8,))
 MAX_NEW = 12
+TIGHT_FREE = 5          # blocks a data shard's pool keeps free in ``_tight``: a request of the longest prompt
+# needs up to 4 (32 positions), two need more
 # a collective in optimized HLO and its result type: "= f32[2,4]{0,1} all-gather(", "= (f32[2], s32[2]) all-reduce("
 _COLLECTIVE = re.compile(r"= ([^=]+?) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
                          r"(?:-start)?\(")
@@ -93,9 +95,21 @@ def _layout(tree) -> dict[str, dict]:
     return out
 
 
+def _tight(decoder: SpeculativeDecoder, prompts: list[list[int]]):
+    """``prompts`` three times over, with all but ``TIGHT_FREE`` blocks of each data shard's pool held:
+    the running requests outgrow their pools, the most recently admitted are preempted and resume."""
+    held = [pool.allocate(max(pool.num_blocks - TIGHT_FREE, 0)) for pool in decoder.pool.shards]
+    try:
+        return decoder.generate(prompts * 3, MAX_NEW)
+    finally:
+        for pool, blocks in zip(decoder.pool.shards, held):
+            pool.free(blocks)
+
+
 def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
     out = {"greedy": decoder.generate(prompts, MAX_NEW),
-           "streamed": decoder.generate(prompts, MAX_NEW, max_num_seqs=2)}    # continuous batching
+           "streamed": decoder.generate(prompts, MAX_NEW, max_num_seqs=2),    # continuous batching
+           "tight": _tight(decoder, prompts)}                                  # preemptions
     if ARGS.sample:
         out["sampled"] = decoder.generate(prompts, MAX_NEW, temperature=1.0, seed=7)
         # the engine's per-request parameters: greedy and filtered rows in one batch
@@ -125,6 +139,7 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
                    for result, op in _COLLECTIVE.findall(decoder.runner.decode_executable.executable(key).as_text())]
     return dict(
         tokens={mode: out.tokens for mode, out in outputs.items()},
+        preemptions=outputs["tight"].stats.num_preemptions,
         acceptance=outputs["greedy"].stats.acceptance_rate, warmup_compiles=warmup,
         compiles_after_warmup=compiles.count + compiles.loads,
         graph={k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)

@@ -1,5 +1,6 @@
 """The decoder on meshes of CPU devices (each run in its own interpreter, ``mesh_worker``): greedy (all at
-once and two at a time, ``max_num_seqs=2``) and sampled tokens identical to one device, the shardings
+once, two at a time (``max_num_seqs=2``) and through preemptions in a tight pool) and sampled tokens
+identical to one device, the shardings
 (bytes per device), zero compiles after warm-up, in-place donations, clear errors, and one
 ``generate`` over two processes."""
 
@@ -40,6 +41,8 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
     run = result["meshes"][spec]
     assert run["tokens"] == result["expected"], spec
     assert run["tokens"]["streamed"] == run["tokens"]["greedy"], spec
+    assert run["tokens"]["tight"] == run["tokens"]["greedy"] * 3, spec
+    assert run["preemptions"] > 0 or data == 8, spec      # 8 shards: each runs about one request
     assert run["warmup_compiles"] > 0 and run["compiles_after_warmup"] == 0, spec
     assert all(v == 0 for stats in run["graph"].values() for v in stats.values()), run["graph"]
     assert run["free_blocks"] == 64

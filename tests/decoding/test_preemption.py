@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, SuffixDrafter
+from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, SuffixDrafter, TreeConfig
 from scv_jax.decoding.requests import RequestBatch
 from tests.decoding.common import MAX_NEW, SMALL, prompts
+from tests.decoding.test_eagle3_decoding import random_head
 from tests.decoding.test_engine import MAX_STEPS, tokens
 
 # 12 blocks of 8 positions; a request of up to 19 prompt tokens + MAX_NEW = 14 needs up to 4 blocks at
@@ -145,3 +146,22 @@ def test_blocks_short_counts_what_a_row_lacks():
     assert batch.blocks_short(rows, np.array([17])).tolist() == [1]
     batch.finish(rows)
     assert pool.num_free == 10 and not batch.active.size
+
+
+TREE = TreeConfig(max_depth=3, branching=2, max_nodes=6)
+
+
+@pytest.mark.parametrize("drafter, tree", [("model", TREE), ("head", None), ("head", TREE)],
+                         ids=["model-tree", "head-chain", "head-tree"])
+def test_trees_and_eagle_heads_resume_with_the_same_output(target, partial_draft, autoregressive, tmp_path_factory,
+                                                           drafter, tree):
+    """A resumed request's prefill rebuilds the draft cache (and an EAGLE head's features) from its
+    tokens so far."""
+    draft = partial_draft if drafter == "model" else random_head(target, tmp_path_factory.mktemp("head"), seed=5)
+    config = DecoderConfig(**{**vars(TIGHT), "tree": tree, "k": 0 if tree else 2})
+    engine = Engine(target, draft, config=config)
+    requests = stream(7)
+    outputs, _ = drive(engine, requests)
+    expected = autoregressive.generate([p for p, _ in requests], MAX_NEW).tokens
+    assert [tokens(outputs, str(i)) for i in range(NUM_REQUESTS)] == expected
+    assert engine.stats.num_preemptions > 0

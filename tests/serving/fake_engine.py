@@ -10,6 +10,7 @@ import dataclasses
 import time
 
 from scv_jax.decoding.outputs import RequestOutput, TokenLogprob  # the real engine's outputs
+from scv_jax.decoding.stats import GenerateStats
 from scv_jax.sampling_params import MAX_STOP_IDS
 
 CYCLE = "héllo wörld € 𝄞 ".encode("utf-8")
@@ -47,6 +48,7 @@ class FakeEngine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: dict[str, _Request] = {}
         self._aborted: list[str] = []
+        self.stats = GenerateStats()          # (num_preemptions: the fake never preempts)
 
     def warmup(self, max_num_seqs, max_len, *, temperatures=(0.0, 1.0), logprobs=False, progress=False) -> int:
         return 0

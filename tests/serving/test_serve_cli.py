@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import types
+
 import pytest
 
-from scv_jax import cli
-from scv_jax.serving.server import batch_buckets
+from scv_jax import cli, launch
+from scv_jax.serving.server import batch_buckets, pool_blocks
 from tests.models.hub_cache import offline_hub
 
 
@@ -35,7 +38,18 @@ def _one_line_error(argv: list[str], message: str, capsys) -> None:
     (["--max-model-len", "4096"], "--max-model-len 4096 exceeds the model's max_position_embeddings 512"),
     # caches that would not fit: the error names the serve flag that sized them
     (["--num-blocks", str(10 ** 10)], "--num-blocks: the KV caches for 160000000000 positions need"),
-    (["--max-num-seqs", str(10 ** 9)], "; lower --max-num-seqs or --max-model-len, or pass a smaller --num-blocks"),
+    (["--max-num-seqs", str(10 ** 9)], "; lower --max-num-seqs or --max-model-len, or pass --kv-cache-memory or "
+                                        "--num-blocks"),
+    (["--kv-cache-memory", str(10 ** 15)], "--kv-cache-memory: the KV caches for"),
+    # the pool's size: one flag, a byte count or a fraction, memory a CPU can report
+    (["--kv-cache-memory", "0"], "argument --kv-cache-memory: must be a byte count >= 1 (e.g. 2000000000, 500M or "
+                                 "2GiB), got '0'"),
+    (["--kv-cache-memory", "2XB"], "argument --kv-cache-memory: must be a byte count >= 1"),
+    (["--kv-cache-memory", "1G", "--num-blocks", "8"], "argument --num-blocks: not allowed with argument --kv-cache-memory"),
+    (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: must be a number in (0, 1], got '1.5'"),
+    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization: this device does not report its memory (a CPU): "
+                                          "pass --kv-cache-memory BYTES or --num-blocks"),
+    (["--kv-cache-memory", "1KiB"], "--kv-cache-memory: the KV cache holds 0 blocks of 16 positions"),
 ])
 def test_serve_mistakes_are_one_line_errors(checkpoint, argv, message, capsys):
     _one_line_error(["serve", "--model", str(checkpoint), *argv], message, capsys)
@@ -53,3 +67,35 @@ def test_an_id_not_in_the_cache_offline(monkeypatch, tmp_path, capsys):
 
 def test_batch_buckets_end_at_max_num_seqs():
     assert batch_buckets(1) == (1,) and batch_buckets(8) == (1, 2, 4, 8) and batch_buckets(12) == (1, 2, 4, 8, 12)
+
+
+def _sizing(**flags) -> argparse.Namespace:
+    return argparse.Namespace(**{"num_blocks": None, "kv_cache_memory": None, "gpu_memory_utilization": None,
+                                 "max_num_seqs": 4, "dtype": "float32", **flags})
+
+
+# K and V of 2 layers of 2 heads of 8 dims in float32: 256 bytes a position, 4096 a block of 16
+MODELS = [types.SimpleNamespace(config=types.SimpleNamespace(num_layers=2, num_kv_heads=2, head_dim=8))]
+
+
+@pytest.mark.parametrize("flags, device, blocks", [
+    (dict(kv_cache_memory=40_000), None, 9),                           # 40,000 // 4,096
+    (dict(kv_cache_memory=40_000), (10 ** 9, 0), 9),                   # given bytes beat the device's memory
+    (dict(), None, 4 * 4),                                             # a CPU: --max-num-seqs x 4 blocks
+    (dict(), (1_000_000, 100_000), 195),                               # a GPU: (0.9 x 1e6 - 1e5) // 4096
+    (dict(gpu_memory_utilization=0.5), (1_000_000, 100_000), 97),
+    (dict(num_blocks=7), (1_000_000, 100_000), 7),
+])
+def test_the_pool_is_sized_from_memory(monkeypatch, flags, device, blocks):
+    monkeypatch.setattr(launch, "device_memory", lambda: device)
+    pool = pool_blocks(_sizing(**flags), MODELS, 64, 1)
+    assert pool.num_blocks == blocks
+    assert pool.summary.startswith(f"KV cache: {blocks} blocks of 16 positions") and f": {blocks // 4} requests of" \
+        in pool.summary
+
+
+def test_the_pool_divides_over_the_data_shards(monkeypatch):
+    monkeypatch.setattr(launch, "device_memory", lambda: None)
+    assert pool_blocks(_sizing(kv_cache_memory=40_000), MODELS, 64, 2)[:2] == (8, "--kv-cache-memory")
+    with pytest.raises(ValueError, match="fewer than one request of --max-model-len 64 needs on each of 4 data"):
+        pool_blocks(_sizing(kv_cache_memory=40_000), MODELS, 64, 4)
