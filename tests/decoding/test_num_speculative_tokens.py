@@ -88,3 +88,14 @@ def test_the_adaptive_controller_counts_a_capped_request_as_n_drafts_at_most(tar
     for told in spy.told:
         for i, drafted in zip(told["ids"].tolist(), told["drafts"].tolist()):
             assert cap_of[i] is None or drafted <= cap_of[i], (cap_of[i], drafted)
+
+
+@pytest.mark.parametrize("config", [K3, TREE_CONFIG], ids=["chain", "tree"])
+def test_an_eagle3_head_honours_the_caps(target, autoregressive, tmp_path, config):
+    """A random EAGLE-3 head (its drafts mostly rejected, but verified): the caps hold for its chains
+    and its trees."""
+    from tests.decoding.test_eagle3_decoding import random_head
+
+    decoder = SpeculativeDecoder(target, random_head(target, tmp_path, seed=3), config=config)
+    _, outputs = _run_capped(decoder, autoregressive, CAPS, seed=65)
+    _check_caps(outputs, CAPS)
