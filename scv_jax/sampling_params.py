@@ -91,9 +91,9 @@ class SamplingParams:
         others (a one-token word's everywhere; a prompt's tokens never count, as in vLLM).
       min_tokens: >= 0, <= max_tokens; the stop tokens (``stop_token_ids`` and, unless ``ignore_eos``,
         the model's eos ids) are masked out until this many tokens were generated.
-      num_speculative_tokens: None (the engine's choice: its k, or the adaptive controller's), or an int
-        >= 0: the most drafts this request verifies per step (0: it never drafts; a tree's depth is
-        capped there). Its output is the same either way (drafts are verified losslessly); only the
+      num_speculative_tokens: scv-jax's own: None (the engine's choice: its k, or the adaptive
+        controller's), or an int >= 0: the most drafts this request verifies per step (0: it never
+        drafts; a tree's depth is capped there). Its output is the same either way (drafts are verified losslessly); only the
         speed changes. The adaptive controller counts the request as one that can emit at most n + 1
         tokens a step.
 
