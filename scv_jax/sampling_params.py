@@ -93,8 +93,8 @@ class SamplingParams:
         the model's eos ids) are masked out until this many tokens were generated.
       num_speculative_tokens: scv-jax's own: None (the engine's choice: its k, or the adaptive
         controller's), or an int >= 0: the most drafts this request verifies per step (0: it never
-        drafts; a tree's depth is capped there). Its output is the same either way (drafts are
-        verified losslessly); only the speed changes. The adaptive controller counts the request as
+        drafts; a tree's depth is capped there). Drafts are verified losslessly: its output's
+        distribution does not depend on it (a greedy request's tokens neither); the speed does. The adaptive controller counts the request as
         one that can emit at most n + 1 tokens a step.
 
     The ids are checked against the vocabulary when the request is added (``Engine.add_request``). The
