@@ -91,6 +91,11 @@ class SamplingParams:
         others (a one-token word's everywhere; a prompt's tokens never count, as in vLLM).
       min_tokens: >= 0, <= max_tokens; the stop tokens (``stop_token_ids`` and, unless ``ignore_eos``,
         the model's eos ids) are masked out until this many tokens were generated.
+      num_speculative_tokens: scv-jax's own: None (the engine's choice: its k, or the adaptive
+        controller's), or an int >= 0: the most drafts this request verifies per step (0: it never
+        drafts; a tree's depth is capped there). Drafts are verified losslessly: its output's
+        distribution does not depend on it (a greedy request's tokens neither); the speed does. The adaptive controller counts the request as
+        one that can emit at most n + 1 tokens a step.
 
     The ids are checked against the vocabulary when the request is added (``Engine.add_request``). The
     controls apply, in vLLM's order, to the logits before the temperature and the filters: the bias
@@ -113,6 +118,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     min_tokens: int = 0
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -171,6 +177,9 @@ class SamplingParams:
         set_("bad_words_token_ids", words)
         set_("min_tokens", _integer("min_tokens", self.min_tokens, "an int >= 0 and <= max_tokens", 0,
                                     self.max_tokens + 1))
+        if self.num_speculative_tokens is not None:
+            set_("num_speculative_tokens", _integer("num_speculative_tokens", self.num_speculative_tokens,
+                                                    "None or an int >= 0", 0))
 
     @staticmethod
     def _checked_bias(bias: Any) -> tuple[tuple[int, float], ...]:

@@ -67,6 +67,16 @@ class Request:
                              self.drafted, int(self.accepted_at.sum()), tuple(self.accepted_at.tolist()), logprobs)
 
 
+def step_budget(budget: np.ndarray, requests: list[Request]) -> np.ndarray:
+    """int64[B] the tokens each request may emit in one step: its ``budget`` (the tokens it has left), at
+    most its ``SamplingParams.num_speculative_tokens`` + 1 (its drafts, and the caps and remaining tokens
+    the adaptive controller sees, stop there)."""
+    limits = [r.params.num_speculative_tokens for r in requests]
+    if all(n is None for n in limits):
+        return budget
+    return np.minimum(budget, [b if n is None else n + 1 for b, n in zip(budget.tolist(), limits)])
+
+
 class Scheduler:
     """Queues, admission, per-step k and caps, drafts, finishing (see the module docstring).
 
@@ -212,7 +222,7 @@ class Scheduler:
         request_ids = [r.request_id for r in requests]
         greedy = not state.sampling[rows, SamplingColumn.TEMPERATURE].any()
         kind = "greedy" if greedy else "sampling"
-        budget = state.budget[rows]                         # tokens each request has left
+        budget = step_budget(state.budget[rows], requests)  # tokens each may emit now (num_speculative_tokens)
         k = self.proposer.depth_for(self._choose_k(kind, computed_rows, requests, budget))
         caps = np.minimum(budget - 1, k)                    # never draft past a request's budget
         views = self._token_views(rows) if self.proposer.host is not None else []   # host drafters read them
@@ -267,7 +277,8 @@ class Scheduler:
             self.observe()
             requests = [self.running[row] for row in work.rows.tolist()]
             ids = self._controller_ids(requests)
-            self._decided = (work.kind, computed_rows, controller.next_k(computed_rows, ids, self.batch.budget[work.rows]))
+            budget = step_budget(self.batch.budget[work.rows], requests)
+            self._decided = (work.kind, computed_rows, controller.next_k(computed_rows, ids, budget))
 
     def update(self, work: DecodeWork, result: StepResult) -> list[RequestOutput]:
         """Appends each request's emitted tokens, tells the drafter, records what the controller learns,
@@ -334,8 +345,9 @@ class Scheduler:
             offered[pending.rows], accepted[pending.rows] = pending.check(state.tokens, state.length)
             counts = offered[rows], accepted[rows]
         active = state.active
-        caps = np.clip(state.budget[active] - 1, 0, self.proposer.step_ks[-1])   # (requests done this step: 0)
-        ids = [self.running[r].request_id for r in active.tolist()]
+        requests = [self.running[r] for r in active.tolist()]     # (requests done this step: cap 0)
+        caps = np.clip(step_budget(state.budget[active], requests) - 1, 0, self.proposer.step_ks[-1])
+        ids = [r.request_id for r in requests]
         self._unverified = UnverifiedProposals.of(self.proposer.chains(ids, self._token_views(active), caps),
                                                   active, state.length[active], caps)
         return counts

@@ -3,8 +3,9 @@ events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, in OpenAI
 
 Each request is submitted to the ``EngineLoop`` and its events read from an asyncio queue; a request
 is answered (or its stream started) once the engine took it, so that a request it refuses is a 400.
-The response carries ``usage`` and, as an extension, ``spec_decode``: the request's drafted and
-accepted token counts.
+The response carries ``usage`` and, as extensions, ``spec_decode`` (the request's drafted and accepted
+token counts) and vLLM's per-request ``metrics`` object, ``{"speculative_decoding": {...}}``
+(``_Run.metrics``); a stream sends ``metrics`` on its last chunk.
 
 Bodies are read up to ``--max-request-bytes`` (413 beyond) and parsed by ``protocol.parse_request``;
 prompts longer than ``--max-prompt-chars`` are a 400 before tokenizing, which runs on a worker thread
@@ -152,6 +153,25 @@ class _Run:
 
     def spec_decode(self) -> dict[str, int]:
         return {"num_draft_tokens": self.draft_tokens, "num_accepted_tokens": self.accepted}
+
+    def metrics(self) -> dict[str, Any]:
+        """vLLM's per-request ``metrics``: ``speculative_decoding``, the request's acceptance under vLLM's
+        field names (its summary level; ``acceptance_histogram_by_draft_length`` is left out), plus
+        ``num_accepted_tokens_per_pos`` (the Prometheus counter's name); null when the engine does not
+        draft. ``num_spec_tokens``: the most drafts a step of this request may verify (the engine's most,
+        capped by its ``num_speculative_tokens``); ``num_spec_steps``: its steps that verified drafts."""
+        if not self.accepted_per_pos:         # no drafter (or no step reported yet)
+            return {"speculative_decoding": None}
+        cap = self.params.num_speculative_tokens
+        k = len(self.accepted_per_pos) if cap is None else min(cap, len(self.accepted_per_pos))
+        per_pos, steps = list(self.accepted_per_pos[:k]), self.drafts
+        reached = [steps, *per_pos, 0]        # steps that accepted at least j drafts, j = 0..k + 1
+        return {"speculative_decoding": {
+            "mean_acceptance_length": 1.0 + self.accepted / steps if steps else 1.0,
+            "draft_acceptance_rate": self.accepted / self.draft_tokens if self.draft_tokens else 0.0,
+            "acceptance_histogram": [reached[j] - reached[j + 1] for j in range(k + 1)],
+            "num_spec_steps": steps, "num_accepted_draft_tokens": self.accepted,
+            "num_draft_tokens": self.draft_tokens, "num_spec_tokens": k, "num_accepted_tokens_per_pos": per_pos}}
 
     def close(self) -> None:
         """Ends the request (aborting it in the engine when unfinished) and records its metrics; once."""
@@ -421,17 +441,20 @@ def build_app(ctx: ServingContext) -> FastAPI:
 async def _stream(job: _Run, shape, include_usage: bool) -> AsyncIterator[bytes]:
     """The SSE stream of one request: its chunks, a chunk with the finish reason and ``spec_decode``,
     with ``include_usage`` a last chunk with the usage (``choices: []``; the others have ``usage: null``),
-    then ``[DONE]``; a failed step or a shutdown sends OpenAI's error object instead. A client that goes
-    away cancels this generator, and ``close`` aborts the request."""
+    the last of them with ``metrics`` (vLLM sends it on its usage chunk), then ``[DONE]``; a failed step
+    or a shutdown sends OpenAI's error object instead. A client that goes away cancels this generator,
+    and ``close`` aborts the request."""
     usage = {"usage": None} if include_usage else {}
     try:
         yield _sse({**shape.first_chunk(), **usage})
         async for piece in job.pieces():
             if piece.text or piece.logprobs:
                 yield _sse({**shape.chunk(piece, None), **usage})
-        yield _sse({**shape.chunk(_Piece("", (), None), job.finish_reason), **usage, "spec_decode": job.spec_decode()})
+        last = {"metrics": job.metrics()}
+        yield _sse({**shape.chunk(_Piece("", (), None), job.finish_reason), **usage, "spec_decode": job.spec_decode(),
+                    **({} if include_usage else last)})
         if include_usage:
-            yield _sse(shape.usage_chunk(job.usage()))
+            yield _sse({**shape.usage_chunk(job.usage()), **last})
     except ApiError as error:
         yield _sse(error.body())
     finally:
@@ -466,7 +489,8 @@ class _CompletionShape:
         return {**self._base(), "choices": [{
             "index": 0, "text": "".join(p.text for p in pieces), "finish_reason": job.finish_reason,
             "logprobs": _completion_logprobs(self.ctx.tokenizer, logprobs, 0) if job.params.logprobs is not None
-            else None}], "usage": job.usage(), "spec_decode": job.spec_decode()}
+            else None}], "usage": job.usage(), "spec_decode": job.spec_decode(),
+            "metrics": job.metrics()}
 
 
 class _ChatShape:
@@ -497,4 +521,5 @@ class _ChatShape:
         return {**self._base("chat.completion"), "choices": [{
             "index": 0, "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
             "logprobs": {"content": _chat_logprobs(self.ctx.tokenizer, logprobs)} if job.params.logprobs is not None
-            else None, "finish_reason": job.finish_reason}], "usage": job.usage(), "spec_decode": job.spec_decode()}
+            else None, "finish_reason": job.finish_reason}], "usage": job.usage(), "spec_decode": job.spec_decode(),
+            "metrics": job.metrics()}

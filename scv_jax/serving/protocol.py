@@ -4,8 +4,8 @@ OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``).
 Every field of OpenAI's completions and chat completions and of vLLM's extensions to them is declared:
 one this server implements is honoured; one it does not is marked ``Unsupported``: accepted at the
 values that ask for nothing (e.g. ``"tools": []``, ``"presence_penalty": 0``), a 400 naming it
-otherwise. A field none of them defines is left in ``unknown_fields`` (the server refuses it, or ignores
-it when told to).
+otherwise. scv-jax adds one field of its own, ``num_speculative_tokens`` (``SamplingParams``'). A field
+none of them defines is left in ``unknown_fields`` (the server refuses it, or ignores it when told to).
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ class BaseRequest(BaseModel):
     return_token_ids: Annotated[bool | None, _only(False)] = None
     kv_transfer_params: Annotated[_Json, _only()] = None
     vllm_xargs: Annotated[_Json, _only({})] = None
+    # scv-jax, honoured: the most drafts per step for this request (None: the engine's k; 0: it never drafts)
+    num_speculative_tokens: int | None = None
 
     def check(self) -> None:
         """400 for a field set to a value this server does not implement, or fields that disagree."""
@@ -310,7 +312,7 @@ def sampling_params(request: BaseRequest, max_tokens: int, logprobs: int | None,
                   repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
                   logit_bias=_logit_bias(request), allowed_token_ids=request.allowed_token_ids,
                   bad_words_token_ids=bad_words_token_ids(request.bad_words, encode) if request.bad_words else (),
-                  min_tokens=request.min_tokens or 0)
+                  min_tokens=request.min_tokens or 0, num_speculative_tokens=request.num_speculative_tokens)
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:

@@ -66,3 +66,24 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+SPEC_FIELDS = {"mean_acceptance_length", "draft_acceptance_rate", "acceptance_histogram", "num_spec_steps",
+               "num_accepted_draft_tokens", "num_draft_tokens", "num_spec_tokens", "num_accepted_tokens_per_pos"}
+
+
+def spec_metrics(body: dict) -> dict:
+    """A response's (or a stream's last chunk's) ``metrics.speculative_decoding``, checked to be vLLM's
+    shape and to add up (the histogram, the per-position counts, the ratios, the ``spec_decode`` counts)."""
+    spec = body["metrics"]["speculative_decoding"]
+    assert set(spec) == SPEC_FIELDS, spec
+    histogram, k, steps = spec["acceptance_histogram"], spec["num_spec_tokens"], spec["num_spec_steps"]
+    accepted, drafted = spec["num_accepted_draft_tokens"], spec["num_draft_tokens"]
+    assert len(histogram) == k + 1 and sum(histogram) == steps and min(histogram) >= 0, spec
+    assert sum(j * count for j, count in enumerate(histogram)) == accepted <= drafted <= k * steps, spec
+    assert spec["num_accepted_tokens_per_pos"] == [sum(histogram[j + 1:]) for j in range(k)], spec
+    assert spec["mean_acceptance_length"] == (1 + accepted / steps if steps else 1.0), spec
+    assert spec["draft_acceptance_rate"] == (accepted / drafted if drafted else 0.0), spec
+    if "spec_decode" in body:
+        assert body["spec_decode"] == {"num_draft_tokens": drafted, "num_accepted_tokens": accepted}
+    return spec

@@ -1,7 +1,8 @@
 """A stand-in with ``scv_jax.Engine``'s interface that "decodes" a fixed text: the server's tests of
 HTTP behaviour (queueing, faults, UTF-8 across tokens, stop strings across accepted runs) run on it in
 milliseconds. Output token i of a prompt is byte ``CYCLE[(sum(prompt) + i) % len(CYCLE)]``; each step
-emits an accepted run of 1 to DRAFTS + 1 tokens (``DRAFTS`` proposed), as a speculative step does."""
+emits an accepted run of 1 to DRAFTS + 1 tokens (``DRAFTS`` proposed, at most the request's
+``num_speculative_tokens``), as a speculative step does."""
 
 from __future__ import annotations
 
@@ -108,6 +109,8 @@ class FakeEngine:
 
     def _advance(self, request: _Request, count: int) -> RequestOutput:
         p = request.params
+        drafts = DRAFTS if p.num_speculative_tokens is None else min(DRAFTS, p.num_speculative_tokens)
+        count = min(count, drafts + 1)
         new, reason = [], None
         reference = expected_tokens(request.prompt, p.max_tokens)
         for token in reference[len(request.tokens):len(request.tokens) + count]:
@@ -118,7 +121,7 @@ class FakeEngine:
         request.tokens += new
         if reason is None and len(request.tokens) == p.max_tokens:
             reason = "length"
-        request.drafted += DRAFTS
+        request.drafted += drafts
         request.accepted += len(new) - 1
         for pos in range(len(new) - 1):
             request.per_pos[pos] += 1

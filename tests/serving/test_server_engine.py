@@ -15,7 +15,7 @@ import pytest
 
 from tests.models.eagle3_fixtures.heads import head_config, head_tensors
 from tests.models.test_eagle3 import write_head
-from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics
+from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics, spec_metrics
 from tests.serving.harness import ServerProcess
 
 NAME = "tiny"
@@ -75,6 +75,27 @@ def test_greedy_completions_equal_offline_decoding(server, offline, tokenizer):
         assert streamed == out.choices[0].text
     spec = out.model_extra["spec_decode"]
     assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] > 0    # it did speculate
+
+
+def test_num_speculative_tokens_caps_a_requests_drafts(server, offline, tokenizer):
+    """``extra_body={"num_speculative_tokens": n}``: at 0 the request drafts nothing (vLLM's
+    ``metrics.speculative_decoding`` says so) while its default twin drafts; at 1 a chat stream's last
+    chunk says one draft a step; the greedy text is the target's either way."""
+    c = client(server.url)
+    prompt, expected = "def main(", tokenizer.decode(offline(tokenizer.encode("def main("), 24))
+    outs = {cap: c.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0,
+                                      extra_body={} if cap is None else {"num_speculative_tokens": cap})
+            for cap in (None, 0)}
+    assert [out.choices[0].text for out in outs.values()] == [expected] * 2
+    free, off = (spec_metrics(outs[cap].model_dump()) for cap in (None, 0))
+    assert free["num_spec_tokens"] == 2 and free["num_draft_tokens"] > 0 and free["num_accepted_draft_tokens"] > 0
+    assert off["num_spec_tokens"] == off["num_draft_tokens"] == off["num_spec_steps"] == 0
+    messages = [{"role": "user", "content": "write a function"}]
+    *_, last = c.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0, stream=True,
+                                         stream_options={"include_usage": True},
+                                         extra_body={"num_speculative_tokens": 1})
+    one = spec_metrics(last.model_dump())
+    assert one["num_spec_tokens"] == 1 and one["num_draft_tokens"] == one["num_spec_steps"] > 0
 
 
 def test_greedy_chat_equals_offline_decoding_of_the_rendered_prompt(server, offline, tokenizer):

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics, post_error, wait_for
+from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics, post_error, spec_metrics, wait_for
 from tests.serving.fake_engine import expected_tokens
 from tests.models.hub_cache import cache_repo
 from tests.serving.harness import ServerProcess
@@ -50,6 +50,36 @@ def test_completion_text_usage_and_spec_counts(server, tokenizer):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (5, 21, 26)
     spec = out.model_extra["spec_decode"]
     assert spec["num_draft_tokens"] > 0 and 0 <= spec["num_accepted_tokens"] <= spec["num_draft_tokens"]
+
+
+@pytest.mark.parametrize("cap", [None, 0, 1])
+def test_num_speculative_tokens_and_vllms_per_request_metrics(server, tokenizer, cap):
+    """``extra_body={"num_speculative_tokens": n}`` caps the request's drafts per step; every response
+    carries vLLM's ``metrics.speculative_decoding``, adding up, the whole response's and a stream's last
+    chunk's (with and without ``stream_options.include_usage``)."""
+    c = client(server.url)
+    extra = {} if cap is None else {"extra_body": {"num_speculative_tokens": cap}}
+    out = c.completions.create(model=NAME, prompt="hello", max_tokens=21, temperature=0, **extra)
+    assert out.choices[0].text == _text(tokenizer, "hello", 21)
+    chat = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=9, **extra)
+    for spec in (spec_metrics(out.model_dump()), spec_metrics(chat.model_dump())):
+        assert spec["num_spec_tokens"] == (3 if cap is None else cap)          # the fake's DRAFTS: 3
+        assert spec["num_spec_steps"] > 0 if cap != 0 else spec["num_draft_tokens"] == spec["num_spec_steps"] == 0
+        if cap == 1:
+            assert spec["num_draft_tokens"] == spec["num_spec_steps"]
+    for include_usage in (False, True):
+        body = {"model": NAME, "prompt": "hello", "max_tokens": 13, "stream": True,
+                **({} if cap is None else {"num_speculative_tokens": cap}),
+                **({"stream_options": {"include_usage": True}} if include_usage else {})}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT) as response:
+            events = [line[len("data: "):] for line in response.iter_lines() if line]
+        assert events[-1] == "[DONE]"
+        *chunks, last = [json.loads(event) for event in events[:-1]]
+        assert all("metrics" not in chunk for chunk in chunks) and (last["choices"] == []) == include_usage
+        spec = spec_metrics(last)
+        finish = chunks[-1] if include_usage else last             # the chunk with the finish reason
+        assert finish["spec_decode"]["num_draft_tokens"] == spec["num_draft_tokens"]
+        assert (spec["num_draft_tokens"] == 0) == (cap == 0)
 
 
 def test_token_id_prompts_and_a_one_prompt_list(server, tokenizer):
@@ -150,6 +180,7 @@ def test_models_and_health(server):
     ("frequency_penalty", "high"), ("repetition_penalty", 0), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),
     ("min_tokens", 5), ("allowed_token_ids", []), ("bad_words", ["extraordinarily"]), ("bad_words", "e"),
     ("prompt", [999]), ("prompt", ""), ("prompt", "x" * 600), ("prompt", ["a", "b"]), ("prompt", None),
+    ("num_speculative_tokens", -1), ("num_speculative_tokens", "2"), ("num_speculative_tokens", 1.5),
 ])
 def test_bad_completion_fields_are_400s_naming_them(server, field, value):
     body = {"model": NAME, "prompt": "hello", "max_tokens": 4, field: value}
@@ -164,6 +195,7 @@ def test_bad_completion_fields_are_400s_naming_them(server, field, value):
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "num_speculative_tokens": -2}, "num_speculative_tokens"),
 ])
 def test_bad_chat_fields_are_400s_naming_them(server, body, param):
     assert post_error(server.url, "/v1/chat/completions", {"model": NAME, **body}, 400)["param"] == param

@@ -19,6 +19,8 @@ def test_defaults_are_greedy_and_values_are_normalised():
     assert type(sampled.temperature) is float and type(sampled.top_k) is int
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-5).greedy
     assert not SamplingParams(temperature=0.7, top_k=-1).filters
+    assert params.num_speculative_tokens is None
+    assert type(SamplingParams(num_speculative_tokens=np.int64(0)).num_speculative_tokens) is int
     with pytest.raises(dataclasses.FrozenInstanceError):
         params.temperature = 1.0
 
@@ -34,7 +36,8 @@ def test_defaults_are_greedy_and_values_are_normalised():
     ("stop_token_ids", [1, -1], ValueError), ("stop_token_ids", "ab", TypeError), ("stop_token_ids", 3, TypeError),
     ("stop_token_ids", [True], TypeError),
     ("ignore_eos", 1, TypeError), ("logprobs", 21, ValueError), ("logprobs", -1, ValueError),
-    ("logprobs", True, TypeError)])
+    ("logprobs", True, TypeError), ("num_speculative_tokens", -1, ValueError),
+    ("num_speculative_tokens", 2.0, TypeError), ("num_speculative_tokens", True, TypeError)])
 def test_bad_values_raise_one_line_naming_the_field(field, value, error):
     with pytest.raises(error, match=rf"^SamplingParams\.{field} must be [^\n]*, got ") as info:
         SamplingParams(**{field: value})
