@@ -48,6 +48,10 @@ class DecoderConfig:
       tree: verify a token tree per request per step instead of a chain of k drafts (``TreeConfig``;
         a draft model's EAGLE-2 tree or an n-gram trie; docs/trees.md); None: chains. Not with
         ``adaptive``, ``packed_verify`` or a mesh (k is then unused).
+      enable_prefix_caching: keep blocks full of verified tokens (prompt and output) cached after their
+        request ends, and start a new request from the cached blocks of its longest cached prefix
+        (docs/engine.md); None (default): on, but with an EAGLE head (not supported yet), where True is
+        refused.
     """
 
     k: int = 4
@@ -64,6 +68,7 @@ class DecoderConfig:
     backend: str = "auto"
     packed_verify: bool = False
     tree: TreeConfig | None = None
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self):
         def fail(name: str, expected: str) -> None:
@@ -85,6 +90,8 @@ class DecoderConfig:
         for name in ("adaptive", "packed_verify"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            fail("enable_prefix_caching", "a bool or None")
         if self.backend not in BACKENDS:
             fail("backend", f"one of {BACKENDS}")
         if self.tree is not None:

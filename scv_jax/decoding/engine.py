@@ -88,6 +88,10 @@ def build_runner(target, draft=None, *, config: DecoderConfig | None = None, mes
                          f"{vocab_size} (a node's children are distinct tokens)")
     if config.packed_verify and is_head(draft_model):
         raise ValueError("SpeculativeDecoder: an EAGLE head verifies dense chains: use DecoderConfig(packed_verify=False)")
+    if config.enable_prefix_caching and is_head(draft_model):
+        raise ValueError("SpeculativeDecoder: DecoderConfig.enable_prefix_caching is not supported with an EAGLE head "
+                         "yet (its row at a block's last position depends on the next block's first token); leave "
+                         "it None")
     try:
         proposer = make_proposer(draft, config.allowed_k, config.tree, vocab_size)
     except ValueError as error:
@@ -134,7 +138,7 @@ class Engine:
         self.progress = progress
         proposer = runner.proposer
         batch = RequestBatch(largest, cfg.max_seq_len + runner.step_ks[-1] + 2, cfg.block_size, cfg.max_blocks_per_seq,
-                             runner.pool.shards)
+                             runner.pool.shards, runner.prefix_root)
         self._scheduler = Scheduler(batch, runner.pool, proposer, runner.controllers, k=cfg.k,
                                     max_num_seqs=self.max_num_seqs, per_shard=largest // len(runner.pool.shards))
         self._rng = np.random.default_rng(seed)
@@ -264,6 +268,9 @@ class Engine:
             outputs = scheduler.take_ended()
             stats.num_preemptions += scheduler.make_room()
             admitted = scheduler.admit()
+            if admitted is not None and runner.prefix_root is not None:
+                stats.prefix_cache_queries += int(scheduler.batch.length[admitted.rows].sum())
+                stats.prefix_cache_hits += int(admitted.begin.sum())
             if admitted is not None:
                 runner.prefill(admitted, scheduler.batch, stats, progress=self.progress)
             if not scheduler.running:
@@ -277,6 +284,10 @@ class Engine:
             result = runner.fetch(pending)
             fetched = time.perf_counter()
             outputs += scheduler.update(work, result)
+            top_up = scheduler.top_up()
+            if top_up is not None:
+                runner.prefill(top_up, scheduler.batch, stats)
+            scheduler.retire()
             self.tally.add(result.num_verified, result.num_accepted, result.num_emitted)
             runner.record(pending, result, stats, fetched)
             return outputs

@@ -32,6 +32,7 @@ class RequestOutput:
       num_draft_tokens, num_accepted_tokens: drafts verified and accepted so far;
         num_accepted_per_pos: accepted drafts so far at each draft position (1, 2, ...).
       logprobs: one ``TokenLogprob`` per new token when the request asked for them, else None.
+      num_cached_tokens: prompt tokens served from the prefix cache, not computed (vLLM's name).
     """
 
     request_id: str
@@ -43,3 +44,4 @@ class RequestOutput:
     num_accepted_tokens: int
     num_accepted_per_pos: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None
+    num_cached_tokens: int = 0

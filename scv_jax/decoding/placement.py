@@ -86,14 +86,15 @@ class ShardedBlockPool:
     def num_free(self) -> int:
         return sum(pool.num_free for pool in self.shards)
 
-    def pick(self, need: int, load: Sequence[int], growth: Sequence[int], per_shard: int) -> int | None:
-        """The data shard to run a new request on that needs ``need`` blocks: of the shards running fewer
-        than ``per_shard`` requests (``load[s]``) with ``need`` blocks free beside the ``growth[s]`` their
-        running requests need for their next step, the one running the fewest, then the one with the most
-        room; None when none can take it now."""
+    def pick(self, need: Sequence[int], load: Sequence[int], growth: Sequence[int], per_shard: int) -> int | None:
+        """The data shard to run a new request on that needs ``need[s]`` free blocks on shard s (fewer where
+        its prefix is cached): of the shards running fewer than ``per_shard`` requests (``load[s]``) with
+        ``need[s]`` blocks free beside the ``growth[s]`` their running requests need for their next step,
+        the one running the fewest, then the one needing the fewest, then the one with the most room;
+        None when none can take it now."""
         room = [pool.num_free - grow for pool, grow in zip(self.shards, growth)]
-        fits = [s for s in range(len(self.shards)) if load[s] < per_shard and room[s] >= need]
-        return min(fits, key=lambda s: (load[s], -room[s]), default=None)
+        fits = [s for s in range(len(self.shards)) if load[s] < per_shard and room[s] >= need[s]]
+        return min(fits, key=lambda s: (load[s], need[s], -room[s]), default=None)
 
 
 def _batch_fill(executable: ExecutableCache, name: str) -> Any:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from scv_jax.arguments import is_int
-from scv_jax.decoding.block_pool import BlockPool
+from scv_jax.decoding.block_pool import BlockPool, chain_hashes
 from scv_jax.decoding.plan import SamplingColumn
 from scv_jax.sampling_params import MAX_STOP_IDS, SamplingParams
 
@@ -90,11 +90,15 @@ class RequestBatch:
       active: int64[n] rows of the running requests, in admission order.
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
       blocks: int32[S, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, allocated
-        from the request's pool as its positions need them (``ensure``); shards: int64[S] the data shard
-        of each request's pool, ``pools[shard]`` (0 on one device).
+        from the request's pool as its positions need them (``ensure``), the first ones possibly cached
+        blocks of its prefix; shards: int64[S] the data shard of each request's pool, ``pools[shard]``
+        (0 on one device).
+      prefix_root: the hash block hashes chain from (``block_pool.prefix_root``), None when prefix
+        caching is off; hashes: each row's chained hashes of its blocks cached so far (``register``).
     """
 
-    def __init__(self, num_slots: int, capacity: int, block_size: int, max_blocks: int, pools: Sequence[BlockPool]):
+    def __init__(self, num_slots: int, capacity: int, block_size: int, max_blocks: int, pools: Sequence[BlockPool],
+                 prefix_root: bytes | None = None):
         self.tokens = np.zeros((num_slots, capacity), np.int32)
         self.length, self.prompt_len, self.budget = (np.zeros(num_slots, np.int64) for _ in range(3))
         self.lag = np.ones(num_slots, np.int64)
@@ -107,12 +111,18 @@ class RequestBatch:
         self.num_blocks = np.zeros(num_slots, np.int64)
         self.shards = np.zeros(num_slots, np.int64)
         self.pools = list(pools)
+        self.prefix_root = prefix_root
+        self.hashes: list[list[bytes]] = [[] for _ in range(num_slots)]
         self._block_size = block_size
         self.active = np.zeros(0, np.int64)
 
     @property
     def num_slots(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
 
     def blocks_needed(self, positions: int) -> int:
         """Blocks that hold ``positions`` cache positions."""
@@ -122,16 +132,28 @@ class RequestBatch:
         """int64[len(rows)] the blocks each request lacks to address ``num_positions`` positions."""
         return np.maximum(-(-num_positions // self._block_size) - self.num_blocks[rows], 0)
 
+    def prefix_hashes(self, tokens: list[int]) -> list[bytes]:
+        """The chained hashes of the full blocks of ``tokens`` but the last (always computed: it is the
+        pending one), the prefix a request may find cached ([] when prefix caching is off)."""
+        if self.prefix_root is None:
+            return []
+        return chain_hashes(self.prefix_root, np.asarray(tokens[:-1]), self._block_size)
+
     def start(self, tokens: list[int], prompt_len: int, budget: int, shard: int, sampling: np.ndarray,
-              keys: np.ndarray, stops: tuple[int, ...], controls: SamplingParams | None = None) -> int:
-        """Runs a request in the lowest free row (no blocks yet): ``tokens`` its prompt (``prompt_len``
-        tokens) and what it generated before it was preempted, ``budget`` the tokens it may still emit,
-        ``shard`` its pool; ``controls``: its params when it has logit controls. Returns the row."""
+              keys: np.ndarray, stops: tuple[int, ...], controls: SamplingParams | None = None,
+              cached: Sequence[int] = (), hashes: Sequence[bytes] = ()) -> int:
+        """Runs a request in the lowest free row: ``tokens`` its prompt (``prompt_len`` tokens) and what it
+        generated before it was preempted, ``budget`` the tokens it may still emit, ``shard`` its pool;
+        ``controls``: its params when it has logit controls; ``cached``: the cached blocks of its prefix
+        it holds (``BlockPool.hold``) and their ``hashes``. Returns the row."""
         free = np.setdiff1d(np.arange(self.num_slots), self.active)
         if not free.size:
             raise RuntimeError("RequestBatch.start: every row runs a request")
         row = int(free[0])
         self.shards[row] = shard
+        self.blocks[row, :len(cached)] = cached
+        self.num_blocks[row] = len(cached)
+        self.hashes[row] = list(hashes)
         self.tokens[row, :len(tokens)] = tokens
         self.length[row], self.prompt_len[row] = len(tokens), prompt_len
         self.budget[row], self.lag[row] = budget, 1
@@ -163,7 +185,25 @@ class RequestBatch:
             self.blocks[row, :count] = -1
             self.num_blocks[row] = 0
             self.controls[row] = None
+            self.hashes[row] = []
         self.active = self.active[~np.isin(self.active, rows)]
+
+    def register(self, rows: np.ndarray, committed: np.ndarray) -> None:
+        """Caches the blocks of ``rows`` now full of verified tokens in every cache (those below
+        ``committed``, int64[len(rows)] the positions every cache holds) under their chained hashes."""
+        if self.prefix_root is None:
+            return
+        bs = self._block_size
+        for row, full in zip(rows.tolist(), (committed // bs).tolist()):
+            hashes = self.hashes[row]
+            if full <= len(hashes):
+                continue
+            start = len(hashes)
+            hashes += chain_hashes(hashes[-1] if hashes else self.prefix_root,
+                                   self.tokens[row, start * bs:full * bs], bs)
+            pool = self.pools[self.shards[row]]
+            for j in range(start, full):
+                pool.register(int(self.blocks[row, j]), hashes[j])
 
     def advance(self, rows: np.ndarray, emitted: np.ndarray, num_emitted: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

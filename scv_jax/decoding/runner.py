@@ -24,6 +24,7 @@ import numpy as np
 
 from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
 from scv_jax.arguments import require_int
+from scv_jax.decoding.block_pool import prefix_root
 from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.decoding.device_step import ControlState, SplitModel
@@ -86,6 +87,10 @@ class StepRunner:
         self.draft, self.draft_params = (SplitModel.of(draft_placed.graphdef, draft_placed.state)
                                          if draft_model is not None else (None, None))
         self.pool = self.placement.pool
+        # prefix caching: what a cached block's contents depend on besides its tokens (one pool per decoder)
+        self.prefix_root = None if cfg.enable_prefix_caching is False or proposer.every_step else prefix_root(
+            f"target {target_placed.cache_dims} draft {draft_placed.cache_dims} vocab {vocab_size} cache "
+            f"{cfg.cache_dtype} block {cfg.block_size}")
         head = proposer.every_step          # an EAGLE head: its cache a HeadCache, its verifiers head_step's
         self.caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_placed.cache_dims,
                                   draft_placed.cache_dims, factory=self.placement.new_cache,
@@ -385,7 +390,8 @@ class StepRunner:
         as requests finish and admits waiting ones in smaller groups; a request's width grows with it),
         with ``packed_verify`` each k's packed steps, with ``logprobs`` the (dense) steps of batches
         with a request asking for log-probabilities, and the draft's catch-up prefill when k = 0 can
-        be chosen. Counts the executables before compiling them (with
+        be chosen or prefix caching tops up a finished request's draft rows. Counts the executables
+        before compiling them (with
         ``progress``: one line on stderr, then one per executable); returns the executables XLA compiled or
         loaded from the persistent compilation cache.
         A ``generate`` within these sizes then compiles nothing (``GenerateStats.compiled`` is empty)."""
@@ -423,7 +429,8 @@ class StepRunner:
         prefill = dict(block_tables=tables, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
                        start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=fits)
         calls = [(self.prefill_executable, {**models, **draft, **prefill})]
-        if cfg.adaptive and self.proposer.has_draft_model and 0 in cfg.allowed_k:
+        # the draft's catch-up: after k = 0 steps, or a finished request's top-up (prefix caching)
+        if self.proposer.has_draft_model and (cfg.adaptive and 0 in cfg.allowed_k or self.prefix_root is not None):
             calls.append((self.prefill_executable, {**models, "target_params": None, "target_cache": None, **draft, **prefill}))
         no_draft = dict(draft_params=None, draft_cache=None)
         controls = self._take_controls() if self.has_controls else None

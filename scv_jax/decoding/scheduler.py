@@ -43,7 +43,7 @@ class BlockPools(Protocol):
 
     shards: list
 
-    def pick(self, need: int, load: Sequence[int], growth: Sequence[int], per_shard: int) -> int | None: ...
+    def pick(self, need: Sequence[int], load: Sequence[int], growth: Sequence[int], per_shard: int) -> int | None: ...
 
 
 @dataclasses.dataclass
@@ -59,12 +59,14 @@ class Request:
     controller_id: int
     accepted_at: np.ndarray         # int64[max_depth] accepted drafts at each position
     row: int = -1                   # its RequestBatch row while it runs
+    num_cached_tokens: int = 0      # prompt tokens its first admission found in the prefix cache
     token_ids: list[int] = dataclasses.field(default_factory=list)      # generated so far
     drafted: int = 0
 
     def output(self, new: list[int], reason: FinishReason | None, logprobs=None) -> RequestOutput:
         return RequestOutput(self.request_id, tuple(new), tuple(self.token_ids), reason is not None, reason,
-                             self.drafted, int(self.accepted_at.sum()), tuple(self.accepted_at.tolist()), logprobs)
+                             self.drafted, int(self.accepted_at.sum()), tuple(self.accepted_at.tolist()), logprobs,
+                             self.num_cached_tokens)
 
 
 def step_budget(budget: np.ndarray, requests: list[Request]) -> np.ndarray:
@@ -98,6 +100,7 @@ class Scheduler:
         self._observed: Observation | None = None
         self._decided: tuple[str, int, int] | None = None
         self._unverified: UnverifiedProposals | None = None
+        self._finished = np.zeros(0, np.int64)            # rows that finished in the last update, until retire
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
@@ -162,7 +165,8 @@ class Scheduler:
         return preempted
 
     def _preempt(self, row: int) -> None:
-        """Frees ``row``'s request and its blocks, tells the drafter, and queues it first again."""
+        """Frees ``row``'s request and its blocks (its full ones stay cached), tells the drafter, and
+        queues it first again."""
         request = self.running.pop(row)
         self.batch.finish(np.array([row], np.int64))
         request.row = -1
@@ -175,9 +179,10 @@ class Scheduler:
     def admit(self) -> PrefillWork | None:
         """Moves waiting requests, in order, to free rows while their tokens so far and their first step
         fit beside the running requests' next step (on a mesh, on the data shard with the fewest
-        requests); returns the prefill of their tokens (but the last)."""
+        requests), each starting from the cached blocks of its longest cached prefix; returns the
+        prefill of the rest of their tokens (but the last)."""
         state, pools = self.batch, self._pools
-        admitted = []
+        admitted, begins = [], []
         growth = self._shard_growth() if self.waiting else None
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -185,16 +190,26 @@ class Scheduler:
             tokens = request.prompt + request.token_ids
             budget = params.max_tokens - len(request.token_ids)
             need = state.blocks_needed(len(tokens) + min(budget - 1, self.proposer.max_depth))
+            hashes = state.prefix_hashes(tokens)
+            cached = [pool.cached_prefix(hashes) for pool in pools.shards]
+            # a cached block no request holds is counted free: taking it costs as much as a new one
+            cost = [need - len(hit) + pool.num_unheld(hit) for pool, hit in zip(pools.shards, cached)]
             load = np.bincount(state.shards[state.active], minlength=len(pools.shards))
-            shard = pools.pick(need, load, growth, self._per_shard)
+            shard = pools.pick(cost, load, growth, self._per_shard)
             if shard is None:
                 break
             self.waiting.popleft()
-            growth[shard] += need
+            growth[shard] += need - len(cached[shard])
+            pools.shards[shard].hold(cached[shard])
             request.row = state.start(tokens, len(request.prompt), budget, shard, request.sampling, request.keys,
-                                      request.stops, params if params.controlled else None)
+                                      request.stops, params if params.controlled else None, cached=cached[shard],
+                                      hashes=hashes[:len(cached[shard])])
+            begin = len(cached[shard]) * state.block_size
+            if not request.token_ids:
+                request.num_cached_tokens = min(begin, len(request.prompt))
             self.running[request.row] = request
             admitted.append(request.row)
+            begins.append(begin)
             if self.proposer.host is not None:
                 self.proposer.host.start(request.request_id, request.prompt)
                 if request.token_ids:
@@ -202,8 +217,8 @@ class Scheduler:
         if not admitted:
             return None
         self._unverified = None          # proposals are checked against the rows they were made for
-        rows = np.array(admitted, np.int64)
-        return PrefillWork(rows, np.zeros(rows.size, np.int64), state.length[rows] - 1, draft_only=False)
+        rows, begin = np.array(admitted, np.int64), np.array(begins, np.int64)
+        return PrefillWork(rows, begin, state.length[rows] - 1 - begin, draft_only=False)
 
     # ------------------------------------------------------------------ a step
     def _token_views(self, rows: np.ndarray) -> list[np.ndarray]:
@@ -290,6 +305,7 @@ class Scheduler:
         state.lag[rows] = self.proposer.lag_after_step(lag, result.num_accepted, step_k)
         state.may_lag |= step_k == 0
         outputs = self._outputs(requests, appended, done, stopped, result)
+        self._register(rows)
         if work.kind in self._controllers:
             # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
             # a short one) as a rejection at that position: E(k) is then what a step of k really emits
@@ -299,9 +315,39 @@ class Scheduler:
             # (k as chosen, or as far as the budgets let it draft: a step that ends them costs less)
             self._observed = Observation(work.kind, *counts, result.seconds, result.batch,
                                          self._controller_ids(requests), int(work.caps.max(initial=0)))
-        if done.any():
-            self._end(rows[done].tolist())
+        self._finished = rows[done]
         return outputs
+
+    def _register(self, rows: np.ndarray) -> None:
+        """Caches the blocks of ``rows`` now full in every cache: the target holds all but the pending
+        token, a draft model's cache lags (``positions``)."""
+        state = self.batch
+        state.register(rows, state.length[rows] - (state.lag[rows] if self.proposer.has_draft_model else 1))
+
+    def top_up(self) -> PrefillWork | None:
+        """With prefix caching and a draft model: the draft-only prefill of the rows the requests that
+        finished in the last ``update`` lack in blocks full in the target cache (a request whose last
+        drafts were all accepted ends with its draft one row behind), so that those blocks are cached as
+        they would be without speculation; None when none lacks any."""
+        state, rows = self.batch, self._finished
+        if state.prefix_root is None or not self.proposer.has_draft_model or not rows.size:
+            return None
+        length, lag = state.length[rows], state.lag[rows]
+        short = (length - lag) // state.block_size < (length - 1) // state.block_size
+        if not short.any():
+            return None
+        rows = rows[short]
+        work = PrefillWork(rows, length[short] - lag[short], lag[short] - 1, draft_only=True)
+        state.lag[rows] = 1
+        return work
+
+    def retire(self) -> None:
+        """Ends the requests that finished in the last ``update`` (after ``top_up``): their full blocks
+        stay cached, the rest return to the pool."""
+        rows, self._finished = self._finished, np.zeros(0, np.int64)
+        if rows.size:
+            self._register(rows)
+            self._end(rows.tolist())
 
     def _outputs(self, requests: list[Request], appended: np.ndarray, done: np.ndarray, stopped: np.ndarray,
                  result: StepResult) -> list[RequestOutput]:

@@ -32,6 +32,8 @@ class GenerateStats:
         steps (``positions``).
       num_preemptions: running requests preempted (by recompute) because the KV blocks ran out
         (``Engine``; they resumed later with the same output).
+      prefix_cache_queries, prefix_cache_hits: tokens of the admitted requests looked up in the prefix
+        cache, and those found there (not computed).
       compile_seconds: wall time of the calls that compiled an executable (first use of a shape
         bucket; 0 after ``warmup``); compile_count: XLA compilations during the call; compiled: what
         they compiled, one entry each: a step executable's bucket (``"decode_step(batch=4, blocks=16,
@@ -58,6 +60,8 @@ class GenerateStats:
     scored_tokens: int = 0
     catch_up_calls: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     compiled: list[str] = dataclasses.field(default_factory=list)
     fallbacks: dict[str, str] = dataclasses.field(default_factory=dict)
 

@@ -82,7 +82,7 @@ class _Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival, self.first_token_at, self.last_token_at = time.monotonic(), None, None
         self.num_tokens, self.finish_reason, self.done, self.admitted, self.closed = 0, None, False, False, False
-        self.draft_tokens = self.accepted = self.drafts = 0
+        self.draft_tokens = self.accepted = self.drafts = self.cached_tokens = 0
         self.accepted_per_pos: tuple[int, ...] = ()
 
     async def start(self) -> None:
@@ -136,6 +136,7 @@ class _Run:
             self.drafts += 1
         self.draft_tokens, self.accepted = output.num_draft_tokens, output.num_accepted_tokens
         self.accepted_per_pos = tuple(output.num_accepted_per_pos)
+        self.cached_tokens = output.num_cached_tokens
         text = update.text
         if update.stopped:
             self.done, self.finish_reason = True, "stop"
@@ -148,8 +149,11 @@ class _Run:
         return _Piece(text, tuple(used), logprobs)
 
     def usage(self) -> dict[str, Any]:
+        """OpenAI's usage, with ``prompt_tokens_details.cached_tokens``: the prompt tokens served from the
+        prefix cache."""
         prompt = len(self.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": self.num_tokens, "total_tokens": prompt + self.num_tokens}
+        return {"prompt_tokens": prompt, "completion_tokens": self.num_tokens, "total_tokens": prompt + self.num_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def spec_decode(self) -> dict[str, int]:
         return {"num_draft_tokens": self.draft_tokens, "num_accepted_tokens": self.accepted}

@@ -4,7 +4,9 @@ Counters: ``vllm:request_success_total{finished_reason}``, ``vllm:prompt_tokens_
 ``vllm:generation_tokens_total`` and the speculative ones, ``vllm:spec_decode_num_drafts_total``
 (request-steps that drafted), ``vllm:spec_decode_num_draft_tokens_total``,
 ``vllm:spec_decode_num_accepted_tokens_total``, ``vllm:spec_decode_num_accepted_tokens_per_pos_total{position}``,
-``vllm:num_preemptions_total`` (running requests preempted when the KV blocks ran out);
+``vllm:num_preemptions_total`` (running requests preempted when the KV blocks ran out),
+``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (tokens looked up in the prefix
+cache / found there);
 gauges ``vllm:num_requests_running`` / ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc`` (the
 fraction of the KV-cache blocks held by requests: 0 when the pool is full again); histograms
 ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
@@ -40,7 +42,9 @@ class ServerMetrics:
                                         "Draft tokens accepted at each draft position", ("position",))
         self.preemptions = counter("vllm:num_preemptions", "Running requests preempted (to resume later) when the "
                                    "KV-cache blocks ran out")
-        self._preemptions_counted = 0
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache (not computed)")
+        self._counted = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels,
                              registry=self.registry)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be admitted", labels,
@@ -66,9 +70,11 @@ class ServerMetrics:
         self.labels(self.running).set(engine.num_running)
         self.labels(self.waiting).set(engine.num_waiting)
         self.labels(self.kv_usage).set(1 - engine.num_free_blocks / engine.num_blocks)
-        preemptions = engine.stats.num_preemptions
-        self.labels(self.preemptions).inc(preemptions - self._preemptions_counted)
-        self._preemptions_counted = preemptions
+        for name, metric in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
+                             ("prefix_cache_hits", self.prefix_hits)):
+            total = getattr(engine.stats, name)       # the engine's counts over its life
+            self.labels(metric).inc(total - self._counted[name])
+            self._counted[name] = total
 
     def add_spec_decode(self, drafts: int, draft_tokens: int, accepted: int, accepted_per_pos) -> None:
         """One step's speculative counts of one request (increments)."""

@@ -22,13 +22,13 @@ def test_a_new_request_goes_to_the_least_loaded_shard_that_can_take_it():
     one with most room), or waits."""
     pool = ShardedBlockPool(16, 2)                        # 8 blocks a shard
     assert pool.num_blocks == 16 and pool.num_free == 16 and all(p.num_blocks == 8 for p in pool.shards)
-    assert pool.pick(3, [2, 1], [0, 0], per_shard=2) == 1     # shard 0 is full
-    assert pool.pick(3, [1, 1], [0, 0], per_shard=2) == 0     # a tie in load and blocks: the first
+    assert pool.pick([3] * 2, [2, 1], [0, 0], per_shard=2) == 1     # shard 0 is full
+    assert pool.pick([3] * 2, [1, 1], [0, 0], per_shard=2) == 0     # a tie in load and blocks: the first
     held = pool.shards[0].allocate(5)
-    assert pool.pick(2, [1, 1], [0, 0], per_shard=2) == 1     # the same load: the most room
-    assert pool.pick(3, [0, 1], [0, 0], per_shard=2) == 0     # the fewest requests first
-    assert pool.pick(3, [0, 1], [1, 0], per_shard=2) == 1     # shard 0's requests grow by a block: 2 left
-    assert pool.pick(3, [0, 2], [1, 0], per_shard=2) is None  # nowhere now: the request waits
+    assert pool.pick([2] * 2, [1, 1], [0, 0], per_shard=2) == 1     # the same load: the most room
+    assert pool.pick([3] * 2, [0, 1], [0, 0], per_shard=2) == 0     # the fewest requests first
+    assert pool.pick([3] * 2, [0, 1], [1, 0], per_shard=2) == 1     # shard 0's requests grow by a block: 2 left
+    assert pool.pick([3] * 2, [0, 2], [1, 0], per_shard=2) is None  # nowhere now: the request waits
     assert pool.num_free == 11
     pool.shards[0].free(held)
     assert pool.num_free == 16

@@ -330,7 +330,8 @@ def test_stream_options_include_usage(server, include_usage):
     *chunks, last = chunks
     assert all(c["usage"] is None and len(c["choices"]) == 1 for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert last["choices"] == [] and last["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                                                       "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("path,first", [("/v1/completions", {"prompt": "x"}),
