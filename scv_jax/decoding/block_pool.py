@@ -110,6 +110,22 @@ class BlockPool:
                 del self._unheld[block]
             self._holders[block] += 1
 
+    @property
+    def num_cached_held(self) -> int:
+        """Cached blocks some request holds."""
+        return len(self._block_of) - len(self._unheld)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (they are empty again); False, changing nothing, while a request
+        holds a cached block."""
+        if self.num_cached_held:
+            return False
+        self._empty.extend(reversed(sorted(self._unheld)))
+        self._unheld.clear()
+        self._block_of.clear()
+        self._hash_of.clear()
+        return True
+
     def register(self, block: int, digest: bytes) -> None:
         """Caches ``block`` (held, full of verified tokens) under ``digest`` (its chained hash), unless
         another block already holds that prefix."""

@@ -248,6 +248,17 @@ class Engine:
         with self.runner.lock:
             self._scheduler.abort(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (vLLM's ``reset_prefix_cache``); False, changing nothing, while a
+        running request holds cached blocks."""
+        with self.runner.lock:
+            shards = self.runner.pool.shards
+            if any(pool.num_cached_held for pool in shards):
+                return False
+            for pool in shards:
+                pool.reset_prefix_cache()
+            return True
+
     def abort_all(self) -> None:
         """Aborts every waiting and running request (a loop over the engine that stops early)."""
         with self.runner.lock:

@@ -177,3 +177,17 @@ def test_an_eagle_head_refuses_prefix_caching(target, tmp_path):
 def test_enable_prefix_caching_must_be_a_bool_or_none():
     with pytest.raises(ValueError, match="DecoderConfig.enable_prefix_caching must be a bool or None, got 1"):
         DecoderConfig(enable_prefix_caching=1)
+
+
+def test_reset_prefix_cache_forgets_every_block_no_request_holds(with_draft):
+    engine = Engine(with_draft)
+    prompt = prompts(16, 1, alphabet=16)[0] * 3
+    run_one(engine, prompt, request_id="a")
+    engine.add_request(prompt, GREEDY, "b")
+    engine.step()                                    # "b" holds the cached blocks of its prefix
+    assert engine.reset_prefix_cache() is False
+    engine.abort("b")
+    engine.step()
+    assert engine.reset_prefix_cache() is True and with_draft.pool.shards[0].num_cached == 0
+    _, out = run_one(engine, prompt, request_id="c")
+    assert out.num_cached_tokens == 0 and engine.num_free_blocks == engine.num_blocks
