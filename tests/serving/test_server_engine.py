@@ -15,7 +15,7 @@ import pytest
 
 from tests.models.eagle3_fixtures.heads import head_config, head_tensors
 from tests.models.test_eagle3 import write_head
-from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics, spec_metrics
+from tests.serving.conftest import REQUEST_TIMEOUT, client, metrics, spec_metrics, wait_for
 from tests.serving.harness import ServerProcess
 
 NAME = "tiny"
@@ -216,3 +216,20 @@ def test_logit_controls_are_honoured(server, offline, tokenizer):
     sampled = c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                         temperature=0.8, seed=3, logit_bias={str(z): 100})
     assert sampled.choices[0].message.content == "Z" * 6
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, offline, tokenizer):
+    """The second request of a prompt reports its cached prompt tokens in ``usage`` (OpenAI's
+    ``prompt_tokens_details.cached_tokens``) and the hit counters count them; the text is the same."""
+    c, prompt = client(server.url), "# a prompt long enough for a few blocks of 16 tokens: " + string.ascii_letters
+    before = metrics(server.url)
+    first = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
+    second = c.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0)
+    cached = (len(prompt.encode()) - 1) // 16 * 16
+    assert second.choices[0].text == first.choices[0].text == tokenizer.decode(offline(tokenizer.encode(prompt), 8))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == cached > 0
+    hits, queries = ("vllm:prefix_cache_hits_total", ()), ("vllm:prefix_cache_queries_total", ())
+    counted = lambda: (metrics(server.url)[hits] - before[hits],  # noqa: E731 (the engine thread counts after a step)
+                       metrics(server.url)[queries] - before[queries])
+    assert wait_for(lambda: counted() == (cached, 2 * len(prompt.encode()))), counted()
