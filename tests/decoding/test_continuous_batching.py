@@ -64,8 +64,9 @@ def test_sampled_output_does_not_depend_on_max_num_seqs(target, partial_draft, d
 
 
 def test_a_stream_larger_than_the_cache_runs_a_few_at_a_time(target, monkeypatch):
-    """Requests reserve their blocks when admitted: with room for 2 the others wait (none is refused,
-    none runs out of blocks), and every block is back in the pool at the end."""
+    """A pool that holds 2 of these requests' worst cases: the requests share their prompt's cached blocks
+    and take the rest on demand, so more than 2 run at once (none is refused, a step never runs out of
+    blocks: the most recent is preempted first), and every block is back in the pool at the end."""
     config = DecoderConfig(**{**vars(SMALL), "num_blocks": 8})       # 2 requests of <= 4 blocks each
     decoder = SpeculativeDecoder(target, "ngram", config=DecoderConfig(**{**vars(config), "k": 2}))
     batch_prompts = [[1, 2, 3] * 6] * 5
@@ -73,7 +74,7 @@ def test_a_stream_larger_than_the_cache_runs_a_few_at_a_time(target, monkeypatch
     for max_num_seqs in (None, 3):
         out = decoder.generate(batch_prompts, MAX_NEW, max_num_seqs=max_num_seqs)
         assert len(set(map(tuple, out.tokens))) == 1 and len(out.tokens[0]) == MAX_NEW
-        assert max(sizes) == 2 and decoder.pool.num_free == 8
+        assert max(sizes) > 2 and decoder.pool.num_free == 8
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.0, "2", True])
