@@ -43,7 +43,7 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
     assert run["tokens"]["streamed"] == run["tokens"]["greedy"], spec
     assert run["tokens"]["tight"] == run["tokens"]["greedy"] * 3, spec
     assert run["preemptions"] > 0 or data == 8, spec      # 8 shards: each runs about one request
-    assert run["prefix_hits"] > 0, spec                    # the prompts repeat: their blocks are reused
+    assert run["prefix_hits"] > 0 or data > 1, spec        # one pool: the repeated prompts reuse their blocks
     assert run["warmup_compiles"] > 0 and run["compiles_after_warmup"] == 0, spec
     assert all(v == 0 for stats in run["graph"].values() for v in stats.values()), run["graph"]
     assert run["free_blocks"] == 64
