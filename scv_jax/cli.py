@@ -295,6 +295,10 @@ def _add_serve(sub, formatter) -> None:
     serve.add_argument("--max-num-seqs", type=_int_at_least(1), default=16, help="most requests decoded at once")
     serve.add_argument("--max-waiting", type=_int_at_least(0), default=256,
                        help="most requests waiting beyond --max-num-seqs before answering 429")
+    serve.add_argument("--max-num-batched-tokens", type=_int_at_least(1), default=None, metavar="N",
+                       help="tokens one engine step computes (vLLM's): the decoding requests' first, then chunks of "
+                            "prompts, so a long prompt never stalls the running streams (default: 2048 on a GPU, "
+                            "256 on a CPU)")
     serve.add_argument("--max-model-len", type=_int_at_least(2), default=None,
                        help="context length served, prompt + output (default: the model's, at most 2048)")
     pool = serve.add_mutually_exclusive_group()

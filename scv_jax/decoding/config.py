@@ -13,6 +13,10 @@ from scv_jax.ops.commit.kv_cache import parse_cache_dtype
 from scv_jax.ops.registry import BACKENDS
 
 
+# ``DecoderConfig.max_num_batched_tokens`` when None, by platform ("gpu" or "cpu"); see docs/engine.md
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"gpu": 2048, "cpu": 256}
+
+
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
@@ -32,7 +36,13 @@ class DecoderConfig:
       max_seq_len: most cache positions per request (prompt + max_new_tokens - 1); sets the
         block-table width.
       cache_dtype: dtype of both caches (any ``PagedKVCache`` dtype name, e.g. "bfloat16", "fp8").
-      prefill_chunk: prompt tokens per prefill call.
+      prefill_chunk: prompt tokens per request per prefill call.
+      max_num_batched_tokens: the tokens one engine step computes, vLLM's: every decoding request's
+        (1 + the most drafts its step may verify) first, then prompt chunks of the requests being
+        prefilled with the rest (at least one ``prefill_chunk`` a step, so a prompt always advances), so
+        a long prompt is prefilled over several steps while the running requests keep decoding;
+        None (default): ``DEFAULT_MAX_NUM_BATCHED_TOKENS`` for the platform (2048 on a GPU, 256 on a
+        CPU; docs/engine.md).
       batch_buckets: batch sizes steps are padded to (graph mode).
       context_buckets: block-table widths (in blocks) steps are padded to (the widest is always
         max_seq_len's); None: max_seq_len's width and its successive halves down to 16 blocks
@@ -63,6 +73,7 @@ class DecoderConfig:
     max_seq_len: int = 1024
     cache_dtype: str = "float32"
     prefill_chunk: int = 64
+    max_num_batched_tokens: int | None = None
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     context_buckets: tuple[int, ...] | None = None
     backend: str = "auto"
@@ -90,6 +101,9 @@ class DecoderConfig:
         for name in ("adaptive", "packed_verify"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
+        if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)
+                                                        or self.max_num_batched_tokens < 1):
+            fail("max_num_batched_tokens", "an int >= 1 or None")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             fail("enable_prefix_caching", "a bool or None")
         if self.backend not in BACKENDS:

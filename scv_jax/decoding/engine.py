@@ -1,8 +1,10 @@
 """``Engine``: online speculative decoding, vLLM's ``EngineCore`` loop. Requests arrive at any time with
 their own ``SamplingParams`` (``add_request``) and leave when done or aborted; each ``step`` admits
-waiting requests (FIFO, while a batch row and their KV blocks are free), prefills them, runs one decode
-step of the running batch (preempting the most recently admitted request, to resume later, when the KV
-blocks run out) and returns a ``RequestOutput`` for every request that emitted tokens or ended.
+waiting requests (FIFO, while a batch row and their KV blocks are free), prefills chunks of their
+prompts within a token budget (``DecoderConfig.max_num_batched_tokens``: the decoding requests' tokens
+first), runs one decode step of the requests whose prompts are in the caches (preempting the most
+recently admitted request, to resume later, when the KV blocks run out) and returns a ``RequestOutput``
+for every request that emitted tokens or ended.
 
     engine = scv_jax.Engine(target, draft, config=scv_jax.DecoderConfig(k=4))
     engine.add_request(list(b"def main("), scv_jax.SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64))
@@ -110,7 +112,9 @@ class Engine:
     ending a request unless its ``ignore_eos``. ``max_num_seqs``: the most requests running at once
     (default and at most the largest batch bucket, per data shard on a mesh: a step never outgrows the
     compiled executables). ``seed``: the stream that seeds requests without a seed. ``progress``:
-    report long prefills on stderr.
+    report long prefills on stderr. ``max_num_batched_tokens``: the tokens a step computes (decoding
+    requests first, then prompt chunks; default ``DecoderConfig.max_num_batched_tokens``, or the
+    platform's).
 
     A request's tokens do not depend on when it arrived or what it shares the batch with: greedy ones
     exactly, sampled ones draw from their own stream (``SamplingParams.seed``) at each position (the
@@ -120,7 +124,7 @@ class Engine:
 
     def __init__(self, target, draft=None, *, config=None, mesh=None, sharding=None,
                  eos_token_id: int | Sequence[int] | None = None, max_num_seqs: int | None = None, seed: int = 0,
-                 progress: bool = False):
+                 progress: bool = False, max_num_batched_tokens: int | None = None):
         runner = getattr(target, "runner", None)
         if isinstance(runner, StepRunner):             # a SpeculativeDecoder: run on its runner
             if draft is not None or config is not None or mesh is not None or sharding is not None:
@@ -135,12 +139,17 @@ class Engine:
         if max_num_seqs is not None:
             require_int("Engine", "max_num_seqs", max_num_seqs, minimum=1)
         self.max_num_seqs = largest if max_num_seqs is None else min(max_num_seqs, largest)
+        if max_num_batched_tokens is not None:
+            require_int("Engine", "max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        self.max_num_batched_tokens = max_num_batched_tokens or runner.max_num_batched_tokens
         self.progress = progress
         proposer = runner.proposer
         batch = RequestBatch(largest, cfg.max_seq_len + runner.step_ks[-1] + 2, cfg.block_size, cfg.max_blocks_per_seq,
                              runner.pool.shards, runner.prefix_root)
         self._scheduler = Scheduler(batch, runner.pool, proposer, runner.controllers, k=cfg.k,
-                                    max_num_seqs=self.max_num_seqs, per_shard=largest // len(runner.pool.shards))
+                                    max_num_seqs=self.max_num_seqs, per_shard=largest // len(runner.pool.shards),
+                                    max_num_batched_tokens=self.max_num_batched_tokens,
+                                    prefill_chunk=cfg.prefill_chunk)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
         self.stats = GenerateStats()
@@ -150,6 +159,11 @@ class Engine:
     @property
     def num_running(self) -> int:
         return len(self._scheduler.running)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Running requests whose prompts are still being prefilled (in chunks, a budget a step)."""
+        return int(self._scheduler.batch.prefilling.size)
 
     @property
     def num_waiting(self) -> int:
@@ -272,19 +286,24 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Admits waiting requests (prefilling them), runs one decode step of the running batch and
-        returns an output for every request that emitted tokens or ended (aborts included)."""
+        """Admits waiting requests, prefills chunks of the prompts being prefilled within the step's token
+        budget (``DecoderConfig.max_num_batched_tokens``), runs one decode step of the requests whose
+        prompts are in the caches and returns an output for every request that emitted tokens or ended
+        (aborts included)."""
         runner, scheduler, stats = self.runner, self._scheduler, self.stats
         with runner.lock:
             outputs = scheduler.take_ended()
             stats.num_preemptions += scheduler.make_room()
-            admitted = scheduler.admit()
-            if admitted is not None and runner.prefix_root is not None:
-                stats.prefix_cache_queries += int(scheduler.batch.length[admitted.rows].sum())
-                stats.prefix_cache_hits += int(admitted.begin.sum())
-            if admitted is not None:
-                runner.prefill(admitted, scheduler.batch, stats, progress=self.progress)
-            if not scheduler.running:
+            batch, admitted = scheduler.batch, scheduler.admit()
+            if admitted.size and runner.prefix_root is not None:
+                stats.prefix_cache_queries += int(batch.length[admitted].sum())
+                stats.prefix_cache_hits += int(batch.computed[admitted].sum())
+            if admitted.size and runner.has_controls:
+                runner.write_controls(batch, admitted)
+            prefill = scheduler.prefill()
+            if prefill is not None:
+                runner.prefill(prefill, batch, stats, progress=self.progress)
+            if not batch.decoding.size:
                 return outputs
             started, layout = time.perf_counter(), runner.layout(scheduler.batch)
             work = scheduler.schedule(layout.computed)

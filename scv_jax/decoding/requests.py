@@ -82,12 +82,14 @@ class RequestBatch:
         entries past ``length`` are scratch).
       length, prompt_len: int64[S]; budget: int64[S] tokens each request may still emit;
       lag: int64[S] tokens the draft cache lacks.
+      computed: int64[S] positions of each request's tokens in its caches (the draft's lacks ``lag`` - 1
+        more): ``length`` - 1 once its prompt is prefilled, fewer while it is prefilled in chunks.
       sampling: float32[S, SamplingColumn.WIDTH] each request's filters (greedy: all 0).
       keys: int32[S, 2] each request's random stream (uint32 key data as int32 bits).
       stops: int32[S, MAX_STOP_IDS] the token ids that end each request (-1 = none).
       controls: each row's ``SamplingParams`` when they have logit controls (its row of the device's
         control state is written when its prompt is prefilled), else None.
-      active: int64[n] rows of the running requests, in admission order.
+      active: int64[n] rows of the running requests, in admission order (``decoding``: those prefilled).
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
       blocks: int32[S, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, allocated
         from the request's pool as its positions need them (``ensure``), the first ones possibly cached
@@ -102,6 +104,7 @@ class RequestBatch:
         self.tokens = np.zeros((num_slots, capacity), np.int32)
         self.length, self.prompt_len, self.budget = (np.zeros(num_slots, np.int64) for _ in range(3))
         self.lag = np.ones(num_slots, np.int64)
+        self.computed = np.zeros(num_slots, np.int64)
         self.sampling = np.zeros((num_slots, SamplingColumn.WIDTH), np.float32)
         self.keys = np.zeros((num_slots, 2), np.int32)
         self.stops = np.full((num_slots, MAX_STOP_IDS), -1, np.int32)
@@ -123,6 +126,20 @@ class RequestBatch:
     @property
     def block_size(self) -> int:
         return self._block_size
+
+    @property
+    def decoding(self) -> np.ndarray:
+        """int64[n] the rows of the running requests whose tokens are all in the caches but the pending
+        one (their prompts prefilled), in admission order."""
+        rows = self.active
+        return rows[self.computed[rows] >= self.length[rows] - 1]
+
+    @property
+    def prefilling(self) -> np.ndarray:
+        """int64[n] the rows of the running requests whose prompts are still being prefilled, in
+        admission order."""
+        rows = self.active
+        return rows[self.computed[rows] < self.length[rows] - 1]
 
     def blocks_needed(self, positions: int) -> int:
         """Blocks that hold ``positions`` cache positions."""
@@ -157,6 +174,7 @@ class RequestBatch:
         self.tokens[row, :len(tokens)] = tokens
         self.length[row], self.prompt_len[row] = len(tokens), prompt_len
         self.budget[row], self.lag[row] = budget, 1
+        self.computed[row] = len(cached) * self._block_size
         self.sampling[row], self.keys[row] = sampling, keys
         self.stops[row] = -1
         self.stops[row, :len(stops)] = stops
@@ -222,5 +240,6 @@ class RequestBatch:
         length = self.length[rows]
         self.tokens[rows[:, None], length[:, None] + np.arange(emitted.shape[1])] = emitted   # past count: scratch
         self.length[rows] = length + count
+        self.computed[rows] = length + count - 1
         self.budget[rows] = budget
         return count, budget <= 0, stopped

@@ -26,7 +26,7 @@ from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
 from scv_jax.arguments import require_int
 from scv_jax.decoding.block_pool import prefix_root
 from scv_jax.decoding.caches import ModelCaches
-from scv_jax.decoding.config import DecoderConfig
+from scv_jax.decoding.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DecoderConfig
 from scv_jax.decoding.device_step import ControlState, SplitModel
 from scv_jax.decoding.executables import step_executables
 from scv_jax.decoding.placement import BatchRows, OnMesh, ShardingConfig, SingleDevice
@@ -87,6 +87,8 @@ class StepRunner:
         self.draft, self.draft_params = (SplitModel.of(draft_placed.graphdef, draft_placed.state)
                                          if draft_model is not None else (None, None))
         self.pool = self.placement.pool
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[
+            "gpu" if cuda_available() else "cpu"]
         # prefix caching: what a cached block's contents depend on besides its tokens (one pool per decoder)
         self.prefix_root = None if cfg.enable_prefix_caching is False or proposer.every_step else prefix_root(
             f"target {target_placed.cache_dims} draft {draft_placed.cache_dims} vocab {vocab_size} cache "
@@ -161,10 +163,10 @@ class StepRunner:
                 jax.ShapeDtypeStruct(state.recent.shape[1:], np.int32)).compile()
         return self._control_writer
 
-    def _write_controls(self, batch: RequestBatch, rows: np.ndarray) -> None:
-        """Writes the control-state rows of the requests in ``rows`` that have controls: their bias, bad
-        words of several tokens, and the history of their prompt and of their output so far (a request
-        resuming after a preemption has some)."""
+    def write_controls(self, batch: RequestBatch, rows: np.ndarray) -> None:
+        """Writes the control-state rows of the requests admitted at ``rows`` that have controls: their
+        bias, bad words of several tokens, and the history of their prompt and of their output so far (a
+        request resuming after a preemption has some). One device only (``has_controls``)."""
         recent_len = MAX_BAD_WORD_LEN - 1
         for row in rows.tolist():
             params = batch.controls[row]
@@ -212,8 +214,6 @@ class StepRunner:
         counted in ``stats.catch_up_calls``), ``prefill_chunk`` tokens a call, and waits for the last chunk
         (its time goes to ``stats.prefill_seconds``, a catch-up's to its step)."""
         rows, begin, count = work.rows, work.begin, work.count
-        if self.has_controls and not work.draft_only:
-            self._write_controls(batch, rows)
         batch.ensure(rows, begin + count)
         longest = int(count.max(initial=0))
         start = reported = time.perf_counter()
@@ -235,8 +235,8 @@ class StepRunner:
             stats.prefill_seconds += time.perf_counter() - start
 
     def layout(self, batch: RequestBatch) -> BatchRows:
-        """Where the running requests sit in a decode step's batch."""
-        return self.placement.rows(batch.shards[batch.active], self.decode_executable)
+        """Where the decoding requests (``batch.decoding``) sit in a decode step's batch."""
+        return self.placement.rows(batch.shards[batch.decoding], self.decode_executable)
 
     def dispatch(self, work: DecodeWork, batch: RequestBatch, layout: BatchRows, stats: GenerateStats,
                  started: float) -> PendingStep:

@@ -11,6 +11,12 @@ they return to the pool the moment it ends. When the running requests' next step
 the most recently admitted one is preempted by recompute: its blocks return to the pool, its drafter
 hears ``finish``, and it waits at the front of the queue with its tokens so far, which it prefills again
 when it resumes (its output is unchanged: the random streams are by position).
+
+Prompts are prefilled in chunks under a token budget (``max_num_batched_tokens``), as vLLM v1 does: each
+step first counts every decoding request's tokens (1 + the most drafts its step may verify), then gives
+the requests being prefilled, in admission order, chunks of their prompts with the rest (at least one
+``prefill_chunk``), so a long prompt never stalls the running requests for more than a budget's worth of
+prefill; a request joins the decode steps once its prompt is in the caches.
 """
 
 from __future__ import annotations
@@ -84,13 +90,16 @@ class Scheduler:
 
     ``batch``: the running requests' rows; ``pools``: the KV block pools; ``proposer``: the drafter's host
     half; ``controllers``: {"greedy" | "sampling": controller} (empty: ``k`` always); ``max_num_seqs``:
-    the most requests running; ``per_shard``: the most on one data shard.
+    the most requests running; ``per_shard``: the most on one data shard; ``max_num_batched_tokens``: the
+    tokens a step computes; ``prefill_chunk``: the prompt tokens per request of one prefill call.
     """
 
     def __init__(self, batch: RequestBatch, pools: BlockPools, proposer: Proposer,
-                 controllers: dict[str, Controller], *, k: int, max_num_seqs: int, per_shard: int):
+                 controllers: dict[str, Controller], *, k: int, max_num_seqs: int, per_shard: int,
+                 max_num_batched_tokens: int, prefill_chunk: int):
         self.batch, self._pools, self.proposer, self._controllers = batch, pools, proposer, controllers
         self._k, self.max_num_seqs, self._per_shard = k, max_num_seqs, per_shard
+        self.max_num_batched_tokens, self._chunk = max_num_batched_tokens, prefill_chunk
         self.requests: dict[str, Request] = {}             # waiting and running, by id
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}              # by row
@@ -176,15 +185,17 @@ class Scheduler:
         self._unverified = None          # proposals are checked against the rows they were made for
 
     # ------------------------------------------------------------------ admission
-    def admit(self) -> PrefillWork | None:
+    def admit(self) -> np.ndarray:
         """Moves waiting requests, in order, to free rows while their tokens so far and their first step
         fit beside the running requests' next step (on a mesh, on the data shard with the fewest
-        requests), each starting from the cached blocks of its longest cached prefix; returns the
-        prefill of the rest of their tokens (but the last)."""
+        requests), each starting from the cached blocks of its longest cached prefix (``batch.computed``),
+        and while this step's token budget has room for their prefill (one at least when none is being
+        prefilled); returns their rows. ``prefill`` then plans their prompts' chunks."""
         state, pools = self.batch, self._pools
-        admitted, begins = [], []
+        admitted = []
         growth = self._shard_growth() if self.waiting else None
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        room = self._prefill_room() - int(self._to_prefill(state.prefilling).sum()) if self.waiting else 0
+        while self.waiting and len(self.running) < self.max_num_seqs and (room > 0 or not state.prefilling.size):
             request = self.waiting[0]
             params = request.params
             tokens = request.prompt + request.token_ids
@@ -204,21 +215,55 @@ class Scheduler:
             request.row = state.start(tokens, len(request.prompt), budget, shard, request.sampling, request.keys,
                                       request.stops, params if params.controlled else None, cached=cached[shard],
                                       hashes=hashes[:len(cached[shard])])
-            begin = len(cached[shard]) * state.block_size
             if not request.token_ids:
-                request.num_cached_tokens = min(begin, len(request.prompt))
+                request.num_cached_tokens = min(int(state.computed[request.row]), len(request.prompt))
             self.running[request.row] = request
             admitted.append(request.row)
-            begins.append(begin)
+            room -= int(self._to_prefill(np.array([request.row])).sum())
             if self.proposer.host is not None:
                 self.proposer.host.start(request.request_id, request.prompt)
                 if request.token_ids:
                     self.proposer.host.extend(request.request_id, request.token_ids)
-        if not admitted:
+        if admitted:
+            self._unverified = None          # proposals are checked against the rows they were made for
+        return np.array(admitted, np.int64)
+
+    # ------------------------------------------------------------------ chunked prefill
+    def _to_prefill(self, rows: np.ndarray) -> np.ndarray:
+        """int64[len(rows)] the tokens each request still has to prefill (all but the pending one)."""
+        return self.batch.length[rows] - 1 - self.batch.computed[rows]
+
+    def _prefill_room(self) -> int:
+        """The tokens of this step's budget left for prefill once every decoding request has its decode
+        tokens (1 + the most drafts its step may verify); at least one ``prefill_chunk``."""
+        rows = self.batch.decoding
+        budget = step_budget(self.batch.budget[rows], [self.running[row] for row in rows.tolist()])
+        decode = int((1 + np.minimum(budget - 1, self.proposer.step_ks[-1])).sum())
+        return max(self.max_num_batched_tokens - decode, self._chunk)
+
+    def prefill(self) -> PrefillWork | None:
+        """This step's prompt chunks: the requests being prefilled, in admission order, each the rest of
+        its prompt or as many whole ``prefill_chunk``s as the step's budget has room for; None when none
+        is being prefilled. Counts the chunks as computed, allocates their blocks and caches those they fill."""
+        state = self.batch
+        rows = state.prefilling
+        if not rows.size:
             return None
-        self._unverified = None          # proposals are checked against the rows they were made for
-        rows, begin = np.array(admitted, np.int64), np.array(begins, np.int64)
-        return PrefillWork(rows, begin, state.length[rows] - 1 - begin, draft_only=False)
+        room, counts = self._prefill_room(), []
+        for left in self._to_prefill(rows).tolist():
+            count = min(left, room)
+            if count < left:
+                count -= count % self._chunk
+            if not count:
+                break
+            counts.append(count)
+            room -= count
+        rows = rows[:len(counts)]
+        work = PrefillWork(rows, state.computed[rows].copy(), np.array(counts, np.int64), draft_only=False)
+        state.computed[rows] += work.count
+        state.ensure(rows, state.computed[rows])
+        state.register(rows, state.computed[rows])
+        return work
 
     # ------------------------------------------------------------------ a step
     def _token_views(self, rows: np.ndarray) -> list[np.ndarray]:
@@ -232,7 +277,7 @@ class Scheduler:
         """The next decode step of the running batch; ``computed_rows``: the rows its executable computes
         (the controller's costs see padding like real rows)."""
         state = self.batch
-        rows = state.active
+        rows = state.decoding
         requests = [self.running[row] for row in rows.tolist()]
         request_ids = [r.request_id for r in requests]
         greedy = not state.sampling[rows, SamplingColumn.TEMPERATURE].any()
@@ -390,7 +435,7 @@ class Scheduler:
             offered, accepted = np.zeros((2, state.num_slots), np.int64)
             offered[pending.rows], accepted[pending.rows] = pending.check(state.tokens, state.length)
             counts = offered[rows], accepted[rows]
-        active = state.active
+        active = state.decoding
         requests = [self.running[r] for r in active.tolist()]     # (requests done this step: cap 0)
         caps = np.clip(step_budget(state.budget[active], requests) - 1, 0, self.proposer.step_ks[-1])
         ids = [r.request_id for r in requests]

@@ -109,7 +109,8 @@ def make_engine(args: argparse.Namespace, dirs: Checkpoints) -> Served:
     drafting = models.drafter is not None
     config = DecoderConfig(k=args.k if drafting else 0, adaptive=args.adaptive and drafting,
                            batch_buckets=batch_buckets(args.max_num_seqs), max_seq_len=max_model_len,
-                           num_blocks=num_blocks, cache_dtype=args.dtype, packed_verify=args.packed_verify)
+                           num_blocks=num_blocks, cache_dtype=args.dtype, packed_verify=args.packed_verify,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
     check_memory(config, models.cached, flag=flag, advice=f"lower {flag}" if flag != "--max-num-seqs" else
                  "lower --max-num-seqs or --max-model-len, or pass --kv-cache-memory or --num-blocks")
     print(pool.summary, file=sys.stderr, flush=True)

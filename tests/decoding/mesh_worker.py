@@ -17,6 +17,7 @@ import json
 import os
 import re
 import sys
+import types
 
 
 def _parse() -> argparse.Namespace:
@@ -106,9 +107,24 @@ def _tight(decoder: SpeculativeDecoder, prompts: list[list[int]]):
             pool.free(blocks)
 
 
+def _chunked(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.SimpleNamespace:
+    """Greedy ``prompts`` on an engine prefilling one ``prefill_chunk`` a step (a budget of 1 token)."""
+    engine = scv_jax.Engine(decoder, max_num_batched_tokens=1)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, scv_jax.SamplingParams(max_tokens=MAX_NEW), str(i))
+    tokens = [[] for _ in prompts]
+    for _ in range(400):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens[int(out.request_id)] += out.new_token_ids
+    return types.SimpleNamespace(tokens=tokens)
+
+
 def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
     out = {"greedy": decoder.generate(prompts, MAX_NEW),
            "streamed": decoder.generate(prompts, MAX_NEW, max_num_seqs=2),    # continuous batching
+           "chunked": _chunked(decoder, prompts),                              # prompts over several steps
            "tight": _tight(decoder, prompts)}                                  # preemptions
     if ARGS.sample:
         out["sampled"] = decoder.generate(prompts, MAX_NEW, temperature=1.0, seed=7)

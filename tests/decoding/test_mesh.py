@@ -41,6 +41,7 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
     run = result["meshes"][spec]
     assert run["tokens"] == result["expected"], spec
     assert run["tokens"]["streamed"] == run["tokens"]["greedy"], spec
+    assert run["tokens"]["chunked"] == run["tokens"]["greedy"], spec
     assert run["tokens"]["tight"] == run["tokens"]["greedy"] * 3, spec
     assert run["preemptions"] > 0 or data == 8, spec      # 8 shards: each runs about one request
     assert run["prefix_hits"] > 0 or data > 1, spec        # one pool: the repeated prompts reuse their blocks

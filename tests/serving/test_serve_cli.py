@@ -32,6 +32,7 @@ def _one_line_error(argv: list[str], message: str, capsys) -> None:
      "argument --suffix-max-cached-requests: must be an int >= 0, got -1"),
     (["--mesh", "2"], "--mesh must be DATA,MODEL (two ints >= 1, e.g. 1,8), got '2'"),
     (["--max-request-bytes", "0"], "argument --max-request-bytes: must be an int >= 1, got 0"),
+    (["--max-num-batched-tokens", "0"], "argument --max-num-batched-tokens: must be an int >= 1, got 0"),
     (["--max-prompt-chars", "x"], "argument --max-prompt-chars: must be an int >= 1, got 'x'"),
     (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be a finite number >= 0, got '-1'"),
     (["--ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min (3) must be <= --ngram-max (2)"),
@@ -99,3 +100,14 @@ def test_the_pool_divides_over_the_data_shards(monkeypatch):
     assert pool_blocks(_sizing(kv_cache_memory=40_000), MODELS, 64, 2)[:2] == (8, "--kv-cache-memory")
     with pytest.raises(ValueError, match="fewer than one request of --max-model-len 64 needs on each of 4 data"):
         pool_blocks(_sizing(kv_cache_memory=40_000), MODELS, 64, 4)
+
+
+@pytest.mark.parametrize("flags, budget", [([], 256), (["--max-num-batched-tokens", "32"], 32)])
+def test_max_num_batched_tokens_reaches_the_engine(monkeypatch, checkpoint, flags, budget):
+    from scv_jax.serving import server
+
+    parsed = []
+    monkeypatch.setattr(server, "serve", lambda args: parsed.append(args) or 0)
+    assert cli.main(["serve", "--model", str(checkpoint), "--dtype", "float32", *flags]) == 0
+    served = server.make_engine(parsed[0], launch.checkpoints(parsed[0]))
+    assert served.engine.max_num_batched_tokens == budget
