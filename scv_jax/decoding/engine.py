@@ -305,18 +305,18 @@ class Engine:
                 runner.prefill(prefill, batch, stats, progress=self.progress)
             if not batch.decoding.size:
                 return outputs
-            started, layout = time.perf_counter(), runner.layout(scheduler.batch)
+            started, layout = time.perf_counter(), runner.layout(batch)
             work = scheduler.schedule(layout.computed)
             if work.catch_up is not None:
-                runner.prefill(work.catch_up, scheduler.batch, stats)
-            pending = runner.dispatch(work, scheduler.batch, layout, stats, started)
+                runner.prefill(work.catch_up, batch, stats)
+            pending = runner.dispatch(work, batch, layout, stats, started)
             scheduler.while_device_runs(work, layout.computed)
             result = runner.fetch(pending)
             fetched = time.perf_counter()
             outputs += scheduler.update(work, result)
             top_up = scheduler.top_up()
             if top_up is not None:
-                runner.prefill(top_up, scheduler.batch, stats)
+                runner.prefill(top_up, batch, stats)
             scheduler.retire()
             self.tally.add(result.num_verified, result.num_accepted, result.num_emitted)
             runner.record(pending, result, stats, fetched)

@@ -88,7 +88,7 @@ class RequestBatch:
       keys: int32[S, 2] each request's random stream (uint32 key data as int32 bits).
       stops: int32[S, MAX_STOP_IDS] the token ids that end each request (-1 = none).
       controls: each row's ``SamplingParams`` when they have logit controls (its row of the device's
-        control state is written when its prompt is prefilled), else None.
+        control state is written when it is admitted), else None.
       active: int64[n] rows of the running requests, in admission order (``decoding``: those prefilled).
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
       blocks: int32[S, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, allocated
@@ -127,19 +127,22 @@ class RequestBatch:
     def block_size(self) -> int:
         return self._block_size
 
+    def to_prefill(self, rows: np.ndarray) -> np.ndarray:
+        """int64[len(rows)] the tokens each request still has to prefill (all but the pending one; 0 once
+        it decodes)."""
+        return self.length[rows] - 1 - self.computed[rows]
+
     @property
     def decoding(self) -> np.ndarray:
         """int64[n] the rows of the running requests whose tokens are all in the caches but the pending
         one (their prompts prefilled), in admission order."""
-        rows = self.active
-        return rows[self.computed[rows] >= self.length[rows] - 1]
+        return self.active[self.to_prefill(self.active) <= 0]
 
     @property
     def prefilling(self) -> np.ndarray:
         """int64[n] the rows of the running requests whose prompts are still being prefilled, in
         admission order."""
-        rows = self.active
-        return rows[self.computed[rows] < self.length[rows] - 1]
+        return self.active[self.to_prefill(self.active) > 0]
 
     def blocks_needed(self, positions: int) -> int:
         """Blocks that hold ``positions`` cache positions."""

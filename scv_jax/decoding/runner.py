@@ -212,9 +212,9 @@ class StepRunner:
     def prefill(self, work: PrefillWork, batch: RequestBatch, stats: GenerateStats, *, progress: bool = False) -> None:
         """Commits ``work``'s tokens to both caches (the draft's alone when ``draft_only``: a catch-up,
         counted in ``stats.catch_up_calls``), ``prefill_chunk`` tokens a call, and waits for the last chunk
-        (its time goes to ``stats.prefill_seconds``, a catch-up's to its step)."""
+        (its time goes to ``stats.prefill_seconds``, a catch-up's to its step). The blocks of its positions
+        are allocated (``Scheduler.prefill``'s chunks; a catch-up's and a top-up's lie below the pending token)."""
         rows, begin, count = work.rows, work.begin, work.count
-        batch.ensure(rows, begin + count)
         longest = int(count.max(initial=0))
         start = reported = time.perf_counter()
         for done, sub, inputs in prefill_chunks(batch, rows, begin, count, self.config.prefill_chunk):

@@ -194,7 +194,7 @@ class Scheduler:
         state, pools = self.batch, self._pools
         admitted = []
         growth = self._shard_growth() if self.waiting else None
-        room = self._prefill_room() - int(self._to_prefill(state.prefilling).sum()) if self.waiting else 0
+        room = self._prefill_room() - int(state.to_prefill(state.prefilling).sum()) if self.waiting else 0
         while self.waiting and len(self.running) < self.max_num_seqs and (room > 0 or not state.prefilling.size):
             request = self.waiting[0]
             params = request.params
@@ -219,7 +219,7 @@ class Scheduler:
                 request.num_cached_tokens = min(int(state.computed[request.row]), len(request.prompt))
             self.running[request.row] = request
             admitted.append(request.row)
-            room -= int(self._to_prefill(np.array([request.row])).sum())
+            room -= len(tokens) - 1 - int(state.computed[request.row])
             if self.proposer.host is not None:
                 self.proposer.host.start(request.request_id, request.prompt)
                 if request.token_ids:
@@ -229,10 +229,6 @@ class Scheduler:
         return np.array(admitted, np.int64)
 
     # ------------------------------------------------------------------ chunked prefill
-    def _to_prefill(self, rows: np.ndarray) -> np.ndarray:
-        """int64[len(rows)] the tokens each request still has to prefill (all but the pending one)."""
-        return self.batch.length[rows] - 1 - self.batch.computed[rows]
-
     def _prefill_room(self) -> int:
         """The tokens of this step's budget left for prefill once every decoding request has its decode
         tokens (1 + the most drafts its step may verify); at least one ``prefill_chunk``."""
@@ -250,7 +246,7 @@ class Scheduler:
         if not rows.size:
             return None
         room, counts = self._prefill_room(), []
-        for left in self._to_prefill(rows).tolist():
+        for left in state.to_prefill(rows).tolist():
             count = min(left, room)
             if count < left:
                 count -= count % self._chunk
