@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "accepted_path_slots": "scv_jax.ops.tree.commit_path",
     # per-request sampling parameters (no jax)
     "SamplingParams": "scv_jax.sampling_params",
+    "StructuredOutputsParams": "scv_jax.sampling_params",
     "SamplingArrays": "scv_jax.sampling_params",
     "batch_sampling_arrays": "scv_jax.sampling_params",
     # graph mode

@@ -10,6 +10,7 @@ data too: ``SamplingParams.bias_row`` is a request's additive bias over the voca
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -59,6 +60,60 @@ def _integer(name: str, value: Any, expected: str, minimum: int, maximum: int | 
 
 
 @dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    Attributes:
+      json: a JSON schema (a dict, or its JSON text): the output is one JSON value valid against it.
+      json_object: True: the output is one JSON object (OpenAI's ``response_format: json_object``).
+      regex: a regular expression the whole output matches (Rust ``regex`` syntax, as llguidance's).
+      choice: a non-empty sequence of strings: the output is one of them.
+      grammar: a context-free grammar in Lark syntax (llguidance's dialect; GBNF with ``::=`` is
+        converted), its start rule ``start``.
+
+    JSON is generated compactly (no free whitespace between tokens: a small model cannot loop on
+    whitespace runs). ``scv_jax.decoding.grammar`` compiles it with llguidance when the request is added.
+    """
+
+    json: Any = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        def fail(expected: str, value: Any, error: type[Exception] = ValueError) -> None:
+            raise error(f"SamplingParams.structured_outputs must be {expected}, got {value!r}")
+
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if not isinstance(self.json_object, (bool, np.bool_)):
+            fail("given json_object as a bool", self.json_object, TypeError)
+        if len(given) + bool(self.json_object) != 1:
+            fail("given exactly one of json, json_object, regex, choice, grammar", self)
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    fail(f"given json as a JSON schema (a dict or its JSON text; {e})", self.json)
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                fail("given json as a JSON schema (an object)", self.json, TypeError)
+            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                fail(f"given {name} as a non-empty str", value, TypeError)
+        if self.choice is not None:
+            choice = self.choice
+            if isinstance(choice, (str, bytes)) or not isinstance(choice, Sequence) or not choice \
+                    or not all(isinstance(c, str) and c for c in choice):
+                fail("given choice as a non-empty sequence of non-empty strings", choice, TypeError)
+            object.__setattr__(self, "choice", tuple(choice))
+
+
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are chosen (vLLM's ``SamplingParams`` fields and meanings).
 
@@ -96,6 +151,9 @@ class SamplingParams:
         drafts; a tree's depth is capped there). Drafts are verified losslessly: its output's
         distribution does not depend on it (a greedy request's tokens neither); the speed does. The adaptive controller counts the request as
         one that can emit at most n + 1 tokens a step.
+      structured_outputs: None, or a ``StructuredOutputsParams``: every token, drafts included, is masked
+        by the grammar state the tokens before it reach; the request ends ("stop") when the grammar is
+        complete. Needs ``Engine(tokenizer=...)``.
 
     The ids are checked against the vocabulary when the request is added (``Engine.add_request``). The
     controls apply, in vLLM's order, to the logits before the temperature and the filters: the bias
@@ -119,6 +177,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     min_tokens: int = 0
     num_speculative_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -180,6 +239,8 @@ class SamplingParams:
         if self.num_speculative_tokens is not None:
             set_("num_speculative_tokens", _integer("num_speculative_tokens", self.num_speculative_tokens,
                                                     "None or an int >= 0", 0))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs, TypeError)
 
     @staticmethod
     def _checked_bias(bias: Any) -> tuple[tuple[int, float], ...]:

@@ -107,9 +107,10 @@ class StepInputs(NamedTuple):
 
 
 def step_inputs(rows: jax.Array, request_mask: jax.Array | None, sampling: jax.Array | None = None,
-                state: "ControlState | None" = None) -> StepInputs:
+                state: "ControlState | None" = None, grammar: jax.Array | None = None) -> StepInputs:
     """``StepInputs`` of int32[B, StepRow.WIDTH] rows (``request_mask`` None: every row a request), with the
-    ``LogitControls`` of ``sampling`` and ``state`` when the step has a control state."""
+    ``LogitControls`` of ``sampling``, ``state`` and the step's ``grammar`` masks when the step has a
+    control state."""
     lag, context_lens, num_drafts = rows[:, StepRow.LAG], rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS]
     tail = rows[:, StepRow.TOKENS:]
     catch_up = jnp.arange(MAX_CATCH_UP, dtype=jnp.int32)[None, :] + MAX_CATCH_UP - lag[:, None]
@@ -121,7 +122,8 @@ def step_inputs(rows: jax.Array, request_mask: jax.Array | None, sampling: jax.A
                         rows[:, StepRow.STOP:StepRow.TOKENS], rows[:, StepRow.SLOT])
     if state is None:
         return inputs
-    return inputs._replace(controls=LogitControls.of(state, inputs.slots, sampling, inputs.stop_ids, request_mask))
+    return inputs._replace(controls=LogitControls.of(state, inputs.slots, sampling, inputs.stop_ids, request_mask,
+                                                     grammar))
 
 
 class ControlState(NamedTuple):
@@ -188,6 +190,9 @@ class LogitControls(NamedTuple):
       min_tokens: int32[B] tokens still to emit before a stop token may come; stop_ids: int32[B, S].
       words: int32[B, MAX_BAD_WORDS, MAX_BAD_WORD_LEN] the bad words of several tokens (-1: none);
       recent: int32[B, MAX_BAD_WORD_LEN - 1] the last output tokens (-1: none).
+      grammar: int32[B, T, ceil(V / 32)] structured output's masks (``decoding.grammar``): at offset t
+        (the t-th position after the committed tokens) token v is allowed where bit v % 32 of word
+        v // 32 is set (-1 words: every token); None: no structured output in the step.
     """
 
     active: jax.Array
@@ -202,19 +207,21 @@ class LogitControls(NamedTuple):
     stop_ids: jax.Array
     words: jax.Array
     recent: jax.Array
+    grammar: jax.Array | None = None
 
     @classmethod
     def of(cls, state: ControlState, slots: jax.Array, sampling: jax.Array, stop_ids: jax.Array,
-           request_mask: jax.Array) -> "LogitControls":
+           request_mask: jax.Array, grammar: jax.Array | None = None) -> "LogitControls":
         controlled = (sampling[:, SamplingColumn.CONTROLLED] > 0) & request_mask
         min_tokens = jnp.where(request_mask, sampling[:, SamplingColumn.MIN_TOKENS], 0).astype(jnp.int32)
         rows = jnp.clip(slots, 0, state.bias.shape[0] - 1)
         history = jnp.where(controlled[:, None], state.history[rows], 0)
-        return cls(jnp.any(controlled | (min_tokens > 0)), controlled,
+        active = jnp.any(controlled | (min_tokens > 0)) | (False if grammar is None else jnp.any(grammar != -1))
+        return cls(active, controlled,
                    jnp.where(controlled[:, None], state.bias[rows], 0.0), history // 2, history % 2 == 1,
                    sampling[:, SamplingColumn.PRESENCE], sampling[:, SamplingColumn.FREQUENCY],
                    jnp.where(controlled, sampling[:, SamplingColumn.REPETITION], 1.0), min_tokens, stop_ids,
-                   jnp.where(controlled[:, None, None], state.words[rows], -1), state.recent[rows])
+                   jnp.where(controlled[:, None, None], state.words[rows], -1), state.recent[rows], grammar)
 
     def apply(self, logits: jax.Array, rows: jax.Array | None = None, seen: jax.Array | None = None,
               offsets: jax.Array | None = None, previous: jax.Array | None = None) -> jax.Array:
@@ -252,11 +259,22 @@ class LogitControls(NamedTuple):
             said = jnp.all((others == previous[:, None, :]) | (others == ANY_TOKEN), axis=-1) & (ends >= 0)
             bias = bias.at[jnp.arange(rows.shape[0])[:, None], jnp.clip(ends, 0, vocab - 1)].min(
                 jnp.where(said, -jnp.inf, 0.0))
+            if self.grammar is not None:
+                bias = jnp.where(grammar_allows(self.grammar, rows, offsets, vocab), bias, -jnp.inf)
             out = controlled_logits(logits.reshape(-1, vocab), bias, counts, self.in_prompt[rows],
                                     self.presence[rows], self.frequency[rows], self.repetition[rows])
             return out.astype(logits.dtype).reshape(logits.shape)
 
         return jax.lax.cond(self.active, adjust, lambda: logits)
+
+
+def grammar_allows(grammar: jax.Array, rows: jax.Array, offsets: jax.Array, vocab_size: int) -> jax.Array:
+    """bool[R, V]: the tokens int32[B, T, W] ``grammar`` masks allow at int32[R] ``rows`` and ``offsets``
+    (clipped to the T positions)."""
+    words = grammar[rows, jnp.clip(offsets, 0, grammar.shape[1] - 1)]                       # [R, W]
+    token = jnp.arange(vocab_size, dtype=jnp.int32)
+    bits = jax.lax.bitcast_convert_type(words, jnp.uint32)[:, token // 32]
+    return (jnp.right_shift(bits, (token % 32).astype(jnp.uint32)) & 1) == 1
 
 
 def controlled(controls: LogitControls | None, logits: jax.Array, **where) -> jax.Array:

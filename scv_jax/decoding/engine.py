@@ -31,6 +31,7 @@ import numpy as np
 
 from scv_jax.arguments import require_int
 from scv_jax.decoding.config import DecoderConfig
+from scv_jax.decoding.grammar import Grammars
 from scv_jax.decoding.outputs import RequestOutput
 from scv_jax.decoding.placement import ShardingConfig
 from scv_jax.decoding.plan import SamplingColumn
@@ -114,7 +115,8 @@ class Engine:
     compiled executables). ``seed``: the stream that seeds requests without a seed. ``progress``:
     report long prefills on stderr. ``max_num_batched_tokens``: the tokens a step computes (decoding
     requests first, then prompt chunks; default ``DecoderConfig.max_num_batched_tokens``, or the
-    platform's).
+    platform's). ``tokenizer``: the model's (``scv_jax.models.Tokenizer``, or a ``tokenizers.Tokenizer``),
+    for requests with ``SamplingParams.structured_outputs`` (their grammars are over its vocabulary).
 
     A request's tokens do not depend on when it arrived or what it shares the batch with: greedy ones
     exactly, sampled ones draw from their own stream (``SamplingParams.seed``) at each position (the
@@ -124,7 +126,7 @@ class Engine:
 
     def __init__(self, target, draft=None, *, config=None, mesh=None, sharding=None,
                  eos_token_id: int | Sequence[int] | None = None, max_num_seqs: int | None = None, seed: int = 0,
-                 progress: bool = False, max_num_batched_tokens: int | None = None):
+                 progress: bool = False, max_num_batched_tokens: int | None = None, tokenizer=None):
         runner = getattr(target, "runner", None)
         if isinstance(runner, StepRunner):             # a SpeculativeDecoder: run on its runner
             if draft is not None or config is not None or mesh is not None or sharding is not None:
@@ -146,10 +148,17 @@ class Engine:
         proposer = runner.proposer
         batch = RequestBatch(largest, cfg.max_seq_len + runner.step_ks[-1] + 2, cfg.block_size, cfg.max_blocks_per_seq,
                              runner.pool.shards, runner.prefix_root)
+        grammars = None
+        if tokenizer is not None:
+            to_json = getattr(tokenizer, "to_json", None) or getattr(tokenizer, "to_str", None)
+            if to_json is None:
+                raise TypeError(f"Engine: tokenizer must be a scv_jax.models.Tokenizer or a tokenizers.Tokenizer, "
+                                f"got {type(tokenizer).__name__}")
+            grammars = Grammars(to_json(), runner.vocab_size, self._eos)
         self._scheduler = Scheduler(batch, runner.pool, proposer, runner.controllers, k=cfg.k,
                                     max_num_seqs=self.max_num_seqs, per_shard=largest // len(runner.pool.shards),
                                     max_num_batched_tokens=self.max_num_batched_tokens,
-                                    prefill_chunk=cfg.prefill_chunk)
+                                    prefill_chunk=cfg.prefill_chunk, grammars=grammars)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
         self.stats = GenerateStats()
@@ -231,6 +240,15 @@ class Engine:
         if runner.proposer.verifier == "tree" and params.logprobs is not None:
             raise ValueError("add_request: SamplingParams.logprobs needs chain drafts (DecoderConfig.tree=None)")
         scheduler = self._scheduler
+        matcher = None
+        if params.structured_outputs is not None:
+            if scheduler.grammars is None or not runner.has_controls:
+                raise ValueError("add_request: SamplingParams.structured_outputs needs Engine(tokenizer=...) and a "
+                                 "decoder on one device (not a mesh)")
+            try:
+                matcher = scheduler.grammars.matcher(params.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"add_request: {e}") from None
         with runner.lock:
             if request_id is None:             # never an id given before (nor one the caller uses now)
                 while str(self._next_id) in scheduler.requests:
@@ -252,7 +270,7 @@ class Engine:
             keys = (stream_keys(params.seed) if params.seed is not None
                     else self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32).view(np.int32))
             scheduler.add(Request(request_id, prompt, params, sampling, keys, stops, runner.new_request_id(),
-                                  np.zeros(runner.proposer.max_depth, np.int64)))
+                                  np.zeros(runner.proposer.max_depth, np.int64), matcher=matcher))
             self.stats.prompt_tokens += len(prompt)
         return request_id
 
@@ -323,10 +341,11 @@ class Engine:
             return outputs
 
     def warmup(self, max_num_seqs: int, max_len: int, *, temperatures: float | Sequence[float] = (0.0, 1.0),
-               logprobs: bool = False, progress: bool = False) -> int:
+               logprobs: bool = False, structured_output: bool = False, progress: bool = False) -> int:
         """``SpeculativeDecoder.warmup`` for this engine's steps: up to ``max_num_seqs`` requests of up to
         ``max_len`` positions; ``temperatures``: 0 compiles the all-greedy steps, > 0 the sampled ones
-        (any mix of requests); ``logprobs``: also the steps of requests asking for log-probabilities.
-        Returns the XLA compilations."""
+        (any mix of requests); ``logprobs``: also the steps of requests asking for log-probabilities;
+        ``structured_output``: also those of requests with ``structured_outputs``. Returns the XLA
+        compilations."""
         return self.runner.warmup(min(max_num_seqs, self.max_num_seqs), max_len, temperatures=temperatures,
-                                  logprobs=logprobs, progress=progress)
+                                  logprobs=logprobs, structured_output=structured_output, progress=progress)

@@ -32,7 +32,8 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
         static_argnames=("backend",), name="prefill_step", donate_argnames=("target_cache", "draft_cache"), **common)
     decode = ExecutableCache(
         placement.step(make_decode_step(target, draft, config.block_size, verifier)),
-        pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch")},
+        pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch"),
+              "grammar": Pad("batch", fill=-1)},
         bucketed_statics={"k": k_values}, static_argnames=("greedy", "logprobs", "backend", "packed_k"),
         name="decode_step", donate_argnames=("target_cache", "draft_cache", "controls"), **common)
     return prefill, decode

@@ -28,11 +28,12 @@ class RequestOutput:
       new_token_ids: the tokens this step emitted; token_ids: every token generated so far (a stop
         token included).
       finished: whether the request ended; finish_reason: "length" (max_tokens), "stop" (an eos or
-        stop token), "abort", or None while it runs.
+        stop token, or its structured output complete), "abort", or None while it runs.
       num_draft_tokens, num_accepted_tokens: drafts verified and accepted so far;
         num_accepted_per_pos: accepted drafts so far at each draft position (1, 2, ...).
       logprobs: one ``TokenLogprob`` per new token when the request asked for them, else None.
       num_cached_tokens: prompt tokens served from the prefix cache, not computed (vLLM's name).
+      stop_token_id: the eos or stop token that ended the request (its last token), else None.
     """
 
     request_id: str
@@ -45,3 +46,4 @@ class RequestOutput:
     num_accepted_per_pos: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None
     num_cached_tokens: int = 0
+    stop_token_id: int | None = None

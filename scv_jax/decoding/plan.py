@@ -75,6 +75,8 @@ class DecodeWork:
       greedy: every request greedy; logprobs: some request asks for log-probabilities.
       kind: "greedy" or "sampling" (the controller that chose k and learns from the step).
       catch_up: the draft-only prefill to run before the step (lagging drafts), or None.
+      grammar: int32[B, step_k + 1, ceil(V / 32)] structured output's token masks at each position
+        (``decoding.grammar``; -1: every token), or None when no request is constrained.
     """
 
     rows: np.ndarray
@@ -86,6 +88,7 @@ class DecodeWork:
     logprobs: bool
     kind: str
     catch_up: "PrefillWork | None" = None
+    grammar: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -245,9 +245,11 @@ class StepRunner:
         rows, step_k, num_drafts = work.rows, work.drafts.step_k, work.drafts.num_drafts
         width = int(batch.num_blocks[rows].max())
         planning = time.perf_counter()
-        plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, logprobs=work.logprobs)
+        constrained = work.grammar is not None
+        plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, logprobs=work.logprobs,
+                                grammar=constrained)
         size = plan.padded["batch"] or layout.size
-        packed_k = 0 if work.logprobs else self._packed_k(num_drafts, size, step_k)
+        packed_k = 0 if work.logprobs or constrained else self._packed_k(num_drafts, size, step_k)
         if packed_k:
             plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, packed_k=packed_k)
         started += time.perf_counter() - planning
@@ -261,6 +263,9 @@ class StepRunner:
             inputs["request_mask"][layout.rows] = True
         if self.has_controls:
             inputs["controls"] = self._take_controls()
+        if constrained:
+            inputs["grammar"] = np.full((size, *work.grammar.shape[1:]), -1, np.int32)
+            inputs["grammar"][layout.rows] = work.grammar
         dispatched = time.perf_counter()
         outputs = self._call(self.decode_executable, stats, use_draft=self.uses_draft(step_k),
                              plan=plan, **inputs)
@@ -286,15 +291,16 @@ class StepRunner:
 
     # ------------------------------------------------------------------ plans
     def decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool, *,
-                    logprobs: bool = False, packed_k: int = 0) -> BucketPlan:
+                    logprobs: bool = False, packed_k: int = 0, grammar: bool = False) -> BucketPlan:
         """The decode executable's bucket for a step's sizes (planned once per shape); ``masked``: the
-        step gives its own request mask (a batch laid out over a mesh's data shards)."""
-        key = (batch, width, k, greedy, logprobs, masked, packed_k)
+        step gives its own request mask (a batch laid out over a mesh's data shards); ``grammar``: it
+        gives structured output's masks."""
+        key = (batch, width, k, greedy, logprobs, masked, packed_k, grammar)
         plan = self._plans.get(key)
         if plan is None:
             given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self.uses_draft(k) else ()) \
                 + (("drafts",) if self.proposer.host is not None else ()) + (("request_mask",) if masked else ()) \
-                + (("controls",) if self.has_controls else ())
+                + (("controls",) if self.has_controls else ()) + (("grammar",) if grammar else ())
             plan = self._plans[key] = self.decode_executable.plan_sizes(
                 {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, logprobs=logprobs,
                 backend=self.config.backend, packed_k=packed_k)
@@ -381,7 +387,8 @@ class StepRunner:
 
     # ------------------------------------------------------------------ warm-up
     def warmup(self, batch_sizes: int | Sequence[int], max_len: int, *,
-               temperatures: float | Sequence[float] = 0.0, logprobs: bool = False, progress: bool = False) -> int:
+               temperatures: float | Sequence[float] = 0.0, logprobs: bool = False, structured_output: bool = False,
+               progress: bool = False) -> int:
         """Compiles ahead of time every executable that ``generate`` runs for up to ``max(batch_sizes)``
         requests at once (its ``max_num_seqs``, or its number of prompts) of up to ``max_len`` positions
         (prompt + max_new_tokens - 1) at ``temperatures`` (0: the steps of all-greedy batches; > 0: those
@@ -389,7 +396,8 @@ class StepRunner:
         k's decode step at every batch bucket and block-table width up to those sizes' (a batch shrinks
         as requests finish and admits waiting ones in smaller groups; a request's width grows with it),
         with ``packed_verify`` each k's packed steps, with ``logprobs`` the (dense) steps of batches
-        with a request asking for log-probabilities, and the draft's catch-up prefill when k = 0 can
+        with a request asking for log-probabilities, with ``structured_output`` the (dense) steps of
+        batches with a request with ``SamplingParams.structured_outputs``, and the draft's catch-up prefill when k = 0 can
         be chosen or prefix caching tops up a finished request's draft rows. Counts the executables
         before compiling them (with
         ``progress``: one line on stderr, then one per executable); returns the executables XLA compiled or
@@ -408,6 +416,8 @@ class StepRunner:
         if logprobs and self.proposer.verifier == "tree":
             raise ValueError("warmup: logprobs needs chain drafts (DecoderConfig.tree=None): a tree decoder's "
                              "requests cannot ask for log-probabilities")
+        if structured_output and not self.has_controls:
+            raise ValueError("warmup: structured_output needs a decoder on one device (not a mesh)")
         kinds = sorted({t == 0 for t in temperatures}, reverse=True)     # greedy first
         # a running batch never exceeds the largest bucket (``generate``)
         batch_bucket = self.decode_executable.bucket("batch", min(max(sizes), self.decode_executable.dims["batch"].largest))
@@ -416,10 +426,10 @@ class StepRunner:
             raise ValueError(f"warmup: max_len {max_len} exceeds DecoderConfig.max_seq_len {cfg.max_seq_len}")
         fits = lambda s: s["batch"] <= batch_bucket and s["blocks"] <= block_bucket  # noqa: E731
         with self.lock:
-            return self._warmup(fits, batch_bucket, block_bucket, kinds, logprobs, progress)
+            return self._warmup(fits, batch_bucket, block_bucket, kinds, logprobs, structured_output, progress)
 
     def _warmup(self, fits: Callable[[dict[str, int]], bool], batch_bucket: int, block_bucket: int,
-                kinds: list[bool], logprobs: bool, progress: bool) -> int:
+                kinds: list[bool], logprobs: bool, structured_output: bool, progress: bool) -> int:
         cfg = self.config
         target_cache, draft_cache = self.caches.take()
         tables = np.zeros((1, 1), np.int32)
@@ -448,6 +458,9 @@ class StepRunner:
                     calls.append((self.decode_executable, {**models_k, **step, "packed_k": packed_k}))
                 if logprobs:
                     calls.append((self.decode_executable, {**models_k, **step, "logprobs": True}))
+                if structured_output:
+                    grammar = np.full((1, k + 1, (self.vocab_size + 31) // 32), -1, np.int32)
+                    calls.append((self.decode_executable, {**models_k, **step, "grammar": grammar}))
         pending = [len(executable.pending(**args)) for executable, args in calls]
         if progress:
             batches = [b for b in self.decode_executable.dims["batch"].sizes if b <= batch_bucket]
@@ -456,7 +469,8 @@ class StepRunner:
             print(f"warm-up: {sum(pending)} executables to compile: {decode} decode steps (k {self.step_ks} x "
                   f"batch buckets {tuple(batches)} x block-table widths {tuple(widths)} x "
                   f"{' and '.join('greedy' if greedy else 'sampled' for greedy in kinds)}"
-                  f"{' x packed_k' if self.packed_ks else ''}{' x logprobs' if logprobs else ''}), "
+                  f"{' x packed_k' if self.packed_ks else ''}{' x logprobs' if logprobs else ''}"
+                  f"{' x structured output' if structured_output else ''}), "
                   f"{sum(pending) - decode} prefills",
                   file=sys.stderr, flush=True)
         with CompileCounter() as compiles:

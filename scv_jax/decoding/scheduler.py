@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Protocol, Sequence
+import logging
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from scv_jax.decoding.grammar import Grammars
 from scv_jax.decoding.outputs import FinishReason, RequestOutput, TokenLogprob
-from scv_jax.decoding.plan import DecodeWork, Observation, PrefillWork, SamplingColumn, StepResult
+from scv_jax.decoding.plan import DecodeWork, Drafts, Observation, PrefillWork, SamplingColumn, StepResult
 from scv_jax.decoding.positions import catch_up_rows
 from scv_jax.decoding.proposers.base import Proposer
 from scv_jax.decoding.proposers.ngram import UnverifiedProposals
@@ -68,11 +70,14 @@ class Request:
     num_cached_tokens: int = 0      # prompt tokens its first admission found in the prefix cache
     token_ids: list[int] = dataclasses.field(default_factory=list)      # generated so far
     drafted: int = 0
+    matcher: Any = None             # its structured output's grammar state (an llguidance LLMatcher), at token_ids
 
     def output(self, new: list[int], reason: FinishReason | None, logprobs=None) -> RequestOutput:
+        stop_token = self.token_ids[-1] if reason == "stop" and self.token_ids[-1:] and \
+            self.token_ids[-1] in self.stops else None
         return RequestOutput(self.request_id, tuple(new), tuple(self.token_ids), reason is not None, reason,
                              self.drafted, int(self.accepted_at.sum()), tuple(self.accepted_at.tolist()), logprobs,
-                             self.num_cached_tokens)
+                             self.num_cached_tokens, stop_token)
 
 
 def step_budget(budget: np.ndarray, requests: list[Request]) -> np.ndarray:
@@ -91,13 +96,15 @@ class Scheduler:
     ``batch``: the running requests' rows; ``pools``: the KV block pools; ``proposer``: the drafter's host
     half; ``controllers``: {"greedy" | "sampling": controller} (empty: ``k`` always); ``max_num_seqs``:
     the most requests running; ``per_shard``: the most on one data shard; ``max_num_batched_tokens``: the
-    tokens a step computes; ``prefill_chunk``: the prompt tokens per request of one prefill call.
+    tokens a step computes; ``prefill_chunk``: the prompt tokens per request of one prefill call;
+    ``grammars``: structured output's masks (``grammar.Grammars``; None: no request is constrained).
     """
 
     def __init__(self, batch: RequestBatch, pools: BlockPools, proposer: Proposer,
                  controllers: dict[str, Controller], *, k: int, max_num_seqs: int, per_shard: int,
-                 max_num_batched_tokens: int, prefill_chunk: int):
+                 max_num_batched_tokens: int, prefill_chunk: int, grammars: Grammars | None = None):
         self.batch, self._pools, self.proposer, self._controllers = batch, pools, proposer, controllers
+        self.grammars = grammars
         self._k, self.max_num_seqs, self._per_shard = k, max_num_seqs, per_shard
         self.max_num_batched_tokens, self._chunk = max_num_batched_tokens, prefill_chunk
         self.requests: dict[str, Request] = {}             # waiting and running, by id
@@ -281,14 +288,38 @@ class Scheduler:
         budget = step_budget(state.budget[rows], requests)  # tokens each may emit now (num_speculative_tokens)
         k = self.proposer.depth_for(self._choose_k(kind, computed_rows, requests, budget))
         caps = np.minimum(budget - 1, k)                    # never draft past a request's budget
+        constrained = np.array([i for i, r in enumerate(requests) if r.matcher is not None], np.int64)
+        if constrained.size and not self.proposer.host_chains:
+            caps[constrained] = 0           # drafts made on the device cannot be masked before they are verified
         views = self._token_views(rows) if self.proposer.host is not None else []   # host drafters read them
         drafts = self.proposer.drafts(request_ids, views, caps)
+        grammar = None
+        if constrained.size:
+            drafts, grammar = self._grammar_masks(requests, constrained, drafts)
         catch_up = None
         if self.proposer.has_draft_model and drafts.step_k and state.may_lag:
             catch_up = self._catch_up(rows)
         state.ensure(rows, state.length[rows] + drafts.num_drafts)
         logprobs = any(r.params.logprobs is not None for r in requests)
-        return DecodeWork(rows, request_ids, k, caps, drafts, greedy, logprobs, kind, catch_up)
+        return DecodeWork(rows, request_ids, k, caps, drafts, greedy, logprobs, kind, catch_up, grammar)
+
+    def _grammar_masks(self, requests: list[Request], constrained: np.ndarray, drafts: Drafts
+                       ) -> tuple[Drafts, np.ndarray]:
+        """The step's drafts with the constrained requests' chains cut where their grammar forbids a
+        draft, and int32[B, step_k + 1, W] the masks at each position (-1: every token; ``grammar``)."""
+        grammars, positions = self.grammars, drafts.step_k + 1
+        chains = [drafts.host[i] if self.proposer.host_chains else [] for i in constrained.tolist()]
+        ignored = [[t for t in grammars.eos_ids if t not in requests[i].stops] for i in constrained.tolist()]
+        cut, masks = grammars.step_masks([requests[i].matcher for i in constrained.tolist()], chains, positions,
+                                         ignored)
+        grammar = np.full((len(requests), positions, masks.shape[2]), -1, np.int32)
+        grammar[constrained] = masks
+        if not self.proposer.host_chains:
+            return drafts, grammar
+        host, num_drafts = list(drafts.host), drafts.num_drafts.copy()
+        for i, chain in zip(constrained.tolist(), cut):
+            host[i], num_drafts[i] = chain, len(chain)
+        return dataclasses.replace(drafts, num_drafts=num_drafts, host=host), grammar
 
     def _catch_up(self, rows: np.ndarray) -> PrefillWork | None:
         """Before a step that runs the draft: the tokens k = 0 steps left out of the draft cache
@@ -343,6 +374,8 @@ class Scheduler:
         requests = [self.running[row] for row in rows.tolist()]
         lag = state.lag[rows]
         appended, done, stopped = state.advance(rows, result.output_token_ids, result.num_emitted)
+        if work.grammar is not None:
+            self._advance_grammars(requests, appended, done, stopped)
         state.lag[rows] = self.proposer.lag_after_step(lag, result.num_accepted, step_k)
         state.may_lag |= step_k == 0
         outputs = self._outputs(requests, appended, done, stopped, result)
@@ -358,6 +391,23 @@ class Scheduler:
                                          self._controller_ids(requests), int(work.caps.max(initial=0)))
         self._finished = rows[done]
         return outputs
+
+    def _advance_grammars(self, requests: list[Request], appended: np.ndarray, done: np.ndarray,
+                          stopped: np.ndarray) -> None:
+        """Moves each constrained request's grammar over its new tokens; one whose grammar is complete
+        is done now, ended by a stop (``done`` and ``stopped`` are updated in place)."""
+        state = self.batch
+        for i, request in enumerate(requests):
+            matcher = request.matcher
+            if matcher is None or done[i]:
+                continue
+            row, count = request.row, int(appended[i])
+            new = state.tokens[row, state.length[row] - count:state.length[row]].tolist()
+            if not matcher.consume_tokens(new):     # the masks allow no such token: a fault, never silent
+                logging.getLogger(__name__).error("request %s: its grammar refused its tokens %s (%s); ending it",
+                                                  request.request_id, new, matcher.get_error())
+            if matcher.is_stopped():
+                done[i] = stopped[i] = True
 
     def _register(self, rows: np.ndarray) -> None:
         """Caches the blocks of ``rows`` now full in every cache: the target holds all but the pending

@@ -22,6 +22,8 @@ verifier's for every verifier. No cache receives a rejected token's K/V. The hos
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from scv_jax.decoding.device_step import ControlState, SplitModel, step_inputs
 from scv_jax.decoding.verifiers import Verifier
 from scv_jax.ops.sampling.api import token_logprobs
@@ -29,9 +31,15 @@ from scv_jax.sampling_params import MAX_LOGPROBS
 
 
 
-def _check(verifier: Verifier, drafts, draft_params, *, k: int, logprobs: bool, packed_k: int) -> None:
+def _check(verifier: Verifier, drafts, draft_params, controls, grammar, *, k: int, logprobs: bool,
+           packed_k: int) -> None:
     """The step's arguments, checked while tracing (one-line ValueErrors naming the argument)."""
     verifier.check(k=k, logprobs=logprobs, packed_k=packed_k)
+    if grammar is not None:
+        words = None if controls is None else (controls.bias.shape[1] + 31) // 32
+        if controls is None or grammar.dtype != jnp.int32 or grammar.shape[1:] != (k + 1, words):
+            raise ValueError(f"decode_step: grammar must be int32[B, k + 1, ceil(V / 32)] with controls given "
+                             f"(k={k}, words={words}), got {grammar.dtype}{list(grammar.shape)}")
     if k and drafts is None and draft_params is None:
         raise ValueError("decode_step: k > 0 needs draft_params (a draft model) or drafts")
     if drafts is not None and draft_params is not None:
@@ -47,7 +55,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
     k = 0)."""
 
     def decode_step(target_params, draft_params, target_cache, draft_cache, block_tables, rows, sampling,
-                    drafts=None, request_mask=None, controls: ControlState | None = None, *, k: int, greedy: bool,
+                    drafts=None, request_mask=None, controls: ControlState | None = None, grammar=None, *, k: int,
+                    greedy: bool,
                     logprobs: bool = False, backend: str = "auto", packed_k: int = 0):
         """One decoding step of B requests (see ``scv_jax.decoding.positions``).
 
@@ -66,6 +75,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           request_mask: bool[B], False = padding.
           controls: the decoder's ``ControlState`` (donated; request b's row ``StepRow.SLOT``), or None:
             no logit controls (penalties, biases, masks, min_tokens).
+          grammar: int32[B, k + 1, ceil(V / 32)] structured output's token masks at each position
+            (``LogitControls.grammar``; needs ``controls``), or None.
           k: drafts computed per request (static; a tree's node count); greedy: every request greedy
             (static: the argmax fused into the acceptance; False verifies each request against its
             filtered distribution).
@@ -79,9 +90,9 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           [B, k + 1] emitted tokens (-inf past each request's last; of the target's raw logits, as
           vLLM's), with ``controls`` then the ``ControlState`` with the emitted tokens recorded.
         """
-        _check(verifier, drafts, draft_params, k=k, logprobs=logprobs, packed_k=packed_k)
+        _check(verifier, drafts, draft_params, controls, grammar, k=k, logprobs=logprobs, packed_k=packed_k)
         stages = verifier.stages(k)
-        inputs = step_inputs(rows, request_mask, sampling, controls)
+        inputs = step_inputs(rows, request_mask, sampling, controls, grammar)
         draft_model = None if draft_params is None or not (k or stages.every_step) else draft.merge(draft_params)
         proposal = stages.propose(draft_model, drafts if k else None, draft_cache, block_tables, inputs, sampling,
                                   k=k, greedy=greedy, backend=backend)

@@ -39,6 +39,10 @@ class Tokenizer:
             raise ValueError(f"Tokenizer.decode: token id {bad[0]} outside [0, vocab_size={self.vocab_size})")
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (what a grammar engine reads its vocabulary from)."""
+        return self._backend.to_str()
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary's string of ``token_id`` (e.g. "Ġthe" in a byte-level vocabulary), or None."""
         return self._backend.id_to_token(int(token_id))

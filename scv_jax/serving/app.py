@@ -124,8 +124,7 @@ class _Run:
         now = time.monotonic()
         new = output.new_token_ids
         # a stop token (eos, stop_token_ids) ends the output: counted, its text not emitted (as vLLM)
-        stop_token = output.finished and output.finish_reason == "stop" and bool(new) \
-            and not self.body.include_stop_str_in_output
+        stop_token = output.stop_token_id is not None and bool(new) and not self.body.include_stop_str_in_output
         update = self.stream.add(new[:-1] if stop_token else new)
         used = new if stop_token and not update.stopped else new[:update.num_tokens]
         if used:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scv_jax.sampling_params import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, SamplingParams
+from scv_jax.sampling_params import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, SamplingParams, StructuredOutputsParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -49,7 +49,8 @@ def _only(*accepted: Any, why: str = "is not implemented by this server") -> Uns
     return Unsupported((None, *accepted), why)
 
 
-_STRUCTURED = "structured output is not implemented"
+_STRUCTURED_BACKEND = "structured output runs on llguidance only"
+_WHITESPACE = "JSON is generated compactly (no free whitespace)"
 _TOOLS = "tool calls are not implemented"
 _MULTIMODAL = "the server serves text only"
 _Json = dict[str, Any] | None
@@ -89,7 +90,7 @@ class BaseRequest(BaseModel):
     n: Annotated[int | None, _only(1, why="must be 1 (one choice per request)")] = 1
     best_of: Annotated[int | None, _only(1, why="must be 1 (one choice per request)")] = None
     echo: Annotated[bool | None, _only(False)] = False
-    response_format: Annotated[_Json, _only({"type": "text"}, why=_STRUCTURED)] = None
+    response_format: _Json = None
     # vLLM, honoured
     top_k: int | None = None
     min_p: float | None = None
@@ -108,13 +109,13 @@ class BaseRequest(BaseModel):
     spaces_between_special_tokens: Annotated[bool | None, _only(True)] = True
     truncate_prompt_tokens: Annotated[int | None, _only()] = None
     prompt_logprobs: Annotated[int | None, _only()] = None
-    guided_json: Annotated[str | dict[str, Any] | None, _only(why=_STRUCTURED)] = None
-    guided_regex: Annotated[str | None, _only(why=_STRUCTURED)] = None
-    guided_choice: Annotated[list[str] | None, _only(why=_STRUCTURED)] = None
-    guided_grammar: Annotated[str | None, _only(why=_STRUCTURED)] = None
-    guided_decoding_backend: Annotated[str | None, _only(why=_STRUCTURED)] = None
-    guided_whitespace_pattern: Annotated[str | None, _only(why=_STRUCTURED)] = None
-    structured_outputs: Annotated[_Json, _only(why=_STRUCTURED)] = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Annotated[str | None, _only("llguidance", "auto", why=_STRUCTURED_BACKEND)] = None
+    guided_whitespace_pattern: Annotated[str | None, _only(why=_WHITESPACE)] = None
+    structured_outputs: _Json = None
     priority: Annotated[int | None, _only(0, why="priority scheduling is not implemented")] = 0
     request_id: Annotated[str | None, _only()] = None
     logits_processors: Annotated[list[Any] | None, _only([])] = None
@@ -141,6 +142,9 @@ class BaseRequest(BaseModel):
 
     def field_of(self, name: str) -> str:
         """The request field that a ``SamplingParams`` (or the engine's) ``name`` comes from."""
+        if name == "structured_outputs":
+            return next((field for field in ("response_format", "structured_outputs", *_GUIDED)
+                         if getattr(self, field, None) is not None), name)
         return {"max_tokens": self.max_tokens_field(), "logprobs": self.LOGPROBS_FIELD,
                 "prompt": self.PROMPT_FIELD, "bad_words_token_ids": "bad_words"}.get(name, name)
 
@@ -202,7 +206,7 @@ class ChatRequest(BaseRequest):
     chat_template_kwargs: Annotated[_Json, _only({})] = None
     documents: Annotated[list[Any] | None, _only([])] = None
     mm_processor_kwargs: Annotated[_Json, _only({}, why=_MULTIMODAL)] = None
-    structural_tag: Annotated[str | None, _only(why=_STRUCTURED)] = None
+    structural_tag: Annotated[str | None, _only(why="structural tags are not implemented (use tools)")] = None
     include_reasoning: bool | None = None     # accepted: the served model does not reason
 
     def check(self) -> None:
@@ -312,13 +316,52 @@ def sampling_params(request: BaseRequest, max_tokens: int, logprobs: int | None,
                   repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
                   logit_bias=_logit_bias(request), allowed_token_ids=request.allowed_token_ids,
                   bad_words_token_ids=bad_words_token_ids(request.bad_words, encode) if request.bad_words else (),
-                  min_tokens=request.min_tokens or 0, num_speculative_tokens=request.num_speculative_tokens)
+                  min_tokens=request.min_tokens or 0, num_speculative_tokens=request.num_speculative_tokens,
+                  structured_outputs=structured_outputs(request))
     try:
         return SamplingParams(**fields)
     except (ValueError, TypeError) as e:
         match = re.match(r"SamplingParams\.(\w+)", str(e))
         message = str(e).replace("SamplingParams.", "", 1) if match else str(e)
         raise ApiError(400, message, request.field_of(match.group(1)) if match else None) from None
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def structured_outputs(request: BaseRequest) -> StructuredOutputsParams | None:
+    """The request's output constraint from OpenAI's ``response_format`` (``json_object``, ``json_schema``)
+    or vLLM's ``structured_outputs`` / ``guided_*`` fields (at most one of them); a bad one is a 400
+    naming the field."""
+    given = {name: getattr(request, name) for name in ("response_format", "structured_outputs", *_GUIDED)
+             if getattr(request, name) not in (None, {"type": "text"})}
+    if not given:
+        return None
+    if len(given) > 1:
+        names = sorted(given)
+        raise ApiError(400, f"{names[0]} and {names[1]}: give at most one output constraint", names[1])
+    (name, value), = given.items()
+    try:
+        if name == "response_format":
+            kind = value.get("type")
+            if kind == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if kind != "json_schema":
+                raise ValueError(f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+            spec = value.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise ValueError("json_schema must be an object with a 'schema' object")
+            return StructuredOutputsParams(json=spec.get("schema", {}))
+        if name == "structured_outputs":
+            unknown = sorted(set(value) - set(_STRUCTURED_KEYS))
+            if unknown:
+                raise ValueError(f"unknown key {unknown[0]!r} (known: {', '.join(_STRUCTURED_KEYS)})")
+            return StructuredOutputsParams(**{key: value[key] for key in _STRUCTURED_KEYS if key in value})
+        return StructuredOutputsParams(**{_GUIDED[name]: value})
+    except (ValueError, TypeError) as e:
+        message = str(e).replace("SamplingParams.structured_outputs must be ", "must be ")
+        raise ApiError(400, f"{name}: {message}", name) from None
 
 
 def engine_refusal(request: BaseRequest, message: str) -> ApiError:

@@ -91,9 +91,9 @@ def pool_blocks(args: argparse.Namespace, cached_models: list, max_model_len: in
                 f"demand (--max-num-seqs {args.max_num_seqs})")
 
 
-def make_engine(args: argparse.Namespace, dirs: Checkpoints) -> Served:
-    """The ``Engine`` of ``args`` with the models of ``dirs`` (not warmed up). Raises ValueError naming
-    the flag for a bad one."""
+def make_engine(args: argparse.Namespace, dirs: Checkpoints, tokenizer=None) -> Served:
+    """The ``Engine`` of ``args`` with the models of ``dirs`` (not warmed up), ``tokenizer`` for structured
+    output (None: none). Raises ValueError naming the flag for a bad one."""
     from scv_jax.decoding.config import DecoderConfig
     from scv_jax.launch import check_memory, load_models
     from scv_jax.models.hf import eos_token_ids
@@ -121,7 +121,7 @@ def make_engine(args: argparse.Namespace, dirs: Checkpoints) -> Served:
     from scv_jax import Engine
 
     engine = Engine(models.target, models.drafter, config=config, mesh=mesh,
-                    eos_token_id=eos_token_ids(dirs.model) or None)
+                    eos_token_id=eos_token_ids(dirs.model) or None, tokenizer=tokenizer)
     return Served(engine, max_model_len, models.target.config.vocab_size)
 
 
@@ -169,7 +169,7 @@ def serve(args: argparse.Namespace) -> int:
     dirs = checkpoints(args)
     tokenizer = load_tokenizer(dirs.model)
     chat_template = load_chat_template(dirs.model)
-    served = make_engine(args, dirs)
+    served = make_engine(args, dirs, tokenizer)
     if tokenizer.vocab_size > served.vocab_size:
         raise ValueError(f"--model {args.model}: its tokenizer has {tokenizer.vocab_size} ids, the model's "
                          f"vocab_size is {served.vocab_size}")

@@ -130,4 +130,5 @@ class FakeEngine:
         logprobs = None if p.logprobs is None else tuple(
             TokenLogprob(t, -0.25, tuple((t + j, -0.25 - j) for j in range(p.logprobs))) for t in new)
         return RequestOutput(request.request_id, tuple(new), tuple(request.tokens), reason is not None, reason,
-                             request.drafted, request.accepted, tuple(request.per_pos), logprobs)
+                             request.drafted, request.accepted, tuple(request.per_pos), logprobs,
+                             stop_token_id=new[-1] if reason == "stop" else None)
