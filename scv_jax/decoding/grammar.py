@@ -71,7 +71,10 @@ class Grammars:
                 "id": end, "content": "<|scv_jax_grammar_end|>", "single_word": False, "lstrip": False,
                 "rstrip": False, "normalized": False, "special": True}]
             tokenizer_json, eos, self._never = json.dumps(spec), [end], (end,)
-        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=eos)
+        try:
+            self._tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=eos)
+        except ValueError as e:
+            raise ValueError(f"Engine: llguidance cannot read the tokenizer ({e})") from None
         self._words = mask_words(self._tokenizer.vocab_size)
 
     def matcher(self, params: StructuredOutputsParams) -> Any:

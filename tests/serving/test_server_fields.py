@@ -49,11 +49,10 @@ def test_every_field_of_the_openai_client_is_declared(params, model):
 
 REFUSED = [
     (path, field, value) for path in (COMPLETIONS, CHAT) for field, value in [
-        ("n", 2), ("best_of", 3), ("echo", True), ("response_format", {"type": "json_object"}),
+        ("n", 2), ("best_of", 3), ("echo", True),
         ("length_penalty", 0.5), ("use_beam_search", True), ("skip_special_tokens", False),
         ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("prompt_logprobs", 1),
-        ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-        ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"regex": "a"}),
+        ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " *"),
         ("priority", 1), ("request_id", "mine"), ("logits_processors", ["m.P"]), ("return_token_ids", True),
         ("return_tokens_as_token_ids", True), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
     ]

@@ -1,0 +1,233 @@
+"""Structured output (``SamplingParams.structured_outputs``, llguidance) in the engine, on the tiny target
+with a 16-character vocabulary: constrained autoregressive greedy decoding equals an oracle (argmax of
+the target's logits over the tokens a fresh grammar allows); constrained speculative greedy decoding
+(n-gram drafts, a draft model, trees) equals it token for token, every output valid; a draft the
+grammar forbids cuts the chain there; sampled tokens 1 and 2 follow the masked target distribution
+(chi-square) in batches mixing constrained and plain requests, nothing compiling after warm-up;
+``Grammars.step_masks`` equals llguidance's masks along each chain; bad constraints get one line."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from tokenizers import Tokenizer, decoders as token_decoders, models, pre_tokenizers
+
+from scv_jax import DecoderConfig, Engine, HostDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
+from scv_jax import StructuredOutputsParams as Structured
+from scv_jax.decoding.grammar import Grammars, allowed
+from scv_jax.graph.compile_counter import CompileCounter
+from tests.decoding.common import SMALL
+from tests.decoding.test_engine import run, target_logits, tokens  # noqa: F401 (a fixture)
+from tests.decoding.test_tree_decoding import TREE_CONFIG
+from tests.models.fixtures import TINY
+from tests.ops.sampling.oracle import fits
+
+CHARS = '{}":,[]ab12yesno'          # token i is CHARS[i]
+assert len(CHARS) == TINY.vocab_size
+K3 = DecoderConfig(**{**vars(SMALL), "k": 3})
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array", "items": {"enum": ["yes", "no"]}, "maxItems": 3}},
+          "required": ["a", "b"], "additionalProperties": False}
+# (json_object is the server tests': its null / true / false need letters this vocabulary lacks)
+CONSTRAINTS = {"json": Structured(json=SCHEMA),
+               "regex": Structured(regex="(ab|ba)+1{2,4}"), "choice": Structured(choice=["yes", "no", "none"]),
+               "lark": Structured(grammar='start: item ("," item)*\nitem: "a" | "b" "1"*')}
+MAX_TOKENS = 24
+
+
+def valid(name: str, text: str, complete: bool) -> bool:
+    """Whether ``text`` satisfies constraint ``name`` (a prefix of it when not ``complete``)."""
+    if name == "json":
+        if not complete:
+            return text.startswith("{")
+        value = json.loads(text)
+        return set(value) == {"a", "b"} and isinstance(value["a"], int) and all(v in ("yes", "no") for v in value["b"])
+    patterns = {"regex": "(ab|ba)+1{2,4}", "choice": "yes|no|none", "lark": '(a|b1*)(,(a|b1*))*'}
+    return bool(re.fullmatch(patterns[name], text)) if complete else True
+
+
+def make_tokenizer() -> Tokenizer:
+    """Byte-level: token i is the character CHARS[i]."""
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(CHARS)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = token_decoders.ByteLevel()
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def decoders(target, partial_draft):
+    return {"target": SpeculativeDecoder(target, None, config=SMALL),
+            "ngram": SpeculativeDecoder(target, NgramDrafter(1, 3), config=K3),
+            "model": SpeculativeDecoder(target, partial_draft, config=K3),
+            "tree": SpeculativeDecoder(target, NgramDrafter(1, 3), config=TREE_CONFIG)}
+
+
+def text(ids) -> str:
+    return "".join(CHARS[t] for t in ids)
+
+
+def oracle(target_logits, tokenizer, prompt: list[int], constraint: Structured) -> list[int]:  # noqa: F811
+    """Greedy decoding of the target under ``constraint`` with llguidance alone, one forward per token."""
+    matcher = Grammars(tokenizer.to_str(), TINY.vocab_size, ()).matcher(constraint)
+    mask = llguidance.numpy.allocate_token_bitmask(1, 17)
+    out: list[int] = []
+    while len(out) < MAX_TOKENS and not matcher.is_stopped():
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+        ok = np.array([allowed(mask[0], t) for t in range(TINY.vocab_size)])
+        token = int(np.argmax(np.where(ok, target_logits(prompt + out), -np.inf)))
+        assert matcher.consume_token(token)
+        out.append(token)
+    return out
+
+
+PROMPTS = [[7, 8, 7, 8, 7], [0, 2, 7, 2, 3], [9, 9, 1, 12]]
+
+
+@pytest.mark.parametrize("drafter", ["target", "ngram", "model", "tree"])
+def test_greedy_constrained_equals_the_oracle(target_logits, tokenizer, decoders, drafter):  # noqa: F811
+    """Every constraint, three prompts each, in one batch with a plain request: greedy outputs equal the
+    llguidance-only oracle's, the constrained ones are valid (complete ones end "stop"), the plain one
+    equals its autoregressive output, and n-gram drafts of constrained requests were verified."""
+    engine = Engine(decoders[drafter], tokenizer=tokenizer)
+    arrivals = [(p, SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=c), f"{name}-{i}")
+                for name, c in CONSTRAINTS.items() for i, p in enumerate(PROMPTS)]
+    arrivals.append((PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS), "plain"))
+    outputs = run(engine, {0: arrivals})
+    for name, constraint in CONSTRAINTS.items():
+        for i, prompt in enumerate(PROMPTS):
+            out = outputs[f"{name}-{i}"][-1]
+            assert list(out.token_ids) == oracle(target_logits, tokenizer, prompt, constraint), (name, i)
+            assert valid(name, text(out.token_ids), out.finish_reason == "stop"), (name, text(out.token_ids))
+            assert out.stop_token_id is None
+    assert tokens(outputs, "plain") == decoders["target"].generate([PROMPTS[0]], MAX_TOKENS).tokens[0]
+    if drafter == "ngram":
+        assert sum(outputs[f"{n}-{i}"][-1].num_accepted_tokens for n in CONSTRAINTS for i in range(3)) > 0
+    if drafter == "model":             # device drafts cannot be masked before verification: none verified
+        assert all(outputs[f"{n}-{i}"][-1].num_draft_tokens == 0 for n in CONSTRAINTS for i in range(3))
+    assert engine.num_free_blocks == engine.num_blocks
+
+
+class Forbidden(HostDrafter):
+    """Proposes ``a`` ``1`` ``a`` every step: under the regex ``(ab)+`` after an ``a`` only ``b`` may follow."""
+
+    def propose(self, request_ids, token_ids, max_drafts):
+        return [[7, 9, 7][:int(n)] for n in max_drafts]
+
+
+def test_a_forbidden_draft_cuts_the_chain(target, tokenizer):
+    """Drafts after the first one the grammar forbids are never verified (one verified draft a step at
+    most: ``a`` where allowed), and the output is the grammar's."""
+    engine = Engine(SpeculativeDecoder(target, Forbidden(), config=K3), tokenizer=tokenizer)
+    engine.add_request([1, 2], SamplingParams(max_tokens=12, structured_outputs=Structured(regex="(ab)+")), "r")
+    steps = []
+    while engine.has_unfinished():
+        steps += engine.step()
+    drafted = [o.num_draft_tokens for o in steps]
+    assert all(b - a <= 1 for a, b in zip([0] + drafted, drafted)) and drafted[-1] > 0
+    assert re.fullmatch("(ab)+", text(steps[-1].token_ids)) or steps[-1].finish_reason == "length"
+
+
+def _masked_distribution(target_logits, prompt, output, ok) -> np.ndarray:  # noqa: F811
+    logits = np.where(ok, target_logits(prompt + output), -np.inf).astype(np.float64)
+    p = np.exp(logits - logits.max())
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("drafter", ["ngram"])
+def test_sampled_tokens_follow_the_masked_target(target_logits, tokenizer, decoders, drafter):  # noqa: F811
+    """Tokens 1 and 2 of 320 seeded requests under ``[ab12]{2}[yes]`` (4 tokens allowed at positions 1
+    and 2) against the target's distribution restricted to them (token 2's after the most frequent token
+    1), beside greedy constrained and plain sampled requests in the same batches; nothing compiles
+    after ``warmup(structured_output=True)``."""
+    engine = Engine(decoders[drafter], tokenizer=tokenizer)
+    engine.warmup(4, SMALL.max_seq_len, structured_output=True)
+    prompt = [7, 8, 7, 8, 7]                                   # the n-gram (8, 7) proposes [8, 7, 8]
+    constraint = Structured(regex="[ab12]{2}[yes]")
+    constrained = SamplingParams(max_tokens=3, temperature=1.0, structured_outputs=constraint)
+    plain = SamplingParams(max_tokens=3, temperature=1.0)
+    greedy = SamplingParams(max_tokens=3, structured_outputs=constraint)
+    count = 320
+    kinds = [greedy if i % 8 == 0 else plain if i % 8 == 1 else constrained for i in range(count)]
+    arrivals = {0: [(prompt, SamplingParams(**{**vars(kind), "seed": i}), str(i)) for i, kind in enumerate(kinds)]}
+    with CompileCounter() as compiles:
+        outputs = run(engine, arrivals, max_steps=count)
+    assert compiles.count == compiles.loads == 0 and engine.stats.compiled == []
+    expected_greedy = oracle(target_logits, tokenizer, prompt, constraint)
+    assert all(tokens(outputs, str(i)) == expected_greedy[:3] for i in range(0, count, 8))
+    sampled = [tokens(outputs, str(i)) for i in range(count) if kinds[i] is constrained]
+    assert all(re.fullmatch("[ab12]{2}[yes]", text(t)) for t in sampled)
+    ok = np.isin(np.arange(TINY.vocab_size), [CHARS.index(c) for c in "ab12"])
+    first_counts = np.bincount([t[0] for t in sampled], minlength=TINY.vocab_size)
+    first = int(first_counts.argmax())
+    second_counts = np.bincount([t[1] for t in sampled if t[0] == first], minlength=TINY.vocab_size)
+    assert fits(first_counts, _masked_distribution(target_logits, prompt, [], ok), min_expected=5)
+    assert fits(second_counts, _masked_distribution(target_logits, prompt, [first], ok), min_expected=5)
+    plain_first = np.bincount([tokens(outputs, str(i))[0] for i in range(1, count, 8)], minlength=TINY.vocab_size)
+    assert not np.isin(np.flatnonzero(plain_first), np.flatnonzero(ok)).all()   # the plain ones were not masked
+    if drafter == "ngram":
+        assert sum(outputs[str(i)][-1].num_accepted_tokens for i in range(count) if kinds[i] is constrained) > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(chain=st.lists(st.integers(0, TINY.vocab_size - 1), max_size=5), prefix=st.sampled_from(["", "{", '{"a":1']),
+       positions=st.integers(1, 6))
+def test_step_masks_are_llguidances_along_the_chain(chain, prefix, positions):
+    """The masks at each position equal a fresh matcher's after the chain's tokens before it; the chain is
+    cut at its first forbidden draft (or one completing the grammar); the matcher is left as it was."""
+    grammars = Grammars(make_tokenizer().to_str(), TINY.vocab_size, ())
+    matcher = grammars.matcher(CONSTRAINTS["json"])
+    assert matcher.consume_tokens([CHARS.index(c) for c in prefix])
+    (cut,), masks = grammars.step_masks([matcher], [chain], positions)
+    fresh = grammars.matcher(CONSTRAINTS["json"])
+    fresh.consume_tokens([CHARS.index(c) for c in prefix])
+    reference = llguidance.numpy.allocate_token_bitmask(1, 17)
+    for j in range(len(cut) + 1):
+        llguidance.numpy.fill_next_token_bitmask(fresh, reference, 0)
+        assert [allowed(masks[0, j], t) for t in range(16)] == [allowed(reference[0], t) for t in range(16)], j
+        if j < len(cut):
+            assert allowed(reference[0], cut[j]) and fresh.consume_token(cut[j]) and not fresh.is_stopped()
+    assert cut == chain[:len(cut)] and len(cut) <= positions - 1
+    if len(cut) < min(len(chain), positions - 1):        # cut where the next draft is forbidden or completes it
+        llguidance.numpy.fill_next_token_bitmask(fresh, reference, 0)
+        nxt = chain[len(cut)]
+        assert not allowed(reference[0], nxt) or (fresh.consume_token(nxt) and fresh.is_stopped())
+    assert (masks[0, len(cut) + 1:] == -1).all()
+    again = llguidance.numpy.allocate_token_bitmask(1, 17)
+    llguidance.numpy.fill_next_token_bitmask(matcher, again, 0)
+    first = llguidance.numpy.allocate_token_bitmask(1, 17)
+    check = grammars.matcher(CONSTRAINTS["json"])
+    check.consume_tokens([CHARS.index(c) for c in prefix])
+    llguidance.numpy.fill_next_token_bitmask(check, first, 0)
+    assert (again == first).all()
+
+
+def test_bad_constraints_get_one_line(target, tokenizer, decoders):
+    engine = Engine(decoders["ngram"], tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"^add_request: SamplingParams.structured_outputs: invalid json: "):
+        engine.add_request([1], SamplingParams(structured_outputs=Structured(json={"type": "nothing"})))
+    with pytest.raises(ValueError, match=r"^add_request: SamplingParams.structured_outputs: invalid regex: "):
+        engine.add_request([1], SamplingParams(structured_outputs=Structured(regex="(a")))
+    with pytest.raises(ValueError, match=r"needs Engine\(tokenizer=...\)"):
+        Engine(decoders["ngram"]).add_request([1], SamplingParams(structured_outputs=Structured(regex="a")))
+    with pytest.raises(ValueError, match=r"^SamplingParams.structured_outputs must be given exactly one of"):
+        Structured(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match=r"^SamplingParams.structured_outputs must be given exactly one of"):
+        Structured()
+    with pytest.raises(TypeError, match=r"choice as a non-empty sequence of non-empty strings"):
+        Structured(choice="ab")
+    with pytest.raises(ValueError, match=r"json as a JSON schema"):
+        Structured(json="{not json")
+    with pytest.raises(TypeError, match=r"^SamplingParams.structured_outputs must be None or a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})
+    with pytest.raises(TypeError, match=r"^Engine: tokenizer must be"):
+        Engine(decoders["ngram"], tokenizer=object())
