@@ -32,7 +32,7 @@ from scv_jax.decoding.grammar import Grammars
 from scv_jax.decoding.outputs import FinishReason, RequestOutput, TokenLogprob
 from scv_jax.decoding.plan import DecodeWork, Drafts, Observation, PrefillWork, SamplingColumn, StepResult
 from scv_jax.decoding.positions import catch_up_rows
-from scv_jax.decoding.proposers.base import Proposer
+from scv_jax.decoding.proposers.base import Proposer, smallest_fitting
 from scv_jax.decoding.proposers.ngram import UnverifiedProposals
 from scv_jax.decoding.requests import RequestBatch
 from scv_jax.sampling_params import SamplingParams
@@ -295,7 +295,7 @@ class Scheduler:
         drafts = self.proposer.drafts(request_ids, views, caps)
         grammar = None
         if constrained.size:
-            drafts, grammar = self._grammar_masks(requests, constrained, drafts)
+            drafts, grammar = self._grammar_masks(requests, constrained, drafts, caps)
         catch_up = None
         if self.proposer.has_draft_model and drafts.step_k and state.may_lag:
             catch_up = self._catch_up(rows)
@@ -303,23 +303,34 @@ class Scheduler:
         logprobs = any(r.params.logprobs is not None for r in requests)
         return DecodeWork(rows, request_ids, k, caps, drafts, greedy, logprobs, kind, catch_up, grammar)
 
-    def _grammar_masks(self, requests: list[Request], constrained: np.ndarray, drafts: Drafts
+    def _grammar_masks(self, requests: list[Request], constrained: np.ndarray, drafts: Drafts, caps: np.ndarray
                        ) -> tuple[Drafts, np.ndarray]:
         """The step's drafts with the constrained requests' chains cut where their grammar forbids a
-        draft, and int32[B, step_k + 1, W] the masks at each position (-1: every token; ``grammar``)."""
-        grammars, positions = self.grammars, drafts.step_k + 1
-        chains = [drafts.host[i] if self.proposer.host_chains else [] for i in constrained.tolist()]
+        draft, and int32[B, step_k + 1, W] the masks at each position (-1: every token; ``grammar``).
+        With host chains, the tokens a request's grammar forces next (up to its cap) are its drafts,
+        unless the drafter's chain starts with them and goes further: they are always accepted."""
+        grammars, host_chains = self.grammars, self.proposer.host_chains
+        chains = []
+        for i in constrained.tolist():
+            chain = list(drafts.host[i]) if host_chains else []
+            if host_chains and caps[i] > 0:
+                forced = requests[i].matcher.compute_ff_tokens()[:int(caps[i])]
+                if len(forced) > len(chain) or chain[:len(forced)] != forced:
+                    chain = forced
+            chains.append(chain)
+        step_k = smallest_fitting(self.proposer.step_ks, max(drafts.step_k, *map(len, chains)))
         ignored = [[t for t in grammars.eos_ids if t not in requests[i].stops] for i in constrained.tolist()]
-        cut, masks = grammars.step_masks([requests[i].matcher for i in constrained.tolist()], chains, positions,
+        cut, masks = grammars.step_masks([requests[i].matcher for i in constrained.tolist()], chains, step_k + 1,
                                          ignored)
+        positions = step_k + 1
         grammar = np.full((len(requests), positions, masks.shape[2]), -1, np.int32)
         grammar[constrained] = masks
-        if not self.proposer.host_chains:
+        if not host_chains:
             return drafts, grammar
         host, num_drafts = list(drafts.host), drafts.num_drafts.copy()
         for i, chain in zip(constrained.tolist(), cut):
             host[i], num_drafts[i] = chain, len(chain)
-        return dataclasses.replace(drafts, num_drafts=num_drafts, host=host), grammar
+        return Drafts(num_drafts, step_k, host), grammar
 
     def _catch_up(self, rows: np.ndarray) -> PrefillWork | None:
         """Before a step that runs the draft: the tokens k = 0 steps left out of the draft cache

@@ -118,7 +118,7 @@ def test_greedy_constrained_equals_the_oracle(target_logits, tokenizer, decoders
 
 
 class Forbidden(HostDrafter):
-    """Proposes ``a`` ``1`` ``a`` every step: under the regex ``(ab)+`` after an ``a`` only ``b`` may follow."""
+    """Proposes ``a`` ``1`` ``a`` every step: under the regex ``[ab]+`` (no token forced) ``1`` is forbidden."""
 
     def propose(self, request_ids, token_ids, max_drafts):
         return [[7, 9, 7][:int(n)] for n in max_drafts]
@@ -128,13 +128,31 @@ def test_a_forbidden_draft_cuts_the_chain(target, tokenizer):
     """Drafts after the first one the grammar forbids are never verified (one verified draft a step at
     most: ``a`` where allowed), and the output is the grammar's."""
     engine = Engine(SpeculativeDecoder(target, Forbidden(), config=K3), tokenizer=tokenizer)
-    engine.add_request([1, 2], SamplingParams(max_tokens=12, structured_outputs=Structured(regex="(ab)+")), "r")
+    engine.add_request([1, 2], SamplingParams(max_tokens=12, structured_outputs=Structured(regex="[ab]+")), "r")
     steps = []
     while engine.has_unfinished():
         steps += engine.step()
     drafted = [o.num_draft_tokens for o in steps]
     assert all(b - a <= 1 for a, b in zip([0] + drafted, drafted)) and drafted[-1] > 0
-    assert re.fullmatch("(ab)+", text(steps[-1].token_ids)) or steps[-1].finish_reason == "length"
+    assert re.fullmatch("[ab]+", text(steps[-1].token_ids))
+
+
+class Nothing(HostDrafter):
+    """Never drafts: the drafts of its constrained requests are the tokens their grammar forces."""
+
+    def propose(self, request_ids, token_ids, max_drafts):
+        return [[] for _ in request_ids]
+
+
+def test_forced_tokens_are_drafted_and_accepted(target, tokenizer, target_logits):  # noqa: F811
+    """Under the JSON schema the keys and punctuation are forced: with a drafter that never drafts, those
+    tokens are drafted from the grammar and all accepted, and the output is the oracle's."""
+    engine = Engine(SpeculativeDecoder(target, Nothing(), config=K3), tokenizer=tokenizer)
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["json"]), "r")
+    outputs = run(engine, {})
+    last = outputs["r"][-1]
+    assert list(last.token_ids) == oracle(target_logits, tokenizer, PROMPTS[1], CONSTRAINTS["json"])
+    assert last.num_draft_tokens >= 4 and last.num_accepted_tokens == last.num_draft_tokens     # '{"a":' at least
 
 
 def _masked_distribution(target_logits, prompt, output, ok) -> np.ndarray:  # noqa: F811
