@@ -119,6 +119,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     min_tokens: int = 0
     num_speculative_tokens: int | None = None
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
@@ -180,6 +181,7 @@ class SamplingParams:
         if self.num_speculative_tokens is not None:
             set_("num_speculative_tokens", _integer("num_speculative_tokens", self.num_speculative_tokens,
                                                     "None or an int >= 0", 0))
+        set_("prediction", _token_ids("prediction", self.prediction, "a sequence of ints >= 0"))
 
     @staticmethod
     def _checked_bias(bias: Any) -> tuple[tuple[int, float], ...]:
