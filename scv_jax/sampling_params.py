@@ -177,6 +177,7 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     min_tokens: int = 0
     num_speculative_tokens: int | None = None
+    prediction: tuple[int, ...] = ()
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -239,6 +240,7 @@ class SamplingParams:
         if self.num_speculative_tokens is not None:
             set_("num_speculative_tokens", _integer("num_speculative_tokens", self.num_speculative_tokens,
                                                     "None or an int >= 0", 0))
+        set_("prediction", _token_ids("prediction", self.prediction, "a sequence of ints >= 0"))
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             _fail("structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs, TypeError)
 

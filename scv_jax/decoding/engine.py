@@ -237,6 +237,10 @@ class Engine:
         if (params.controlled or params.min_tokens) and not runner.has_controls:
             raise ValueError("add_request: SamplingParams' penalties, logit_bias, allowed_token_ids, "
                              "bad_words_token_ids and min_tokens need a decoder on one device (not a mesh)")
+        if params.prediction and (runner.proposer.predictions is None or any(t >= vocab for t in params.prediction)):
+            raise ValueError(f"add_request: SamplingParams.prediction needs an engine with a host drafter (n-gram, "
+                             f"suffix or a HostDrafter; not a draft model, an EAGLE head or none) and token ids in "
+                             f"[0, vocab_size={vocab})")
         if runner.proposer.verifier == "tree" and params.logprobs is not None:
             raise ValueError("add_request: SamplingParams.logprobs needs chain drafts (DecoderConfig.tree=None)")
         scheduler = self._scheduler

@@ -33,6 +33,9 @@ class RequestOutput:
         num_accepted_per_pos: accepted drafts so far at each draft position (1, 2, ...).
       logprobs: one ``TokenLogprob`` per new token when the request asked for them, else None.
       num_cached_tokens: prompt tokens served from the prefix cache, not computed (vLLM's name).
+      num_accepted_prediction_tokens, num_rejected_prediction_tokens: of the drafts verified so far, those
+        that came from the request's prediction (``SamplingParams.prediction``) and were accepted /
+        rejected (OpenAI's ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``).
       stop_token_id: the eos or stop token that ended the request (its last token), else None.
     """
 
@@ -46,4 +49,6 @@ class RequestOutput:
     num_accepted_per_pos: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None
     num_cached_tokens: int = 0
+    num_accepted_prediction_tokens: int = 0
+    num_rejected_prediction_tokens: int = 0
     stop_token_id: int | None = None

@@ -57,11 +57,14 @@ class Drafts:
       step_k: the step's static k (drafts computed per request; a tree: its node count); 0 = none.
       host: the drafts made on the host, one entry per request (a chain: a list of token ids; a tree:
         an ``ngram_trie.Trie``), or None when the step's device half drafts (a draft model).
+      predicted: bool[B] whether each request's drafts came from its prediction (predicted outputs), or
+        None when none did.
     """
 
     num_drafts: np.ndarray
     step_k: int
     host: list | None = None
+    predicted: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,13 +71,16 @@ class Request:
     token_ids: list[int] = dataclasses.field(default_factory=list)      # generated so far
     drafted: int = 0
     matcher: Any = None             # its structured output's grammar state (an llguidance LLMatcher), at token_ids
+    prediction_accepted: int = 0    # drafts from its prediction verified and accepted
+    prediction_rejected: int = 0    # ... and rejected
 
     def output(self, new: list[int], reason: FinishReason | None, logprobs=None) -> RequestOutput:
         stop_token = self.token_ids[-1] if reason == "stop" and self.token_ids[-1:] and \
             self.token_ids[-1] in self.stops else None
         return RequestOutput(self.request_id, tuple(new), tuple(self.token_ids), reason is not None, reason,
                              self.drafted, int(self.accepted_at.sum()), tuple(self.accepted_at.tolist()), logprobs,
-                             self.num_cached_tokens, stop_token)
+                             self.num_cached_tokens, self.prediction_accepted, self.prediction_rejected,
+                             stop_token_id=stop_token)
 
 
 def step_budget(budget: np.ndarray, requests: list[Request]) -> np.ndarray:
@@ -149,8 +152,14 @@ class Scheduler:
             request = self.running.pop(row)
             request.row = -1
             self.requests.pop(request.request_id, None)
-            if self.proposer.host is not None:
-                self.proposer.host.finish(request.request_id)
+            self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        """Tells the drafter (and the predictions) that a running request ended or was preempted."""
+        if self.proposer.host is not None:
+            self.proposer.host.finish(request.request_id)
+        if request.params.prediction:
+            self.proposer.predictions.finish(request.request_id)
 
     # ------------------------------------------------------------------ blocks
     def _growth(self, rows: np.ndarray) -> np.ndarray:
@@ -186,8 +195,7 @@ class Scheduler:
         request = self.running.pop(row)
         self.batch.finish(np.array([row], np.int64))
         request.row = -1
-        if self.proposer.host is not None:
-            self.proposer.host.finish(request.request_id)
+        self._forget(request)
         self.waiting.appendleft(request)
         self._unverified = None          # proposals are checked against the rows they were made for
 
@@ -197,7 +205,8 @@ class Scheduler:
         fit beside the running requests' next step (on a mesh, on the data shard with the fewest
         requests), each starting from the cached blocks of its longest cached prefix (``batch.computed``),
         and while this step's token budget has room for their prefill (one at least when none is being
-        prefilled); returns their rows. ``prefill`` then plans their prompts' chunks."""
+        prefilled); a request whose prefix a request being prefilled is about to cache waits for it
+        (``_prefix_pending``); returns their rows. ``prefill`` then plans their prompts' chunks."""
         state, pools = self.batch, self._pools
         admitted = []
         growth = self._shard_growth() if self.waiting else None
@@ -212,6 +221,8 @@ class Scheduler:
             cached = [pool.cached_prefix(hashes) for pool in pools.shards]
             # a cached block no request holds is counted free: taking it costs as much as a new one
             cost = [need - len(hit) + pool.num_unheld(hit) for pool, hit in zip(pools.shards, cached)]
+            if self._prefix_pending(tokens, max(map(len, cached))):
+                break
             load = np.bincount(state.shards[state.active], minlength=len(pools.shards))
             shard = pools.pick(cost, load, growth, self._per_shard)
             if shard is None:
@@ -231,9 +242,29 @@ class Scheduler:
                 self.proposer.host.start(request.request_id, request.prompt)
                 if request.token_ids:
                     self.proposer.host.extend(request.request_id, request.token_ids)
+            if params.prediction:
+                self.proposer.predictions.start(request.request_id, len(request.prompt), params.prediction)
         if admitted:
             self._unverified = None          # proposals are checked against the rows they were made for
         return np.array(admitted, np.int64)
+
+    def _prefix_pending(self, tokens: list[int], cached: int) -> bool:
+        """Whether a request being prefilled shares more full blocks with ``tokens`` (a waiting request's)
+        than the ``cached`` ones its prefix finds now: the waiting request then waits until they are
+        cached rather than compute them again (the siblings of an ``n > 1`` request, prompts that share
+        a long system prompt). False without prefix caching."""
+        state, size = self.batch, self.batch.block_size
+        full = (len(tokens) - 1) // size          # the blocks a request may find cached
+        rows = state.prefilling
+        if state.prefix_root is None or full <= cached or not rows.size:
+            return False
+        probe = np.asarray(tokens[:full * size], np.int32)
+        for row in rows.tolist():
+            limit = min(full, (int(state.length[row]) - 1) // size) * size
+            same = state.tokens[row, :limit] == probe[:limit]
+            if (limit if same.all() else int(np.argmin(same))) // size > cached:
+                return True
+        return False
 
     # ------------------------------------------------------------------ chunked prefill
     def _prefill_room(self) -> int:
@@ -389,7 +420,7 @@ class Scheduler:
             self._advance_grammars(requests, appended, done, stopped)
         state.lag[rows] = self.proposer.lag_after_step(lag, result.num_accepted, step_k)
         state.may_lag |= step_k == 0
-        outputs = self._outputs(requests, appended, done, stopped, result)
+        outputs = self._outputs(work, requests, appended, done, stopped, result)
         self._register(rows)
         if work.kind in self._controllers:
             # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
@@ -451,14 +482,17 @@ class Scheduler:
             self._register(rows)
             self._end(rows.tolist())
 
-    def _outputs(self, requests: list[Request], appended: np.ndarray, done: np.ndarray, stopped: np.ndarray,
-                 result: StepResult) -> list[RequestOutput]:
+    def _outputs(self, work: DecodeWork, requests: list[Request], appended: np.ndarray, done: np.ndarray,
+                 stopped: np.ndarray, result: StepResult) -> list[RequestOutput]:
         """Each request's output of the step (those that emitted or ended), after recording its tokens."""
-        outputs, state, host = [], self.batch, self.proposer.host
+        outputs, state, host, predicted = [], self.batch, self.proposer.host, work.drafts.predicted
         for i, request in enumerate(requests):
             row, count = request.row, int(appended[i])
             request.drafted += int(result.num_verified[i])
             request.accepted_at[:int(result.num_accepted[i])] += 1
+            if predicted is not None and predicted[i]:
+                request.prediction_accepted += int(result.num_accepted[i])
+                request.prediction_rejected += int(result.num_verified[i] - result.num_accepted[i])
             new = state.tokens[row, state.length[row] - count:state.length[row]].tolist()
             request.token_ids += new
             if host is not None and new:

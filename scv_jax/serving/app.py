@@ -1,11 +1,14 @@
 """The endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
 events or not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``, in OpenAI's shapes.
 
-Each request is submitted to the ``EngineLoop`` and its events read from an asyncio queue; a request
-is answered (or its stream started) once the engine took it, so that a request it refuses is a 400.
-The response carries ``usage`` and, as extensions, ``spec_decode`` (the request's drafted and accepted
-token counts) and vLLM's per-request ``metrics`` object, ``{"speculative_decoding": {...}}``
-(``_Run.metrics``); a stream sends ``metrics`` on its last chunk.
+Each request's ``n`` choices are submitted to the ``EngineLoop`` as n engine requests (choice i seeded
+with seed + i; with the prefix cache they share the prompt's blocks) and their events read from asyncio
+queues; a request is answered (or its stream started) once the engine took them, so that a request it
+refuses is a 400, and a client that leaves aborts all of them. The response carries ``usage`` (the
+prompt counted once, the choices' tokens summed; with a ``prediction``, ``completion_tokens_details``)
+and, as extensions, ``spec_decode`` (the drafted and accepted token counts) and vLLM's per-request
+``metrics`` object, ``{"speculative_decoding": {...}}`` (``_metrics``), both summed over the choices; a
+stream sends ``metrics`` on its last chunk.
 
 Bodies are read up to ``--max-request-bytes`` (413 beyond) and parsed by ``protocol.parse_request``;
 prompts longer than ``--max-prompt-chars`` are a 400 before tokenizing, which runs on a worker thread
@@ -35,8 +38,8 @@ from scv_jax.serving.chat import ChatTemplate, ChatTemplateError
 from scv_jax.serving.detokenize import TextStream
 from scv_jax.serving.engine_loop import Added, EngineFailed, EngineLoop, Output, Refused, Shutdown
 from scv_jax.serving.metrics import ServerMetrics
-from scv_jax.serving.protocol import (ApiError, BaseRequest, Body, ChatRequest, CompletionRequest, engine_refusal,
-                                      parse_request, sampling_params, stop_strings, unknown_fields)
+from scv_jax.serving.protocol import (ApiError, BaseRequest, Body, ChatRequest, CompletionRequest, choice_params,
+                                      engine_refusal, parse_request, sampling_params, stop_strings, unknown_fields)
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"    # with --allow-unknown-fields: the unknown fields ignored
 
@@ -72,25 +75,31 @@ class _Piece:
 
 
 class _Run:
-    """One request in the engine: its events turned into text pieces, its end into usage and metrics."""
+    """One choice (``index``) of a request, an engine request: its events turned into text pieces, its end
+    into usage and metrics."""
 
-    def __init__(self, ctx: ServingContext, request_id: str, prompt: list[int], params: SamplingParams,
+    def __init__(self, ctx: ServingContext, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  body: BaseRequest):
-        self.ctx, self.request_id, self.prompt, self.params, self.body = ctx, request_id, prompt, params, body
+        self.ctx, self.request_id, self.index, self.prompt, self.params, self.body = (ctx, request_id, index, prompt,
+                                                                                     params, body)
         self.stream = TextStream(ctx.tokenizer.decode, prompt, stop_strings(body),
                                  include_stop=body.include_stop_str_in_output)
         self.queue: asyncio.Queue = asyncio.Queue()
         self.arrival, self.first_token_at, self.last_token_at = time.monotonic(), None, None
         self.num_tokens, self.finish_reason, self.done, self.admitted, self.closed = 0, None, False, False, False
         self.draft_tokens = self.accepted = self.drafts = self.cached_tokens = 0
+        self.prediction_accepted = self.prediction_rejected = 0
         self.accepted_per_pos: tuple[int, ...] = ()
 
-    async def start(self) -> None:
-        """Submits the request; ApiError 400 when the engine refuses it."""
+    def submit(self) -> None:
+        """Hands the request to the engine loop (``added`` waits for its answer)."""
         loop = asyncio.get_running_loop()
         self.ctx.in_flight += 1
         self.ctx.engine_loop.submit(self.request_id, self.prompt, self.params,
                                     lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event))
+
+    async def added(self) -> None:
+        """Waits until the engine took the request; ApiError 400 when it refused it."""
         try:
             event = await self.queue.get()
         except BaseException:      # cancelled (the client left) before the engine answered
@@ -136,6 +145,8 @@ class _Run:
         self.draft_tokens, self.accepted = output.num_draft_tokens, output.num_accepted_tokens
         self.accepted_per_pos = tuple(output.num_accepted_per_pos)
         self.cached_tokens = output.num_cached_tokens
+        self.prediction_accepted = output.num_accepted_prediction_tokens
+        self.prediction_rejected = output.num_rejected_prediction_tokens
         text = update.text
         if update.stopped:
             self.done, self.finish_reason = True, "stop"
@@ -146,35 +157,6 @@ class _Run:
             text += self.stream.finish()
         logprobs = None if output.logprobs is None else tuple(output.logprobs[:len(used)])
         return _Piece(text, tuple(used), logprobs)
-
-    def usage(self) -> dict[str, Any]:
-        """OpenAI's usage, with ``prompt_tokens_details.cached_tokens``: the prompt tokens served from the
-        prefix cache."""
-        prompt = len(self.prompt)
-        return {"prompt_tokens": prompt, "completion_tokens": self.num_tokens, "total_tokens": prompt + self.num_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-    def spec_decode(self) -> dict[str, int]:
-        return {"num_draft_tokens": self.draft_tokens, "num_accepted_tokens": self.accepted}
-
-    def metrics(self) -> dict[str, Any]:
-        """vLLM's per-request ``metrics``: ``speculative_decoding``, the request's acceptance under vLLM's
-        field names (its summary level; ``acceptance_histogram_by_draft_length`` is left out), plus
-        ``num_accepted_tokens_per_pos`` (the Prometheus counter's name); null when the engine does not
-        draft. ``num_spec_tokens``: the most drafts a step of this request may verify (the engine's most,
-        capped by its ``num_speculative_tokens``); ``num_spec_steps``: its steps that verified drafts."""
-        if not self.accepted_per_pos:         # no drafter (or no step reported yet)
-            return {"speculative_decoding": None}
-        cap = self.params.num_speculative_tokens
-        k = len(self.accepted_per_pos) if cap is None else min(cap, len(self.accepted_per_pos))
-        per_pos, steps = list(self.accepted_per_pos[:k]), self.drafts
-        reached = [steps, *per_pos, 0]        # steps that accepted at least j drafts, j = 0..k + 1
-        return {"speculative_decoding": {
-            "mean_acceptance_length": 1.0 + self.accepted / steps if steps else 1.0,
-            "draft_acceptance_rate": self.accepted / self.draft_tokens if self.draft_tokens else 0.0,
-            "acceptance_histogram": [reached[j] - reached[j + 1] for j in range(k + 1)],
-            "num_spec_steps": steps, "num_accepted_draft_tokens": self.accepted,
-            "num_draft_tokens": self.draft_tokens, "num_spec_tokens": k, "num_accepted_tokens_per_pos": per_pos}}
 
     def close(self) -> None:
         """Ends the request (aborting it in the engine when unfinished) and records its metrics; once."""
@@ -188,7 +170,8 @@ class _Run:
         if not self.admitted:      # refused by the engine (a 400): not a request it ran
             return
         m.labels(m.request_success, self.finish_reason or "error").inc()
-        m.labels(m.prompt_tokens).inc(len(self.prompt))
+        if self.index == 0:         # the prompt of n choices counts once
+            m.labels(m.prompt_tokens).inc(len(self.prompt))
         m.labels(m.generation_tokens).inc(self.num_tokens)
         m.add_spec_decode(self.drafts, self.draft_tokens, self.accepted, self.accepted_per_pos)
         if self.first_token_at is not None:
@@ -196,6 +179,96 @@ class _Run:
             m.labels(m.e2e).observe(self.last_token_at - self.arrival)
             if self.num_tokens > 1:
                 m.labels(m.tpot).observe((self.last_token_at - self.first_token_at) / (self.num_tokens - 1))
+
+
+async def _start(jobs: list[_Run]) -> None:
+    """Submits a request's choices at once (the engine admits them together) and waits until the engine
+    took them all; when it refused one (a 400) or the client left, ends them all."""
+    for job in jobs:
+        job.submit()
+    try:
+        for job in jobs:
+            await job.added()
+    except BaseException:
+        for job in jobs:
+            job.close()
+        raise
+
+
+def _close(jobs: list[_Run]) -> None:
+    for job in jobs:
+        job.close()
+
+
+async def _merged(jobs: list[_Run]) -> AsyncIterator[tuple[int, _Piece | None]]:
+    """The choices' pieces as they come, as (index, piece), and (index, None) once a choice ended; raises
+    the error of a choice that failed (ApiError: its step failed, or the server stops)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, job: _Run) -> None:
+        try:
+            async for piece in job.pieces():
+                queue.put_nowait((index, piece))
+            queue.put_nowait((index, None))
+        except Exception as error:     # noqa: BLE001 (raised where the pieces are read)
+            queue.put_nowait((index, error))
+
+    tasks = [asyncio.ensure_future(pump(index, job)) for index, job in enumerate(jobs)]
+    try:
+        ended = 0
+        while ended < len(jobs):
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            ended += item is None
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _usage(jobs: list[_Run]) -> dict[str, Any]:
+    """OpenAI's usage: the prompt counted once, the choices' tokens summed; ``prompt_tokens_details.cached_tokens``:
+    the prompt tokens the first choice found in the prefix cache (its siblings' hits count in the prefix
+    cache's metrics); with a prediction, ``completion_tokens_details``: the prediction's drafts accepted
+    and rejected by verification, summed over the choices."""
+    prompt, completion = len(jobs[0].prompt), sum(job.num_tokens for job in jobs)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": jobs[0].cached_tokens}}
+    if jobs[0].params.prediction:
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(job.prediction_accepted for job in jobs),
+            "rejected_prediction_tokens": sum(job.prediction_rejected for job in jobs)}
+    return usage
+
+
+def _spec_decode(jobs: list[_Run]) -> dict[str, int]:
+    return {"num_draft_tokens": sum(job.draft_tokens for job in jobs),
+            "num_accepted_tokens": sum(job.accepted for job in jobs)}
+
+
+def _metrics(jobs: list[_Run]) -> dict[str, Any]:
+    """vLLM's per-request ``metrics``: ``speculative_decoding``, the acceptance of the request's choices
+    together under vLLM's field names (its summary level; ``acceptance_histogram_by_draft_length`` is left
+    out), plus ``num_accepted_tokens_per_pos`` (the Prometheus counter's name); null when the engine does
+    not draft. ``num_spec_tokens``: the most drafts a step may verify (the engine's most, capped by the
+    request's ``num_speculative_tokens``); ``num_spec_steps``: the choices' steps that verified drafts."""
+    if not any(job.accepted_per_pos for job in jobs):       # no drafter (or no step reported yet)
+        return {"speculative_decoding": None}
+    width = max(len(job.accepted_per_pos) for job in jobs)
+    accepted_per_pos = [sum(job.accepted_per_pos[j] for job in jobs if j < len(job.accepted_per_pos))
+                        for j in range(width)]
+    cap = jobs[0].params.num_speculative_tokens
+    k = width if cap is None else min(cap, width)
+    per_pos, steps = accepted_per_pos[:k], sum(job.drafts for job in jobs)
+    accepted, drafted = sum(job.accepted for job in jobs), sum(job.draft_tokens for job in jobs)
+    reached = [steps, *per_pos, 0]        # steps that accepted at least j drafts, j = 0..k + 1
+    return {"speculative_decoding": {
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_histogram": [reached[j] - reached[j + 1] for j in range(k + 1)],
+        "num_spec_steps": steps, "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": drafted, "num_spec_tokens": k, "num_accepted_tokens_per_pos": per_pos}}
 
 
 def _shutting_down() -> ApiError:
@@ -258,20 +331,24 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-async def _all_pieces(job: _Run) -> list[_Piece]:
-    return [piece async for piece in job.pieces()]
+async def _all_pieces(jobs: list[_Run]) -> list[list[_Piece]]:
+    pieces: list[list[_Piece]] = [[] for _ in jobs]
+    async for index, piece in _merged(jobs):
+        if piece is not None:
+            pieces[index].append(piece)
+    return pieces
 
 
-async def _whole(job: _Run, request: Request) -> list[_Piece] | None:
-    """The whole output of ``job``, or None when its client disconnected first (the request is then
-    aborted at once)."""
-    collect, gone = asyncio.ensure_future(_all_pieces(job)), asyncio.ensure_future(_client_gone(request))
+async def _whole(jobs: list[_Run], request: Request) -> list[list[_Piece]] | None:
+    """The whole output of each choice, or None when the client disconnected first (the choices are then
+    all aborted at once)."""
+    collect, gone = asyncio.ensure_future(_all_pieces(jobs)), asyncio.ensure_future(_client_gone(request))
     try:
         done, _ = await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
         collect.cancel()
         gone.cancel()
-        job.close()
+        _close(jobs)
     return collect.result() if collect in done else None
 
 
@@ -342,8 +419,13 @@ def build_app(ctx: ServingContext) -> FastAPI:
                                 f"context of {ctx.max_model_len} tokens", field)
         return max_tokens
 
-    def admit() -> None:
-        if ctx.in_flight >= ctx.max_in_flight:
+    def admit(n: int) -> None:
+        """A 429 when the request's ``n`` choices do not fit the requests in flight now; a 400 naming ``n``
+        when they never would."""
+        if n > ctx.max_in_flight:
+            raise ApiError(400, f"n {n} exceeds the {ctx.max_in_flight} requests this server holds in flight "
+                                "(--max-num-seqs + --max-waiting)", "n")
+        if ctx.in_flight + n > ctx.max_in_flight:
             raise ApiError(429, f"the server's queue is full ({ctx.in_flight} requests in flight); retry later")
 
     def encode(text: str) -> list[int]:
@@ -370,21 +452,23 @@ def build_app(ctx: ServingContext) -> FastAPI:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ApiError(400, f"stop_token_ids must be ids in [0, vocab_size={vocab}), got "
                                 f"{list(params.stop_token_ids)}", "stop_token_ids")
-        admit()
+        choices = choice_params(body, params)
+        admit(len(choices))
         chat = isinstance(body, ChatRequest)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        job = _Run(ctx, request_id, ids, params, body)
-        await job.start()
+        jobs = [_Run(ctx, request_id if len(choices) == 1 else f"{request_id}-{i}", i, ids, choice, body)
+                for i, choice in enumerate(choices)]
+        await _start(jobs)
         shape = _ChatShape(ctx, request_id) if chat else _CompletionShape(ctx, request_id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             # the background task closes a stream whose generator never ran (its client left at once)
-            return StreamingResponse(_stream(job, shape, include_usage), media_type="text/event-stream",
-                                     headers=headers, background=BackgroundTask(job.close))
-        pieces = await _whole(job, request)
+            return StreamingResponse(_stream(jobs, shape, include_usage), media_type="text/event-stream",
+                                     headers=headers, background=BackgroundTask(_close, jobs))
+        pieces = await _whole(jobs, request)
         if pieces is None:      # nobody to answer
             return Response(status_code=499)
-        return JSONResponse(shape.whole(job, pieces), headers=headers)
+        return JSONResponse(shape.whole(jobs, pieces), headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -421,6 +505,10 @@ def build_app(ctx: ServingContext) -> FastAPI:
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         params = sampling_params(body, check_length(ids, body), (body.top_logprobs or 0) if body.logprobs else None,
                                  encode)
+        prediction = body.prediction_text()
+        if prediction:
+            check_chars(prediction, "prediction")
+            params = dataclasses.replace(params, prediction=tuple(await asyncio.to_thread(encode, prediction)))
         return await run(request, body, headers, ids, params)
 
     @app.get("/v1/models")
@@ -441,27 +529,33 @@ def build_app(ctx: ServingContext) -> FastAPI:
     return app
 
 
-async def _stream(job: _Run, shape, include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE stream of one request: its chunks, a chunk with the finish reason and ``spec_decode``,
-    with ``include_usage`` a last chunk with the usage (``choices: []``; the others have ``usage: null``),
-    the last of them with ``metrics`` (vLLM sends it on its usage chunk), then ``[DONE]``; a failed step
-    or a shutdown sends OpenAI's error object instead. A client that goes away cancels this generator,
-    and ``close`` aborts the request."""
+async def _stream(jobs: list[_Run], shape, include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE stream of one request: a first chunk per choice, the choices' chunks as they come (each
+    with its ``index``), a chunk with each choice's finish reason when it ends (the last of them with
+    ``spec_decode``), with ``include_usage`` a last chunk with the usage (``choices: []``; the others have
+    ``usage: null``), the last of them with ``metrics`` (vLLM sends it on its usage chunk), then ``[DONE]``;
+    a failed step or a shutdown sends OpenAI's error object instead. A client that goes away cancels this
+    generator, and ``close`` aborts every choice."""
     usage = {"usage": None} if include_usage else {}
     try:
-        yield _sse({**shape.first_chunk(), **usage})
-        async for piece in job.pieces():
-            if piece.text or piece.logprobs:
-                yield _sse({**shape.chunk(piece, None), **usage})
-        last = {"metrics": job.metrics()}
-        yield _sse({**shape.chunk(_Piece("", (), None), job.finish_reason), **usage, "spec_decode": job.spec_decode(),
-                    **({} if include_usage else last)})
+        for index in range(len(jobs)):
+            yield _sse({**shape.first_chunk(index), **usage})
+        ended = 0
+        async for index, piece in _merged(jobs):
+            if piece is not None:
+                if piece.text or piece.logprobs:
+                    yield _sse({**shape.chunk(index, piece, None), **usage})
+                continue
+            ended += 1
+            last = {"spec_decode": _spec_decode(jobs), **({} if include_usage else {"metrics": _metrics(jobs)})} \
+                if ended == len(jobs) else {}
+            yield _sse({**shape.chunk(index, _Piece("", (), None), jobs[index].finish_reason), **usage, **last})
         if include_usage:
-            yield _sse({**shape.usage_chunk(job.usage()), **last})
+            yield _sse({**shape.usage_chunk(_usage(jobs)), "metrics": _metrics(jobs)})
     except ApiError as error:
         yield _sse(error.body())
     finally:
-        job.close()
+        _close(jobs)
     yield _sse("[DONE]")
 
 
@@ -469,31 +563,33 @@ class _CompletionShape:
     """``/v1/completions``' response and chunks."""
 
     def __init__(self, ctx: ServingContext, request_id: str):
-        self.ctx, self.id, self.offset = ctx, request_id, 0
+        self.ctx, self.id = ctx, request_id
+        self.offsets: dict[int, int] = {}      # each choice's text so far (its logprobs' text_offset)
 
     def _base(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.ctx.model_name}
 
-    def first_chunk(self) -> dict[str, Any]:
-        return self.chunk(_Piece("", (), None), None)
+    def first_chunk(self, index: int) -> dict[str, Any]:
+        return self.chunk(index, _Piece("", (), None), None)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._base(), "choices": [], "usage": usage}
 
-    def chunk(self, piece: _Piece, finish_reason: str | None) -> dict[str, Any]:
-        logprobs = None if piece.logprobs is None else _completion_logprobs(self.ctx.tokenizer, piece.logprobs,
-                                                                              self.offset)
-        self.offset += len(piece.text)
-        return {**self._base(), "choices": [{"index": 0, "text": piece.text, "logprobs": logprobs,
+    def chunk(self, index: int, piece: _Piece, finish_reason: str | None) -> dict[str, Any]:
+        offset = self.offsets.get(index, 0)
+        logprobs = None if piece.logprobs is None else _completion_logprobs(self.ctx.tokenizer, piece.logprobs, offset)
+        self.offsets[index] = offset + len(piece.text)
+        return {**self._base(), "choices": [{"index": index, "text": piece.text, "logprobs": logprobs,
                                              "finish_reason": finish_reason}]}
 
-    def whole(self, job: _Run, pieces: list[_Piece]) -> dict[str, Any]:
-        logprobs = [e for p in pieces for e in (p.logprobs or ())]
-        return {**self._base(), "choices": [{
-            "index": 0, "text": "".join(p.text for p in pieces), "finish_reason": job.finish_reason,
-            "logprobs": _completion_logprobs(self.ctx.tokenizer, logprobs, 0) if job.params.logprobs is not None
-            else None}], "usage": job.usage(), "spec_decode": job.spec_decode(),
-            "metrics": job.metrics()}
+    def whole(self, jobs: list[_Run], pieces: list[list[_Piece]]) -> dict[str, Any]:
+        def choice(job: _Run, pieces: list[_Piece]) -> dict[str, Any]:
+            logprobs = [e for p in pieces for e in (p.logprobs or ())]
+            return {"index": job.index, "text": "".join(p.text for p in pieces), "finish_reason": job.finish_reason,
+                    "logprobs": _completion_logprobs(self.ctx.tokenizer, logprobs, 0)
+                    if job.params.logprobs is not None else None}
+        return {**self._base(), "choices": [choice(job, p) for job, p in zip(jobs, pieces)], "usage": _usage(jobs),
+                "spec_decode": _spec_decode(jobs), "metrics": _metrics(jobs)}
 
 
 class _ChatShape:
@@ -508,21 +604,22 @@ class _ChatShape:
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._base("chat.completion.chunk"), "choices": [], "usage": usage}
 
-    def first_chunk(self) -> dict[str, Any]:
+    def first_chunk(self, index: int) -> dict[str, Any]:
         return {**self._base("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}]}
 
-    def chunk(self, piece: _Piece, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, index: int, piece: _Piece, finish_reason: str | None) -> dict[str, Any]:
         logprobs = None if piece.logprobs is None else {"content": _chat_logprobs(self.ctx.tokenizer, piece.logprobs)}
         delta = {"content": piece.text} if piece.text or finish_reason is None else {}
         return {**self._base("chat.completion.chunk"),
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
-    def whole(self, job: _Run, pieces: list[_Piece]) -> dict[str, Any]:
-        logprobs = [e for p in pieces for e in (p.logprobs or ())]
-        return {**self._base("chat.completion"), "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
-            "logprobs": {"content": _chat_logprobs(self.ctx.tokenizer, logprobs)} if job.params.logprobs is not None
-            else None, "finish_reason": job.finish_reason}], "usage": job.usage(), "spec_decode": job.spec_decode(),
-            "metrics": job.metrics()}
+    def whole(self, jobs: list[_Run], pieces: list[list[_Piece]]) -> dict[str, Any]:
+        def choice(job: _Run, pieces: list[_Piece]) -> dict[str, Any]:
+            logprobs = [e for p in pieces for e in (p.logprobs or ())]
+            return {"index": job.index, "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
+                    "logprobs": {"content": _chat_logprobs(self.ctx.tokenizer, logprobs)}
+                    if job.params.logprobs is not None else None, "finish_reason": job.finish_reason}
+        return {**self._base("chat.completion"), "choices": [choice(job, p) for job, p in zip(jobs, pieces)],
+                "usage": _usage(jobs), "spec_decode": _spec_decode(jobs), "metrics": _metrics(jobs)}

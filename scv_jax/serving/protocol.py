@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from scv_jax.sampling_params import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, SamplingParams, StructuredOutputsParams
+from scv_jax.sampling_params import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_SEED, SamplingParams, StructuredOutputsParams
 
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
@@ -49,6 +49,7 @@ def _only(*accepted: Any, why: str = "is not implemented by this server") -> Uns
     return Unsupported((None, *accepted), why)
 
 
+MAX_CHOICES = 16   # the most choices (``n``) one request may ask for: each is an engine request
 _STRUCTURED_BACKEND = "structured output runs on llguidance only"
 _WHITESPACE = "JSON is generated compactly (no free whitespace)"
 _TOOLS = "tool calls are not implemented"
@@ -86,9 +87,9 @@ class BaseRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None   # {token id (a JSON key): bias in [-100, 100]}
+    n: int | None = 1                        # choices, each an engine request (1 to MAX_CHOICES)
+    best_of: int | None = None               # accepted as null or n only (``check``)
     # OpenAI, not implemented
-    n: Annotated[int | None, _only(1, why="must be 1 (one choice per request)")] = 1
-    best_of: Annotated[int | None, _only(1, why="must be 1 (one choice per request)")] = None
     echo: Annotated[bool | None, _only(False)] = False
     response_format: _Json = None
     # vLLM, honoured
@@ -131,6 +132,17 @@ class BaseRequest(BaseModel):
         _refuse_unsupported(self)
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+        n = self.num_choices()
+        if not 1 <= n <= MAX_CHOICES:
+            raise ApiError(400, f"n must be an int in [1, {MAX_CHOICES}], got {n}", "n")
+        if self.best_of is not None and self.best_of != n:
+            raise ApiError(400, f"best_of other than n is not implemented (vLLM v1 dropped it; choices are not "
+                                f"ranked): leave it out or send n ({n}), got {self.best_of}", "best_of",
+                           "unsupported_parameter")
+
+    def num_choices(self) -> int:
+        """``n``: the choices asked for (null: 1)."""
+        return 1 if self.n is None else self.n
 
     def max_tokens_field(self) -> str:
         """The field the output's length limit came from."""
@@ -188,7 +200,7 @@ class ChatRequest(BaseRequest):
     functions: Annotated[list[Any] | None, _only([], why=_TOOLS)] = None
     function_call: Annotated[str | dict[str, Any] | None, _only("none", "auto", why=_TOOLS)] = None
     reasoning_effort: Annotated[str | None, _only(why="the served model does not reason")] = None
-    prediction: Annotated[_Json, _only(why="predicted outputs are not implemented")] = None
+    prediction: _Json = None                 # predicted outputs: {"type": "content", "content": ...}
     audio: Annotated[_Json, _only(why=_MULTIMODAL)] = None
     modalities: Annotated[list[str] | None, _only(["text"], why=_MULTIMODAL)] = None
     web_search_options: Annotated[_Json, _only(why="web search is not implemented")] = None
@@ -211,6 +223,7 @@ class ChatRequest(BaseRequest):
 
     def check(self) -> None:
         super().check()
+        self.prediction_text()
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise ApiError(400, f"max_tokens ({self.max_tokens}) and max_completion_tokens "
@@ -218,6 +231,24 @@ class ChatRequest(BaseRequest):
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def prediction_text(self) -> str:
+        """The text of ``prediction`` (OpenAI's predicted outputs: ``{"type": "content", "content": a string or
+        a list of {"type": "text", "text": ...} parts}``; "" when absent); another shape is a 400 naming it."""
+        prediction = self.prediction
+        if prediction is None:
+            return ""
+        content = prediction.get("content")
+        if prediction.get("type") == "content" and set(prediction) == {"type", "content"}:
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list) and all(isinstance(part, dict) and set(part) == {"type", "text"} and
+                                                 part["type"] == "text" and isinstance(part["text"], str)
+                                                 for part in content):
+                return "".join(part["text"] for part in content)
+        raise ApiError(400, 'prediction must be {"type": "content", "content": a string or a list of '
+                            f'{{"type": "text", "text": ...}} parts}}, got {json.dumps(prediction)[:200]}',
+                       "prediction")
 
 
 Body = TypeVar("Body", bound=BaseRequest)
@@ -362,6 +393,16 @@ def structured_outputs(request: BaseRequest) -> StructuredOutputsParams | None:
     except (ValueError, TypeError) as e:
         message = str(e).replace("SamplingParams.structured_outputs must be ", "must be ")
         raise ApiError(400, f"{name}: {message}", name) from None
+
+
+def choice_params(request: BaseRequest, params: SamplingParams) -> list[SamplingParams]:
+    """Each choice's ``SamplingParams`` (``n``): choice i seeded with seed + i, as vLLM does (a seed
+    that would pass 2**63 - 1 is a 400 naming ``seed``); unseeded choices draw independent streams."""
+    n, seed = request.num_choices(), params.seed
+    if seed is not None and seed + n > MAX_SEED:
+        raise ApiError(400, f"seed + n - 1 must be < 2**63 (choice i is seeded with seed + i), got seed {seed}, "
+                            f"n {n}", "seed")
+    return [params if seed is None or not i else dataclasses.replace(params, seed=seed + i) for i in range(n)]
 
 
 def engine_refusal(request: BaseRequest, message: str) -> ApiError:

@@ -104,7 +104,8 @@ def test_finish_is_called_for_an_abort_and_a_stop(target, autoregressive):
     prompt = prompts(12, 1)[0]
     free = autoregressive.generate([prompt], MAX_NEW).tokens[0]
     engine.add_request(prompt, SamplingParams(max_tokens=MAX_NEW, stop_token_ids=[free[3]]), "stops")
-    engine.add_request(prompt, SamplingParams(max_tokens=MAX_NEW), "aborted")
+    # (another prompt: a request sharing a prompt being prefilled would wait for its blocks to be cached)
+    engine.add_request(prompts(13, 1)[0], SamplingParams(max_tokens=MAX_NEW), "aborted")
     first = engine.step()                     # both start; "stops" may end in this step already
     engine.abort("aborted")
     outputs = run(engine, max_steps=40)

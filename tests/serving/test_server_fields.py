@@ -49,7 +49,7 @@ def test_every_field_of_the_openai_client_is_declared(params, model):
 
 REFUSED = [
     (path, field, value) for path in (COMPLETIONS, CHAT) for field, value in [
-        ("n", 2), ("best_of", 3), ("echo", True),
+        ("best_of", 3), ("echo", True),
         ("length_penalty", 0.5), ("use_beam_search", True), ("skip_special_tokens", False),
         ("spaces_between_special_tokens", False), ("truncate_prompt_tokens", 4), ("prompt_logprobs", 1),
         ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " *"),
@@ -60,7 +60,7 @@ REFUSED = [
      (COMPLETIONS, "prompt_embeds", "AAAA")] + [(CHAT, field, value) for field, value in [
          ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
          ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("reasoning_effort", "low"),
-         ("reasoning_effort", "none"), ("prediction", {"type": "content", "content": "x"}),
+         ("reasoning_effort", "none"),
          ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
          ("web_search_options", {}), ("verbosity", "low"), ("moderation", {"model": "m"}), ("metadata", {"a": "b"}),
          ("store", True), ("service_tier", "flex"), ("prompt_cache_retention", "24h"),

@@ -174,7 +174,8 @@ def test_models_and_health(server):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2),
-    ("max_tokens", 0), ("max_tokens", 10_000), ("n", 2), ("seed", -1), ("stop", 5), ("logprobs", 21),
+    ("max_tokens", 0), ("max_tokens", 10_000), ("n", 0), ("n", 17), ("n", "2"),
+    ("seed", -1), ("seed", 2 ** 63), ("stop", 5), ("logprobs", 21),
     ("stop_token_ids", [-1]), ("stop_token_ids", [256]), ("ignore_eos", "yes"), ("stream", 1),
     ("presence_penalty", 2.5),
     ("frequency_penalty", "high"), ("repetition_penalty", 0), ("logit_bias", {"x": 1}), ("logit_bias", {"5": 101}),

@@ -18,6 +18,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from scv_jax.decoding.plan import MAX_CATCH_UP, Drafts
+from scv_jax.decoding.proposers.prediction import Predictions
 
 
 class Trie(NamedTuple):
@@ -147,7 +148,8 @@ class Proposer:
     lags more than ``MAX_CATCH_UP``) or runs in every step (an EAGLE head, ``every_step``), and each
     step's ``Drafts``.
 
-    The host drafter (``host``), if any, receives the request lifecycle hooks.
+    The host drafter (``host``), if any, receives the request lifecycle hooks; a host proposer also keeps
+    the requests' predictions (``predictions``: None where predicted outputs are not supported).
     """
 
     verifier: str = "chain"
@@ -156,6 +158,7 @@ class Proposer:
     max_lag: int = MAX_CATCH_UP     # the most tokens its device half may lag at a step (``positions``)
     host_chains: bool = False       # ``chains`` offers host chains (a k = 0 step's can be checked later)
     host: HostDrafter | None = None
+    predictions: Predictions | None = None
     step_ks: tuple[int, ...] = (0,)
     max_depth: int = 0
 
