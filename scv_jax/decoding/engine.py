@@ -39,6 +39,7 @@ from scv_jax.decoding.requests import RequestBatch, check_eos, check_prompt
 from scv_jax.decoding.runner import StepRunner
 from scv_jax.decoding.scheduler import Request, Scheduler
 from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
+from scv_jax.graph.compiler import Compiler
 from scv_jax.graph.persistent_cache import use_default_cache
 from scv_jax.sampling_params import MAX_STOP_IDS, SamplingParams, batch_sampling_arrays
 
@@ -323,10 +324,18 @@ class Engine:
             return outputs
 
     def warmup(self, max_num_seqs: int, max_len: int, *, temperatures: float | Sequence[float] = (0.0, 1.0),
-               logprobs: bool = False, progress: bool = False) -> int:
+               logprobs: bool = False, progress: bool = False, workers: int | None = None) -> int:
         """``SpeculativeDecoder.warmup`` for this engine's steps: up to ``max_num_seqs`` requests of up to
         ``max_len`` positions; ``temperatures``: 0 compiles the all-greedy steps, > 0 the sampled ones
-        (any mix of requests); ``logprobs``: also the steps of requests asking for log-probabilities.
-        Returns the XLA compilations."""
+        (any mix of requests); ``logprobs``: also the steps of requests asking for log-probabilities;
+        ``workers``: compile threads (default: the cores). Returns the XLA compilations."""
         return self.runner.warmup(min(max_num_seqs, self.max_num_seqs), max_len, temperatures=temperatures,
-                                  logprobs=logprobs, progress=progress)
+                                  logprobs=logprobs, progress=progress, workers=workers)
+
+    def start_warmup(self, max_num_seqs: int, max_len: int, *, temperatures: float | Sequence[float] = (0.0, 1.0),
+                     logprobs: bool = False, progress: bool = False, workers: int | None = None) -> Compiler:
+        """``warmup``'s executables, returning once the largest bucket of each kind of step is compiled; the
+        others compile in the background while steps run padded to a compiled bucket (never compiling on
+        the thread that steps: ``StepRunner.start_warmup``). ``stop()`` the returned compiler at shutdown."""
+        return self.runner.start_warmup(min(max_num_seqs, self.max_num_seqs), max_len, temperatures=temperatures,
+                                        logprobs=logprobs, progress=progress, workers=workers)
