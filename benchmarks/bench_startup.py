@@ -53,7 +53,8 @@ def parse_compiles(log: str) -> list[tuple[str, dict[str, str], float]]:
         m = _PROGRESS.match(line.strip())
         if m:
             name, shape, own, total = m.group(1), m.group(4), m.group(5), float(m.group(6))
-            seconds = float(own) if own is not None else total - last.get(name, 0.0)
+            previous = last.get(name, 0.0)      # older lines: each warm-up call restarts the clock
+            seconds = float(own) if own is not None else total - previous if total >= previous else total
             last[name] = total
         else:
             m = _COMPILED.search(line)
@@ -79,7 +80,7 @@ def group_table(compiles: list[tuple[str, dict[str, str], float]]) -> list[str]:
                 if dim in dims:
                     groups[dims[dim]].append(seconds)
             if len(groups) > 1:
-                for value, secs in sorted(groups.items()):
+                for value, secs in sorted(groups.items(), key=lambda item: (len(item[0]), item[0])):
                     rows.append(f"| {name} | {dim} | {value} | {len(secs)} | {sum(secs):.1f} |")
     return rows
 

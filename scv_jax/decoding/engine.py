@@ -328,7 +328,7 @@ class Engine:
         """``SpeculativeDecoder.warmup`` for this engine's steps: up to ``max_num_seqs`` requests of up to
         ``max_len`` positions; ``temperatures``: 0 compiles the all-greedy steps, > 0 the sampled ones
         (any mix of requests); ``logprobs``: also the steps of requests asking for log-probabilities;
-        ``workers``: compile threads (default: the cores). Returns the XLA compilations."""
+        ``workers``: compile threads (default: `graph.compiler.default_workers()`: the cores on a GPU, 1 on a CPU). Returns the XLA compilations."""
         return self.runner.warmup(min(max_num_seqs, self.max_num_seqs), max_len, temperatures=temperatures,
                                   logprobs=logprobs, progress=progress, workers=workers)
 

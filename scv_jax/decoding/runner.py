@@ -44,6 +44,7 @@ from scv_jax.ops.registry import cuda_available
 from scv_jax.sampling_params import MAX_BAD_WORD_LEN
 
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
+BACKGROUND_NICE = 10             # background compile threads yield the cores to the thread that steps
 
 # the decode step's dynamic arguments that every call gives
 _DECODE_ALWAYS = ("target_params", "target_cache", "block_tables", "rows", "sampling")
@@ -395,12 +396,13 @@ class StepRunner:
         with ``packed_verify`` each k's packed steps, with ``logprobs`` the (dense) steps of batches
         with a request asking for log-probabilities, and the draft's catch-up prefill when k = 0 can
         be chosen or prefix caching tops up a finished request's draft rows. ``workers`` threads compile
-        at once (default: the cores; ``graph.compiler``). Counts the executables before compiling them
+        at once (default: ``graph.compiler.default_workers()``). Counts the executables before compiling them
         (with ``progress``: one line on stderr, then one per executable); returns the executables XLA
         compiled or loaded from the persistent compilation cache.
         A ``generate`` within these sizes then compiles nothing (``GenerateStats.compiled`` is empty)."""
-        jobs = self.warmup_jobs(batch_sizes, max_len, temperatures=temperatures, logprobs=logprobs, progress=progress)
         with CompileCounter() as compiles:
+            jobs = self.warmup_jobs(batch_sizes, max_len, temperatures=temperatures, logprobs=logprobs,
+                                    progress=progress)
             self._compile_controls()
             Compiler(workers, on_compiled=_progress_printer("warm-up") if progress else None).run(jobs)
         self.warmed_up = True
@@ -424,6 +426,7 @@ class StepRunner:
         except BaseException:
             compiler.stop()
             raise
+        compiler.nice = BACKGROUND_NICE
         if progress:
             print(f"warm-up: the {len(first)} largest buckets are compiled; {compiler.pending} more compile in the "
                   f"background ({compiler.max_workers} threads), steps meanwhile run padded to a compiled bucket",
@@ -529,7 +532,8 @@ def _progress_printer(what: str, first: int = 0) -> Callable[[CompileJob, int, f
     def on_compiled(job: CompileJob, compiles: int, seconds: float, done: int, total: int) -> None:
         cache = job.cache
         tag = " (background)" if first and done > first else ""
-        print(f"[{cache.name}] {what} {done}/{total} ({cache.describe(job.key)})"
-              f"{' [fallback]' if job.key in cache.failed else ''} compile {seconds:.2f}s, "
-              f"{time.perf_counter() - start:.1f}s{tag}", file=sys.stderr, flush=True)
+        sys.stderr.write(f"[{cache.name}] {what} {done}/{total} ({cache.describe(job.key)})"   # one write: threads
+                         f"{' [fallback]' if job.key in cache.failed else ''} compile {seconds:.2f}s, "
+                         f"{time.perf_counter() - start:.1f}s{tag}\n")
+        sys.stderr.flush()
     return on_compiled

@@ -48,7 +48,14 @@ def largest_first(jobs: Sequence[CompileJob]) -> tuple[list[CompileJob], list[Co
 
 
 def default_workers() -> int:
-    """Compile threads by default: the CPU cores this process may use."""
+    """Compile threads by default: on an accelerator the CPU cores this process may use (XLA compiles for a
+    GPU mostly on one core each); on a CPU backend one (XLA:CPU spreads one compile over the cores already:
+    two threads were no faster on the 2-core CPU, benchmarks/RESULTS.md, and one leaves a core to the
+    thread that steps)."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return 1
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:      # not on Linux
@@ -56,17 +63,19 @@ def default_workers() -> int:
 
 
 class Compiler:
-    """A pool of ``max_workers`` threads (default: the cores) compiling ``CompileJob``s in order.
+    """A pool of ``max_workers`` threads (default: ``default_workers()``) compiling ``CompileJob``s in order.
+    ``nice`` > 0 (settable while it runs; from the next job on) lowers the threads' scheduling priority
+    (Linux) so that a thread running steps meanwhile keeps its core.
 
     ``on_compiled(job, compiles, seconds, done, total)`` is called on a worker thread after each job
     (progress lines, logs). Thread-safe."""
 
-    def __init__(self, max_workers: int | None = None, *, name: str = "scv-jax-compile",
+    def __init__(self, max_workers: int | None = None, *, name: str = "scv-jax-compile", nice: int = 0,
                  on_compiled: Callable[[CompileJob, int, float, int, int], None] | None = None):
         self.max_workers = default_workers() if max_workers is None else max_workers
         if not isinstance(self.max_workers, int) or self.max_workers < 1:
             raise ValueError(f"Compiler: max_workers must be an int >= 1, got {max_workers!r}")
-        self.name, self.on_compiled = name, on_compiled
+        self.name, self.nice, self.on_compiled = name, nice, on_compiled
         self._queue: list[CompileJob] = []
         self._futures: dict[tuple[int, tuple], concurrent.futures.Future] = {}
         self._cond = threading.Condition()
@@ -158,6 +167,7 @@ class Compiler:
 
     # ------------------------------------------------------------------ workers
     def _work(self) -> None:
+        applied = 0
         while True:
             with self._cond:
                 if self._stopping or not self._queue:
@@ -166,6 +176,12 @@ class Compiler:
                     return
                 job = self._queue.pop(0)
                 self._running += 1
+            if self.nice != applied:
+                applied = self.nice
+                try:    # Linux: this thread's priority (threads XLA starts for the compile inherit it)
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), applied)
+                except (AttributeError, OSError):
+                    pass
             start = time.perf_counter()
             compiles = 0
             try:

@@ -615,9 +615,10 @@ class ExecutableCache:
 
         def on_compiled(job: CompileJob, compiles: int, seconds: float, done: int, total: int) -> None:
             if progress:
-                print(f"[{self.name}] warm-up {done}/{total} ({self.describe(job.key)})"
-                      f"{' [fallback]' if job.key in self.failed else ''} compile {seconds:.2f}s, "
-                      f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+                sys.stderr.write(f"[{self.name}] warm-up {done}/{total} ({self.describe(job.key)})"   # one write
+                                 f"{' [fallback]' if job.key in self.failed else ''} compile {seconds:.2f}s, "
+                                 f"{time.perf_counter() - start:.1f}s\n")
+                sys.stderr.flush()
 
         compiled = Compiler(max_workers, on_compiled=on_compiled).run(jobs)
         self._warmed_up = True         # also when every bucket was compiled already

@@ -90,6 +90,7 @@ def test_steps_padded_to_the_largest_buckets_give_their_own_buckets_tokens(model
     _assert_same(outputs, reference)
 
 
+@pytest.mark.slow
 def test_after_start_warmup_nothing_compiles_on_the_stepping_thread(models, reference):
     engine = Engine(*models, config=CONFIG)
     with CompileThreads() as threads:
@@ -148,7 +149,6 @@ def test_the_persistent_cache_holds_unless_a_shape_changes(models, own_cache_dir
     config = dataclasses.replace(CONFIG, batch_buckets=(2,), k=2)
     compiled, loaded = _warm(models, config)
     assert compiled > 0 and loaded == 0
-    assert _warm(models, config) == (0, compiled)                    # the same settings: all loaded
-    # settings that change no step's shapes: the token budget, eos, the seed
-    assert _warm(models, dataclasses.replace(config, max_num_batched_tokens=48), eos_token_id=3, seed=7)[0] == 0
+    # settings that change no step's shapes (the token budget, eos, the seed): every executable loaded
+    assert _warm(models, dataclasses.replace(config, max_num_batched_tokens=48), eos_token_id=3, seed=7) == (0, compiled)
     assert _warm(models, dataclasses.replace(config, num_blocks=80))[0] > 0    # the KV pool's shape
