@@ -98,13 +98,14 @@ class SpeculativeDecoder:
         return self.runner.pool
 
     def warmup(self, batch_sizes: int | Sequence[int], max_len: int, *,
-               temperatures: float | Sequence[float] = 0.0, logprobs: bool = False, progress: bool = False) -> int:
-        """``StepRunner.warmup``: compiles ahead of time every executable ``generate`` runs for up to
-        ``max(batch_sizes)`` requests at once of up to ``max_len`` positions at ``temperatures``; returns
-        the executables XLA compiled or loaded from the persistent cache. A ``generate`` within these
-        sizes then compiles nothing."""
+               temperatures: float | Sequence[float] = 0.0, logprobs: bool = False, progress: bool = False,
+               workers: int | None = None) -> int:
+        """``StepRunner.warmup``: compiles ahead of time (``workers`` threads, default the cores) every
+        executable ``generate`` runs for up to ``max(batch_sizes)`` requests at once of up to ``max_len``
+        positions at ``temperatures``; returns the executables XLA compiled or loaded from the persistent
+        cache. A ``generate`` within these sizes then compiles nothing."""
         return self.runner.warmup(batch_sizes, max_len, temperatures=temperatures, logprobs=logprobs,
-                                  progress=progress)
+                                  progress=progress, workers=workers)
 
     def device_seconds_per_step(self, batch_size: int, k: int, *, greedy: bool = True, context: int | None = None,
                                 calls: int = 20, repeats: int = 5, controlled: int = 0) -> float:

@@ -40,6 +40,7 @@ from scv_jax.decoding.requests import RequestBatch, check_eos, check_prompt
 from scv_jax.decoding.runner import StepRunner
 from scv_jax.decoding.scheduler import Request, Scheduler
 from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
+from scv_jax.graph.compiler import Compiler
 from scv_jax.graph.persistent_cache import use_default_cache
 from scv_jax.sampling_params import MAX_STOP_IDS, SamplingParams, batch_sampling_arrays
 
@@ -345,11 +346,24 @@ class Engine:
             return outputs
 
     def warmup(self, max_num_seqs: int, max_len: int, *, temperatures: float | Sequence[float] = (0.0, 1.0),
-               logprobs: bool = False, structured_output: bool = False, progress: bool = False) -> int:
+               logprobs: bool = False, structured_output: bool = False, progress: bool = False,
+               workers: int | None = None) -> int:
         """``SpeculativeDecoder.warmup`` for this engine's steps: up to ``max_num_seqs`` requests of up to
         ``max_len`` positions; ``temperatures``: 0 compiles the all-greedy steps, > 0 the sampled ones
         (any mix of requests); ``logprobs``: also the steps of requests asking for log-probabilities;
-        ``structured_output``: also those of requests with ``structured_outputs``. Returns the XLA
-        compilations."""
+        ``structured_output``: also those of requests with ``structured_outputs``; ``workers``: compile
+        threads (default: ``graph.compiler.default_workers()``: the cores on a GPU, 1 on a CPU). Returns
+        the XLA compilations."""
         return self.runner.warmup(min(max_num_seqs, self.max_num_seqs), max_len, temperatures=temperatures,
-                                  logprobs=logprobs, structured_output=structured_output, progress=progress)
+                                  logprobs=logprobs, structured_output=structured_output, progress=progress,
+                                  workers=workers)
+
+    def start_warmup(self, max_num_seqs: int, max_len: int, *, temperatures: float | Sequence[float] = (0.0, 1.0),
+                     logprobs: bool = False, structured_output: bool = False, progress: bool = False,
+                     workers: int | None = None) -> Compiler:
+        """``warmup``'s executables, returning once the largest bucket of each kind of step is compiled; the
+        others compile in the background while steps run padded to a compiled bucket (never compiling on
+        the thread that steps: ``StepRunner.start_warmup``). ``stop()`` the returned compiler at shutdown."""
+        return self.runner.start_warmup(min(max_num_seqs, self.max_num_seqs), max_len, temperatures=temperatures,
+                                        logprobs=logprobs, structured_output=structured_output, progress=progress,
+                                        workers=workers)

@@ -38,11 +38,13 @@ from scv_jax.decoding.head_step import HeadChainVerifier, HeadTreeVerifier
 from scv_jax.decoding.verifiers import ChainVerifier, TreeVerifier
 from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
 from scv_jax.graph.compile_counter import CompileCounter
+from scv_jax.graph.compiler import CompileJob, Compiler, largest_first
 from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
 from scv_jax.ops.registry import cuda_available
 from scv_jax.sampling_params import MAX_BAD_WORD_LEN
 
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
+BACKGROUND_NICE = 10             # background compile threads yield the cores to the thread that steps
 
 # the decode step's dynamic arguments that every call gives
 _DECODE_ALWAYS = ("target_params", "target_cache", "block_tables", "rows", "sampling")
@@ -252,6 +254,8 @@ class StepRunner:
         packed_k = 0 if work.logprobs or constrained else self._packed_k(num_drafts, size, step_k)
         if packed_k:
             plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, packed_k=packed_k)
+        plan = self.decode_executable.ready_plan(plan)      # a larger compiled bucket while this one compiles
+        size = plan.padded["batch"] or layout.size
         started += time.perf_counter() - planning
         inputs = decode_inputs(batch, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts,
                                self.proposer.max_lag)
@@ -388,7 +392,7 @@ class StepRunner:
     # ------------------------------------------------------------------ warm-up
     def warmup(self, batch_sizes: int | Sequence[int], max_len: int, *,
                temperatures: float | Sequence[float] = 0.0, logprobs: bool = False, structured_output: bool = False,
-               progress: bool = False) -> int:
+               progress: bool = False, workers: int | None = None) -> int:
         """Compiles ahead of time every executable that ``generate`` runs for up to ``max(batch_sizes)``
         requests at once (its ``max_num_seqs``, or its number of prompts) of up to ``max_len`` positions
         (prompt + max_new_tokens - 1) at ``temperatures`` (0: the steps of all-greedy batches; > 0: those
@@ -397,12 +401,59 @@ class StepRunner:
         as requests finish and admits waiting ones in smaller groups; a request's width grows with it),
         with ``packed_verify`` each k's packed steps, with ``logprobs`` the (dense) steps of batches
         with a request asking for log-probabilities, with ``structured_output`` the (dense) steps of
-        batches with a request with ``SamplingParams.structured_outputs``, and the draft's catch-up prefill when k = 0 can
-        be chosen or prefix caching tops up a finished request's draft rows. Counts the executables
-        before compiling them (with
-        ``progress``: one line on stderr, then one per executable); returns the executables XLA compiled or
-        loaded from the persistent compilation cache.
+        batches with a request with ``SamplingParams.structured_outputs``, and the draft's catch-up
+        prefill when k = 0 can be chosen or prefix caching tops up a finished request's draft rows.
+        ``workers`` threads compile at once (default: ``graph.compiler.default_workers()``). Counts the
+        executables before compiling them (with ``progress``: one line on stderr, then one per
+        executable); returns the executables XLA compiled or loaded from the persistent compilation cache.
         A ``generate`` within these sizes then compiles nothing (``GenerateStats.compiled`` is empty)."""
+        with CompileCounter() as compiles:
+            jobs = self.warmup_jobs(batch_sizes, max_len, temperatures=temperatures, logprobs=logprobs,
+                                    structured_output=structured_output, progress=progress)
+            self._compile_controls()
+            Compiler(workers, on_compiled=_progress_printer("warm-up") if progress else None).run(jobs)
+        self.warmed_up = True
+        return compiles.compiled + compiles.loads
+
+    def start_warmup(self, batch_sizes: int | Sequence[int], max_len: int, *,
+                     temperatures: float | Sequence[float] = 0.0, logprobs: bool = False,
+                     structured_output: bool = False, progress: bool = False,
+                     workers: int | None = None) -> Compiler:
+        """``warmup``'s executables, the largest bucket of each kind of step first (waited for: with them
+        every step of these sizes can run, padded to them) and the others in the background (on the
+        returned ``Compiler``'s threads, logged): a step whose bucket is not compiled yet runs padded to a
+        compiled larger one (``ExecutableCache.ready_plan``), so nothing compiles on the thread that steps.
+        Call ``stop()`` on the compiler at shutdown."""
+        jobs = self.warmup_jobs(batch_sizes, max_len, temperatures=temperatures, logprobs=logprobs,
+                                structured_output=structured_output, progress=progress)
+        first, rest = largest_first(jobs)
+        compiler = Compiler(workers, on_compiled=_progress_printer("warm-up", len(first)) if progress else None)
+        self._compile_controls()
+        compiler.submit(first + rest)
+        try:
+            compiler.wait(first)
+        except BaseException:
+            compiler.stop()
+            raise
+        compiler.nice = BACKGROUND_NICE
+        if progress:
+            print(f"warm-up: the {len(first)} largest buckets are compiled; {compiler.pending} more compile in the "
+                  f"background ({compiler.max_workers} threads), steps meanwhile run padded to a compiled bucket",
+                  file=sys.stderr, flush=True)
+        self.warmed_up = True
+        return compiler
+
+    def _compile_controls(self) -> None:
+        """The logit controls' writer, compiled before any step (not on the first request's)."""
+        if self.has_controls:
+            self._writer()
+
+    def warmup_jobs(self, batch_sizes: int | Sequence[int], max_len: int, *,
+                    temperatures: float | Sequence[float] = 0.0, logprobs: bool = False,
+                    structured_output: bool = False, progress: bool = False) -> list[CompileJob]:
+        """The executables ``warmup`` compiles (those not compiled yet), as ``Compiler`` jobs whose example
+        arguments are abstract (no array of the caches is held); with ``progress`` a line on stderr counts
+        them by dimension."""
         cfg = self.config
         sizes = [batch_sizes] if isinstance(batch_sizes, (int, np.integer)) else list(batch_sizes)
         temperatures = ([temperatures] if isinstance(temperatures, (int, float, np.floating))
@@ -426,16 +477,31 @@ class StepRunner:
             raise ValueError(f"warmup: max_len {max_len} exceeds DecoderConfig.max_seq_len {cfg.max_seq_len}")
         fits = lambda s: s["batch"] <= batch_bucket and s["blocks"] <= block_bucket  # noqa: E731
         with self.lock:
-            return self._warmup(fits, batch_bucket, block_bucket, kinds, logprobs, structured_output, progress)
+            calls = self._warmup_calls(fits, kinds, logprobs, structured_output)
+        jobs = [job for executable, args in calls for job in executable.jobs(**args)]
+        if progress:
+            batches = [b for b in self.decode_executable.dims["batch"].sizes if b <= batch_bucket]
+            widths = [w for w in self.decode_executable.dims["blocks"].sizes if w <= block_bucket]
+            decode = sum(job.cache is self.decode_executable for job in jobs)
+            print(f"warm-up: {len(jobs)} executables to compile: {decode} decode steps (k {self.step_ks} x "
+                  f"batch buckets {tuple(batches)} x block-table widths {tuple(widths)} x "
+                  f"{' and '.join('greedy' if greedy else 'sampled' for greedy in kinds)}"
+                  f"{' x packed_k' if self.packed_ks else ''}{' x logprobs' if logprobs else ''}"
+                  f"{' x structured output' if structured_output else ''}), "
+                  f"{len(jobs) - decode} prefills",
+                  file=sys.stderr, flush=True)
+        return jobs
 
-    def _warmup(self, fits: Callable[[dict[str, int]], bool], batch_bucket: int, block_bucket: int,
-                kinds: list[bool], logprobs: bool, structured_output: bool, progress: bool) -> int:
+    def _warmup_calls(self, fits: Callable[[dict[str, int]], bool], kinds: list[bool], logprobs: bool,
+                      structured_output: bool) -> list[tuple[ExecutableCache, dict[str, Any]]]:
+        """(executable, abstract example arguments with a ``keep`` filter) of each group of warm-up buckets."""
         cfg = self.config
         target_cache, draft_cache = self.caches.take()
+        controls = self._take_controls() if self.has_controls else None
         tables = np.zeros((1, 1), np.int32)
-        models = dict(target_params=self.target_params, target_cache=target_cache, backend=cfg.backend,
-                      **self.placement.warmup_args())
-        draft = dict(draft_params=self.draft_params, draft_cache=draft_cache)
+        models = _abstract(dict(target_params=self.target_params, target_cache=target_cache, backend=cfg.backend,
+                                **self.placement.warmup_args()))
+        draft = _abstract(dict(draft_params=self.draft_params, draft_cache=draft_cache))
         prefill = dict(block_tables=tables, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
                        start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=fits)
         calls = [(self.prefill_executable, {**models, **draft, **prefill})]
@@ -443,14 +509,13 @@ class StepRunner:
         if self.proposer.has_draft_model and (cfg.adaptive and 0 in cfg.allowed_k or self.prefix_root is not None):
             calls.append((self.prefill_executable, {**models, "target_params": None, "target_cache": None, **draft, **prefill}))
         no_draft = dict(draft_params=None, draft_cache=None)
-        controls = self._take_controls() if self.has_controls else None
         for greedy in kinds:
             for k in self.step_ks:
                 step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
                             sampling=np.zeros((1, SamplingColumn.WIDTH), np.float32), k=k, greedy=greedy,
                             keep=lambda s, k=k: s["k"] == k and fits(s))
                 if self.has_controls:
-                    step["controls"] = controls
+                    step["controls"] = _abstract(controls)
                 if self.proposer.host is not None:
                     step["drafts"] = self._host_drafts(1, k)
                 models_k = {**models, **(draft if self.uses_draft(k) else no_draft)}
@@ -461,25 +526,29 @@ class StepRunner:
                 if structured_output:
                     grammar = np.full((1, k + 1, (self.vocab_size + 31) // 32), -1, np.int32)
                     calls.append((self.decode_executable, {**models_k, **step, "grammar": grammar}))
-        pending = [len(executable.pending(**args)) for executable, args in calls]
-        if progress:
-            batches = [b for b in self.decode_executable.dims["batch"].sizes if b <= batch_bucket]
-            widths = [w for w in self.decode_executable.dims["blocks"].sizes if w <= block_bucket]
-            decode = sum(n for (executable, _), n in zip(calls, pending) if executable is self.decode_executable)
-            print(f"warm-up: {sum(pending)} executables to compile: {decode} decode steps (k {self.step_ks} x "
-                  f"batch buckets {tuple(batches)} x block-table widths {tuple(widths)} x "
-                  f"{' and '.join('greedy' if greedy else 'sampled' for greedy in kinds)}"
-                  f"{' x packed_k' if self.packed_ks else ''}{' x logprobs' if logprobs else ''}"
-                  f"{' x structured output' if structured_output else ''}), "
-                  f"{sum(pending) - decode} prefills",
-                  file=sys.stderr, flush=True)
-        with CompileCounter() as compiles:
-            for executable, args in calls:
-                executable.warmup(**args, progress=progress)
-            if self.has_controls:
-                self._writer()
         self.caches.put(target_cache, draft_cache)
         if self.has_controls:
             self._controls = controls
-        self.warmed_up = True
-        return compiles.count + compiles.loads
+        return calls
+
+
+def _abstract(tree: Any) -> Any:
+    """``tree`` with its JAX arrays replaced by their ``ShapeDtypeStruct`` (sharding kept): example arguments
+    that hold no buffer (a background compile outlives the caches they were read from, donated since)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, tree)
+
+
+def _progress_printer(what: str, first: int = 0) -> Callable[[CompileJob, int, float, int, int], None]:
+    """A ``Compiler.on_compiled`` printing one line per executable on stderr; jobs past the ``first``
+    (``start_warmup``'s) say they compiled in the background."""
+    start = time.perf_counter()
+
+    def on_compiled(job: CompileJob, compiles: int, seconds: float, done: int, total: int) -> None:
+        cache = job.cache
+        tag = " (background)" if first and done > first else ""
+        sys.stderr.write(f"[{cache.name}] {what} {done}/{total} ({cache.describe(job.key)})"   # one write: threads
+                         f"{' [fallback]' if job.key in cache.failed else ''} compile {seconds:.2f}s, "
+                         f"{time.perf_counter() - start:.1f}s{tag}\n")
+        sys.stderr.flush()
+    return on_compiled

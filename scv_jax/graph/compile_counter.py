@@ -3,6 +3,8 @@ events."""
 
 from __future__ import annotations
 
+import threading
+
 import jax
 
 TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
@@ -15,7 +17,9 @@ class CompileCounter:
     loaded from JAX's persistent compilation cache while open.
 
     Attributes:
-      count: backend compilations; seconds: their summed duration.
+      count: backend compile calls; seconds: their summed duration. jax 0.12 records one around a
+        persistent-cache hit too, so ``count`` includes ``loads``; ``compiled`` excludes them (XLA really
+        compiled).
       names: what each compilation compiled, in order (e.g. ``"jit(decode_step)"``).
       loads: executables loaded from the persistent cache instead of compiled (a jit cache miss
         that the persistent cache served).
@@ -23,16 +27,22 @@ class CompileCounter:
     """
 
     def __init__(self):
-        self.count, self.seconds, self.traces, self.loads = 0, 0.0, 0, 0
+        self.count, self.seconds, self.traces, self.loads, self.compiled = 0, 0.0, 0, 0, 0
         self.names: list[str] = []
+        self._loading = threading.local()     # a load was recorded on this thread; its compile event follows
 
     def _listener(self, event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT:
             self.count += 1
             self.seconds += duration
             self.names.append(str(kwargs.get("fun_name", "?")))
+            if getattr(self._loading, "pending", False):
+                self._loading.pending = False
+            else:
+                self.compiled += 1
         elif event == CACHE_LOAD_EVENT:
             self.loads += 1
+            self._loading.pending = True
         elif event == TRACE_EVENT:
             self.traces += 1
 

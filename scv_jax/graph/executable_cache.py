@@ -33,6 +33,7 @@ import numpy as np
 
 from scv_jax.graph.buckets import (Buckets, Pad, array_leaves, as_buckets, is_array_leaf, map_arrays,
                              pad_leaf, real_size)
+from scv_jax.graph.compiler import CompileJob, Compiler
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class GraphModeStats:
     ``unaliased_donations``: executables whose outputs do not alias the donated arguments;
     ``copied_donations``: executables that alias them but copy arrays of their shapes inside (found
     in the optimized HLO; the in-place update is then lost).
+    ``borrowed``: calls that ran padded to a larger compiled bucket while their own compiled in the
+    background (``ready_plan``); ``waits``: calls that waited for their own bucket's background compile.
     """
 
     hits: int = 0
@@ -74,6 +77,8 @@ class GraphModeStats:
     device_pads: int = 0
     unaliased_donations: int = 0
     copied_donations: int = 0
+    borrowed: int = 0
+    waits: int = 0
     real_totals: dict[str, int] = dataclasses.field(default_factory=dict)
     padded_totals: dict[str, int] = dataclasses.field(default_factory=dict)
 
@@ -288,7 +293,9 @@ class ExecutableCache:
         self._device_masks: dict[tuple[int, int], jax.Array] = {}
         self._last_call_compiled = self._last_call_first_run = False
         self._last_plan: BucketPlan | None = None
-        self._warmed_up = False               # a compile after a warm-up is logged (a shape it missed)
+        self._warmed_up = False               # a warm-up ran (a later compile is a shape it missed)
+        # buckets a ``Compiler`` will compile: a call needing one hurries it and waits, never compiles it
+        self._scheduled: dict[BucketKey, tuple[concurrent.futures.Future, Compiler]] = {}
         self._oversize_seen: set[tuple] = set()
         self._lock = threading.Lock()
 
@@ -602,26 +609,20 @@ class ExecutableCache:
         ``keep`` prunes buckets that can never occur (default: the constructor's);
         ``max_workers > 1`` compiles in threads (XLA releases the GIL while compiling).
         """
-        bound = self._bind(example_args, example_kwargs)
-        keys = self._warmup_keys(bound, keep)
-        todo = [k for k in keys if k not in self._entries]
-        self._warmed_up = True
-        start, done, compiled = time.perf_counter(), 0, 0
+        jobs = self.jobs(*example_args, keep=keep, **example_kwargs)
+        start = time.perf_counter()
         seconds_before = self.stats.compile_seconds
 
-        def build(key):
-            entry, n = self._compile_one(key, self._abstract_args(bound, key))
-            with self._lock:
-                self._entries[key] = entry
-            return key, n
+        def on_compiled(job: CompileJob, compiles: int, seconds: float, done: int, total: int) -> None:
+            if progress:
+                sys.stderr.write(f"[{self.name}] warm-up {done}/{total} ({self.describe(job.key)})"   # one write
+                                 f"{' [fallback]' if job.key in self.failed else ''} compile {seconds:.2f}s, "
+                                 f"{time.perf_counter() - start:.1f}s\n")
+                sys.stderr.flush()
 
-        with concurrent.futures.ThreadPoolExecutor(max(1, max_workers)) as pool:
-            for key, n in pool.map(build, todo):
-                done, compiled = done + 1, compiled + n
-                if progress:
-                    print(f"[{self.name}] warm-up {done}/{len(todo)} ({self.describe(key)})"
-                          f"{' [fallback]' if key in self.failed else ''} "
-                          f"{time.perf_counter() - start:.1f}s", file=sys.stderr, flush=True)
+        compiled = Compiler(max_workers, on_compiled=on_compiled).run(jobs)
+        self._warmed_up = True         # also when every bucket was compiled already
+        keys = self._warmup_keys(self._bind(example_args, example_kwargs), keep)
         report = WarmupReport(len(keys), compiled, sum(k in self.failed for k in keys),
                               time.perf_counter() - start, self.stats.compile_seconds - seconds_before)
         if progress:
@@ -629,6 +630,77 @@ class ExecutableCache:
                   f"buckets in {report.wall_seconds:.2f}s ({report.failed} on the fallback)",
                   file=sys.stderr, flush=True)
         return report
+
+    def jobs(self, *example_args, keep: Callable[[dict[str, int]], bool] | None = None,
+             **example_kwargs) -> list[CompileJob]:
+        """The buckets ``warmup`` with these arguments would compile (those not compiled yet), as jobs for a
+        ``Compiler`` (several caches' jobs can share one pool)."""
+        bound = self._bind(example_args, example_kwargs)
+        return [CompileJob(self, key, bound) for key in self._warmup_keys(bound, keep) if key not in self._entries]
+
+    def schedule(self, key: BucketKey, compiler: Compiler) -> concurrent.futures.Future | None:
+        """Marks ``key`` as compiled by ``compiler`` (a call needing it then hurries it and waits); the
+        future it completes, or None when the bucket is compiled or scheduled already."""
+        with self._lock:
+            if key in self._entries or key in self._scheduled:
+                return None
+            future = concurrent.futures.Future()
+            self._scheduled[key] = (future, compiler)
+            self._warmed_up = True
+            return future
+
+    def unschedule(self, key: BucketKey) -> None:
+        """Drops ``key``'s schedule (its compiler stopped): a call needing it compiles it where it runs."""
+        with self._lock:
+            future, _ = self._scheduled.pop(key, (None, None))
+        if future is not None:
+            future.cancel()
+
+    @property
+    def scheduled(self) -> int:
+        """Buckets a ``Compiler`` is still to compile."""
+        return len(self._scheduled)
+
+    def compile_job(self, key: BucketKey, example: dict[str, Any]) -> int:
+        """Compiles bucket ``key`` from bound example arguments (a ``CompileJob``'s), completes its
+        schedule, and logs it when it was scheduled in the background (after a warm-up); returns the
+        XLA compiles (0: compiled already)."""
+        future, _ = self._scheduled.get(key, (None, None))
+        if key in self._entries:
+            return 0
+        start = time.perf_counter()
+        try:
+            entry, compiles = self._compile_one(key, self._abstract_args(example, key))
+        except BaseException as error:
+            with self._lock:
+                self._scheduled.pop(key, None)
+            if future is not None:
+                future.set_exception(error)
+            raise
+        with self._lock:
+            self._entries[key] = entry
+            self._scheduled.pop(key, None)
+        if future is not None and not future.cancelled():
+            future.set_result(entry)
+        logger.info("[%s] compiled (%s) in %.2fs on %s", self.name, self.describe(key), time.perf_counter() - start,
+                    threading.current_thread().name)
+        return compiles
+
+    def ready_plan(self, plan: BucketPlan) -> BucketPlan:
+        """The plan to run now for ``plan``: itself when its executable exists or nothing is scheduled in the
+        background; else the smallest compiled bucket at least as large in every dim (same statics and
+        arguments): the call runs padded to it instead of waiting; else ``plan`` (the call hurries its
+        own bucket and waits for it)."""
+        if plan.key is None or not self._scheduled or plan.key in self._entries:
+            return plan
+        dims, statics, present = plan.key
+        larger = [k for k in list(self._entries) if k[1] == statics and k[2] == present
+                  and all(a >= b for a, b in zip(k[0], dims))]
+        if not larger:
+            return plan
+        key = min(larger, key=lambda k: (int(np.prod(k[0])), k[0]))
+        self.stats.borrowed += 1
+        return BucketPlan(key, plan.real, dict(zip(self.dims, key[0])), plan.statics)
 
     # ------------------------------------------------------------------------------------ calling
     def __call__(self, *args, **kwargs):
@@ -639,7 +711,7 @@ class ExecutableCache:
         new one is logged once).
         """
         bound = self._bind(args, kwargs)
-        plan = self._plan(bound)
+        plan = self.ready_plan(self._plan(bound))
         if plan.key is None:
             return self._run(plan, self._dynamic_values(bound))
         return self._run(plan, self._dynamic_values(self._padded_args(bound, plan)))
@@ -681,11 +753,13 @@ class ExecutableCache:
         entry = self._entries.get(plan.key)
         if entry is None:
             self.stats.misses += 1
-            if self._warmed_up:
-                logger.warning("%s: compiling bucket (%s) on first use: a shape the warm-up did not cover",
-                               self.name, self.describe(plan.key))
+            entry = self._await_scheduled(plan.key)
+        if entry is None:
+            logger.warning("%s: compiling bucket (%s) on the calling thread (%s): %s", self.name,
+                           self.describe(plan.key), threading.current_thread().name, self._why_new(plan.key))
             entry, _ = self._compile_one(plan.key, self._named(plan, dynamic))
-            self._entries[plan.key] = entry
+            with self._lock:
+                self._entries[plan.key] = entry
             self._last_call_compiled = True
         else:
             self.stats.hits += 1
@@ -699,6 +773,37 @@ class ExecutableCache:
             if self._fallback_jitted is None:
                 raise
             return self._after_run_failure(plan.key, self._named(plan, dynamic), dynamic, error)
+
+    def _await_scheduled(self, key: BucketKey) -> _Entry | None:
+        """The executable of a bucket scheduled on a ``Compiler``: hurried to the front and waited for
+        (logged); None when it is not scheduled (or its compiler stopped)."""
+        with self._lock:
+            future, compiler = self._scheduled.get(key, (None, None))
+        if future is None:
+            return self._entries.get(key)
+        logger.warning("%s: waiting for bucket (%s), compiling in the background: no larger bucket is compiled "
+                       "yet", self.name, self.describe(key))
+        compiler.hurry(self, key)
+        self.stats.waits += 1
+        try:
+            return future.result()
+        except concurrent.futures.CancelledError:
+            return self._entries.get(key)
+
+    def _why_new(self, key: BucketKey) -> str:
+        """Why ``key`` had no executable: the dims and statics whose values no compiled bucket has, or a
+        new combination of known ones; and whether a warm-up ran."""
+        warm = "after a warm-up: a shape the warm-up did not cover" if self._warmed_up else "warmup() was never called"
+        with self._lock:
+            compiled = list(self._entries)
+        if not compiled:
+            return f"the first executable of {self.name}, {warm}"
+        names, values = (*self.dims, *self.static_argnames), (*key[0], *key[1])
+        new = [f"{n}={v}" for i, (n, v) in enumerate(zip(names, values))
+               if all((*k[0], *k[1])[i] != v for k in compiled)]
+        if all(k[2] != key[2] for k in compiled):
+            new.append(f"arguments given {sorted(key[2])}")
+        return f"new {', '.join(new)}, {warm}" if new else f"a new combination of compiled sizes, {warm}"
 
     def _named(self, plan: BucketPlan, dynamic: list[Any]) -> dict[str, Any]:
         """The arguments of a call by name: dynamic values and the plan's statics."""

@@ -1,5 +1,7 @@
-"""``scv-jax serve``: loads the checkpoint(s), builds an ``Engine``, warms it up (progress on stderr),
-then serves the app with uvicorn and prints ``scv-jax serve: listening on http://HOST:PORT`` on stdout.
+"""``scv-jax serve``: loads the checkpoint(s), builds an ``Engine``, compiles the largest bucket of each
+kind of step (progress on stderr), then serves the app with uvicorn and prints ``scv-jax serve: listening
+on http://HOST:PORT`` on stdout while the other buckets compile in the background (``Engine.start_warmup``:
+steps meanwhile run padded to a compiled bucket; the compiler stops at shutdown).
 
 SIGINT / SIGTERM: uvicorn stops accepting connections and lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds; then the engine loop stops, which ends each request still running with
@@ -173,10 +175,12 @@ def serve(args: argparse.Namespace) -> int:
     if tokenizer.vocab_size > served.vocab_size:
         raise ValueError(f"--model {args.model}: its tokenizer has {tokenizer.vocab_size} ids, the model's "
                          f"vocab_size is {served.vocab_size}")
+    compiler = None
     if not args.no_warmup:
         print(f"compiling (one time): up to {args.max_num_seqs} requests of up to {served.max_model_len} tokens ...",
               file=sys.stderr, flush=True)
-        served.engine.warmup(args.max_num_seqs, served.max_model_len, progress=True)
+        compiler = served.engine.start_warmup(args.max_num_seqs, served.max_model_len, progress=True,
+                                              logprobs=served.engine.runner.proposer.verifier == "chain")
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     engine_loop = EngineLoop(served.engine, metrics.observe_engine)
@@ -186,7 +190,11 @@ def serve(args: argparse.Namespace) -> int:
                          max_prompt_chars=args.max_prompt_chars, allow_unknown_fields=args.allow_unknown_fields)
     server = _uvicorn_server(build_app(ctx), args.host, args.port, args.shutdown_timeout,
                              lambda: engine_loop.stop(timeout=0))
-    server.run()
+    try:
+        server.run()
+    finally:
+        if compiler is not None:
+            compiler.stop()       # the compile in progress ends; the queued ones are dropped
     if not server.started:
         raise OSError(f"could not listen on {args.host}:{args.port} (see the message above)")
     print("scv-jax serve: stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,162 @@
+"""Concurrent and background compilation (``graph.compiler.Compiler``): the same executables as a serial
+warm-up, a call never compiling a bucket that is scheduled in the background (it runs padded to a larger
+compiled bucket, or hurries its own and waits), a clean stop, and the log of every compile outside a
+warm-up (once per shape, with what was new)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scv_jax import CompileCounter
+from scv_jax.graph.compile_counter import BACKEND_COMPILE_EVENT, CACHE_LOAD_EVENT
+from scv_jax.graph.compiler import Compiler
+from tests.graph.test_executable_cache import KV_SIZE, make_cache, random_batch
+
+
+class CompileThreads:
+    """The names of the threads that compiled (or loaded from the persistent cache) while open."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def _listener(self, event: str, duration: float, **kwargs) -> None:
+        if event in (BACKEND_COMPILE_EVENT, CACHE_LOAD_EVENT):
+            self.names.append(threading.current_thread().name)
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def _example(seed=0):
+    return (jnp.zeros(KV_SIZE, jnp.float32), *random_batch(np.random.default_rng(seed), 3, 2))
+
+
+def _run_all(cache, calls):
+    kv, outs = jnp.zeros(KV_SIZE, jnp.float32), []
+    for ids, cu, weights, k in calls:
+        kv, out = cache(kv, ids, cu, weights, k=k)
+        outs.append(np.asarray(out)[:len(cu) - 1])
+    return np.asarray(kv), outs
+
+
+def _calls(seed=3, n=12):
+    rng = np.random.default_rng(seed)
+    calls = []
+    for _ in range(n):
+        k = int(rng.choice([1, 2, 4]))
+        calls.append((*random_batch(rng, int(rng.integers(1, 5)), k), k))
+    return calls
+
+
+def test_threaded_warmup_compiles_the_same_executables_and_then_nothing(no_persistent_cache):
+    serial, threaded = make_cache(), make_cache()
+    assert serial.warmup(*_example(), k=2, max_workers=1, progress=False).compiled == 6
+    with CompileThreads() as threads:
+        report = threaded.warmup(*_example(), k=2, max_workers=2, progress=False)
+    assert report.compiled == 6 and sorted(threaded.compiled_keys) == sorted(serial.compiled_keys)
+    assert len(threads.names) == 6 and all(name.startswith("scv-jax-compile") for name in threads.names)
+    calls = _calls()
+    with CompileCounter() as compiles:
+        kv_serial, out_serial = _run_all(serial, calls)
+        kv_threaded, out_threaded = _run_all(threaded, calls)
+    assert (compiles.count, compiles.loads) == (0, 0)
+    np.testing.assert_array_equal(kv_serial, kv_threaded)
+    for a, b in zip(out_serial, out_threaded):
+        np.testing.assert_array_equal(a, b)
+
+
+class Parked:
+    """A compiler that has not got to its jobs: ``hurry`` compiles the bucket on its own thread."""
+
+    def __init__(self, example):
+        self.example, self.hurried = example, []
+
+    def hurry(self, cache, key):
+        self.hurried.append(key)
+        thread = threading.Thread(target=cache.compile_job, args=(key, self.example), name="parked-compiler")
+        thread.start()
+
+
+def test_a_call_runs_padded_to_a_larger_compiled_bucket_while_its_own_is_scheduled():
+    """Every bucket but the largest is scheduled and never compiled: each call borrows the largest one
+    (batch 4), compiles nothing and gives what its own bucket gives."""
+    exact, padded = make_cache(), make_cache()
+    exact.warmup(*_example(), k=4, progress=False)
+    jobs = padded.jobs(*_example(), k=4)
+    largest = max(jobs, key=lambda job: job.key[0])
+    Compiler(1).run([largest])
+    parked = Parked(largest.example)
+    for job in jobs:
+        if job is not largest:
+            assert padded.schedule(job.key, parked) is not None
+    calls = [c for c in _calls() if c[3] > 2]           # k bucket 4: the largest's
+    with CompileCounter() as compiles:
+        kv_padded, out_padded = _run_all(padded, calls)
+    smaller = sum(len(cu) - 1 <= 2 for _, cu, _, _ in calls)           # batch bucket below 4
+    assert compiles.count == 0 and parked.hurried == [] and padded.stats.borrowed == smaller > 0
+    kv_exact, out_exact = _run_all(exact, calls)
+    np.testing.assert_array_equal(kv_exact, kv_padded)
+    for a, b in zip(out_exact, out_padded):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_call_without_a_larger_bucket_hurries_its_own_and_never_compiles_it(no_persistent_cache):
+    cache = make_cache()
+    jobs = cache.jobs(*_example(), k=2)
+    smallest = min(jobs, key=lambda job: job.key[0])
+    parked = Parked(smallest.example)
+    for job in jobs:
+        cache.schedule(job.key, parked)
+    ids, cu, weights = random_batch(np.random.default_rng(5), 1, 2)
+    with CompileThreads() as threads:
+        _, out = cache(jnp.zeros(KV_SIZE, jnp.float32), ids, cu, weights, k=2)
+    assert parked.hurried == [smallest.key] and threads.names == ["parked-compiler"]
+    assert cache.stats.waits == 1 and cache.scheduled == len(jobs) - 1
+    np.testing.assert_allclose(np.asarray(out)[:1], np.diff(cu) * weights, rtol=1e-6)
+
+
+def test_stop_ends_the_threads_and_unschedules_what_was_queued(no_persistent_cache, caplog):
+    cache = make_cache()
+    compiler = Compiler(1)
+    queued = compiler.submit(cache.jobs(*_example(), k=2))
+    assert len(queued) == 6 and cache.scheduled == 6
+    assert compiler.stop(timeout=60)
+    assert compiler.pending == 0 and cache.scheduled == 0 and threading.active_count() >= 1
+    assert not any(t.name.startswith("scv-jax-compile") for t in threading.enumerate())
+    compiled = len(cache.compiled_keys)
+    assert compiled < 6                                   # the queue was dropped
+    # a dropped bucket compiles where it is called, logged
+    missing = next(job for job in queued if job.key not in cache.compiled_keys)
+    batch = missing.key[0][0]
+    ids, cu, weights = random_batch(np.random.default_rng(2), batch, 2)
+    with caplog.at_level(logging.WARNING):
+        cache(jnp.zeros(KV_SIZE, jnp.float32), ids, cu, weights, k=2)
+    assert any("on the calling thread" in r.getMessage() for r in caplog.records)
+
+
+def test_every_compile_outside_a_warmup_is_logged_once_with_what_was_new(caplog):
+    cache = make_cache()
+    kv = jnp.zeros(KV_SIZE, jnp.float32)
+    rng = np.random.default_rng(7)
+    with caplog.at_level(logging.WARNING, logger="scv_jax.graph.executable_cache"):
+        for _ in range(3):
+            kv, _ = cache(kv, *random_batch(rng, 1, 2), k=2)       # one shape, three calls
+        kv, _ = cache(kv, *random_batch(rng, 3, 2), k=2)           # a new batch bucket
+        kv, _ = cache(kv, *random_batch(rng, 3, 4), k=4)           # a new k (and tokens)
+        kv, _ = cache(kv, *random_batch(rng, 4, 2), k=2)           # compiled: no log
+        kv, _ = cache(kv, *random_batch(rng, 1, 4), k=4)           # batch 1 and k 4 known, tokens 4 new
+    messages = [r.getMessage() for r in caplog.records if "compiling bucket" in r.getMessage()]
+    assert len(messages) == 4, messages
+    assert "the first executable of toy_step, warmup() was never called" in messages[0]
+    assert "new batch=4, tokens=8, warmup() was never called" in messages[1]
+    assert "new tokens=16, k=4" in messages[2]
+    assert messages[3].endswith("new tokens=4, warmup() was never called")
