@@ -114,7 +114,10 @@ def test_required_calls_any_tool(server, parallel):
         calls = _calls(out.choices[0].message)
         assert out.choices[0].finish_reason == "tool_calls" and all(_valid(*call) for call in calls), calls
         assert len(calls) == 1 if not parallel else len(calls) >= 1
-    if parallel:                    # greedy, the tiny model goes on calling until max_tokens
+    if parallel:                    # greedy, the tiny model goes on calling: several calls, streamed as they come
+        calls, content, reason = _streamed(api, **kwargs, temperature=0)
+        assert len(calls) >= 2 and content == "" and reason in ("length", "tool_calls"), (calls, reason)
+        assert all(_valid(*call) for call in calls[:-1 if reason == "length" else None]), calls
         return
     out = api.chat.completions.create(**kwargs, temperature=0)
     assert out.choices[0].finish_reason == "tool_calls"
@@ -141,6 +144,26 @@ def test_auto_parses_the_models_calls(server, stream):
             got_calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
             assert got_calls == calls and choice.message.content.strip() == content
         assert reason == ("tool_calls" if calls else "stop")
+
+
+def test_llama3_json_parser_flag(checkpoint, tmp_path):
+    """``--tool-call-parser llama3_json`` overrides the template's format: a message that is a JSON call
+    is a call (streamed: held back, then sent as deltas); other text is content."""
+    process = ServerProcess(["--model", str(checkpoint), *COMMON, "--tool-call-parser", "llama3_json"],
+                            tmp_path / "llama3.log")
+    try:
+        api = client(process.url)
+        call = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+        for text, content, calls in [(call, None, [("get_time", '{"zone": "UTC"}')]), ("Paris " + call, None, [])]:
+            kwargs = dict(model=NAME, messages=MESSAGES, tools=[WEATHER, TIME], max_tokens=100, temperature=0,
+                          extra_body={"guided_choice": [text]})
+            choice = api.chat.completions.create(**kwargs).choices[0]
+            got = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+            assert (got, choice.message.content) == (calls, None if calls else text)
+            assert choice.finish_reason == ("tool_calls" if calls else "stop")
+            assert _streamed(api, **kwargs) == (calls, "" if calls else text, choice.finish_reason)
+    finally:
+        assert process.stop(signal.SIGTERM) == 0, process.stderr()
 
 
 def test_none_renders_the_tools_and_parses_nothing(server):
