@@ -719,7 +719,7 @@ class _ChatShape:
             if delta["index"] in merged:
                 merged[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
             else:
-                merged[delta["index"]] = {key: delta[key] for key in ("id", "type")} | {"function": dict(delta["function"])}
+                merged[delta["index"]] = {"id": delta["id"], "type": delta["type"], "function": dict(delta["function"])}
         if not merged:
             return {"role": "assistant", "content": content}
         self.called.add(index)

@@ -105,8 +105,9 @@ def _chosen_name(choice: Any, field: str, names: dict[str, Any], legacy: bool) -
             if choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
         if isinstance(name, str):
             if name not in names:
-                raise ApiError(400, f"{field} names {name!r}, which is not among the {'functions' if legacy else 'tools'}"
-                                    f" ({', '.join(names) or 'none given'})", field)
+                among = "functions" if legacy else "tools"
+                raise ApiError(400, f"{field} names {name!r}, which is not among the {among} "
+                                    f"({', '.join(names) or 'none given'})", field)
             return name
     shape = '"none", "auto" or {"name": ...}' if legacy else \
         '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
