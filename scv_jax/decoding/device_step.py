@@ -190,9 +190,10 @@ class LogitControls(NamedTuple):
       min_tokens: int32[B] tokens still to emit before a stop token may come; stop_ids: int32[B, S].
       words: int32[B, MAX_BAD_WORDS, MAX_BAD_WORD_LEN] the bad words of several tokens (-1: none);
       recent: int32[B, MAX_BAD_WORD_LEN - 1] the last output tokens (-1: none).
-      grammar: int32[B, T, ceil(V / 32)] structured output's masks (``decoding.grammar``): at offset t
-        (the t-th position after the committed tokens) token v is allowed where bit v % 32 of word
-        v // 32 is set (-1 words: every token); None: no structured output in the step.
+      grammar: int32[B, T, ceil(V / 32)] structured output's masks (``decoding.grammar``): at row t (a
+        chain's t-th position after the committed tokens; a tree's position after node t - 1, row 0 the
+        root's) token v is allowed where bit v % 32 of word v // 32 is set (-1 words: every token); None:
+        no structured output in the step.
     """
 
     active: jax.Array
@@ -224,7 +225,8 @@ class LogitControls(NamedTuple):
                    jnp.where(controlled[:, None, None], state.words[rows], -1), state.recent[rows], grammar)
 
     def apply(self, logits: jax.Array, rows: jax.Array | None = None, seen: jax.Array | None = None,
-              offsets: jax.Array | None = None, previous: jax.Array | None = None) -> jax.Array:
+              offsets: jax.Array | None = None, previous: jax.Array | None = None,
+              grammar_rows: jax.Array | None = None) -> jax.Array:
         """float[..., V] logits of the step's positions with the controls applied (same dtype).
 
         Without ``rows``, ``logits`` is [B, T, V] or [B, V] (request b's positions); with ``rows``
@@ -234,7 +236,8 @@ class LogitControls(NamedTuple):
         stop token is masked while offset < min_tokens); ``previous``: int32 of the leading shape +
         [MAX_BAD_WORD_LEN - 1], the last output tokens of each position's history (-1: none; a bad word's
         last token is masked where its other tokens end it). None: the position after the committed
-        tokens (no drafts seen, offset 0, the request's ``recent`` tokens).
+        tokens (no drafts seen, offset 0, the request's ``recent`` tokens). ``grammar_rows``: int32 of
+        the leading shape, the row of ``grammar`` each position takes (a tree's node; default: its offset).
         """
         lead, vocab = logits.shape[:-1], logits.shape[-1]
         if rows is None:
@@ -242,6 +245,7 @@ class LogitControls(NamedTuple):
                                     lead)
         rows = jnp.clip(rows.reshape(-1), 0, self.bias.shape[0] - 1)
         offsets = jnp.zeros(rows.shape, jnp.int32) if offsets is None else offsets.reshape(-1)
+        grammar_rows = offsets if grammar_rows is None else grammar_rows.reshape(-1)
         previous = self.recent[rows] if previous is None else previous.reshape(-1, MAX_BAD_WORD_LEN - 1)
 
         def adjust() -> jax.Array:
@@ -260,7 +264,7 @@ class LogitControls(NamedTuple):
             bias = bias.at[jnp.arange(rows.shape[0])[:, None], jnp.clip(ends, 0, vocab - 1)].min(
                 jnp.where(said, -jnp.inf, 0.0))
             if self.grammar is not None:
-                bias = jnp.where(grammar_allows(self.grammar, rows, offsets, vocab), bias, -jnp.inf)
+                bias = jnp.where(grammar_allows(self.grammar, rows, grammar_rows, vocab), bias, -jnp.inf)
             out = controlled_logits(logits.reshape(-1, vocab), bias, counts, self.in_prompt[rows],
                                     self.presence[rows], self.frequency[rows], self.repetition[rows])
             return out.astype(logits.dtype).reshape(logits.shape)

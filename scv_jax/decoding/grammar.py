@@ -2,10 +2,10 @@
 request's ``StructuredOutputsParams`` compiled to a matcher (``Grammars.matcher``), and each step's
 token masks (``step_masks``): for every position a constrained request verifies, the tokens the grammar
 allows after the tokens before it (its output so far and the drafts before that position). A draft the
-grammar forbids ends the request's drafts there (nothing after it is scored or written); so does a draft
-that completes the grammar (the bonus token then completes it, and the request ends at once). The
-device sets every other token's logit to -inf at that position, in the target's (and a draft model's)
-logits, so constrained speculative decoding samples what constrained autoregressive decoding would.
+grammar forbids ends the request's drafts there (nothing after it is scored or written; in a tree, its
+subtree is dropped); so does a draft that completes the grammar (the bonus token then completes it, and
+the request ends at once). The device sets every other token's logit to -inf at that position, so
+constrained speculative decoding samples what constrained autoregressive decoding would.
 
 Masks are bit sets, 32 tokens a word (token t: bit t % 32 of word t // 32), as llguidance writes them.
 """
@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from scv_jax.decoding.proposers.base import Trie
 from scv_jax.sampling_params import StructuredOutputsParams
 
 
@@ -91,51 +92,61 @@ class Grammars:
                              f"{matcher.get_error().splitlines()[0]}")
         return matcher
 
-    def step_masks(self, matchers: Sequence[Any], chains: Sequence[Sequence[int]], positions: int,
-                   banned: Sequence[Sequence[int]] | None = None) -> tuple[list[list[int]], np.ndarray]:
-        """The masks of a step's constrained requests and their drafts as far as the grammar allows.
+    def step_masks(self, matchers: Sequence[Any], tries: Sequence[Trie], positions: int,
+                   banned: Sequence[Sequence[int]] | None = None) -> tuple[list[Trie], np.ndarray]:
+        """The masks of a step's constrained requests, and their drafts as far as the grammar allows.
 
         Args:
           matchers: each request's matcher, at its output so far (left there).
-          chains: each request's drafts (a chain; may be empty).
-          positions: the step's positions per request (its k + 1).
+          tries: each request's drafts as a tree (a chain: ``path_trie``); may be empty.
+          positions: the step's positions per request (k + 1; a tree: its nodes + 1).
           banned: per request, ids its masks never allow (the eos ids of a request that ignores them).
         Returns:
-          (the chains cut before the first draft the grammar forbids or that completes it, int32[R,
-          positions, mask_words(vocab_size)] the masks at each position; positions past a chain's end
-          allow every token: nothing is verified there).
+          (the tries without the nodes the grammar forbids, those that complete it (the bonus token
+          completes it instead) and their descendants, nodes in order; int32[R, positions,
+          mask_words(vocab_size)] the masks: row 0 after the request's output, row i + 1 after kept
+          node i's path; rows past the kept nodes allow every token (nothing is verified there)).
         """
         fill = self._llguidance.numpy.fill_next_token_bitmask
         words = mask_words(self.vocab_size)
         shared = min(words, self._words)
         masks = np.full((len(matchers), positions, words), -1, np.int32)
         scratch = np.zeros((positions, self._words), np.int32)
-        cut = []
-        for r, (matcher, chain) in enumerate(zip(matchers, chains)):
-            consumed = 0
-            for j in range(min(len(chain), positions - 1) + 1):
-                fill(matcher, scratch, j)
-                if j == len(chain) or j == positions - 1:
+        kept_tries = []
+        for r, (matcher, trie) in enumerate(zip(matchers, tries)):
+            fill(matcher, scratch, 0)
+            kept: dict[int, int] = {}                     # node -> its index among the kept nodes
+            paths: list[list[int]] = []                   # each kept node's path from the root
+            tokens, parents = [], []
+            for node, (token, parent) in enumerate(zip(trie.tokens, trie.parents)):
+                if len(tokens) == positions - 1:
                     break
-                token = int(chain[j])
-                if not allowed(scratch[j], token) or not matcher.consume_token(token):
-                    break
-                consumed += 1
-                if matcher.is_stopped():          # the grammar is complete: the bonus token completes it
-                    consumed -= 1
-                    matcher.rollback(1)
-                    break
-            if consumed:
-                matcher.rollback(consumed)
-            cut.append(list(chain[:consumed]))
-            rows = masks[r, :consumed + 1]
-            rows[:, :shared] = scratch[:consumed + 1, :shared]
+                if parent >= 0 and parent not in kept:    # an ancestor was dropped
+                    continue
+                up = kept[parent] if parent >= 0 else -1
+                if not allowed(scratch[up + 1], token):
+                    continue
+                path = (paths[up] if up >= 0 else []) + [int(token)]
+                matcher.consume_tokens(path)
+                complete = matcher.is_stopped()
+                if not complete:
+                    fill(matcher, scratch, len(tokens) + 1)
+                matcher.rollback(len(path))
+                if complete:
+                    continue
+                kept[node] = len(tokens)
+                paths.append(path)
+                tokens.append(int(token))
+                parents.append(up)
+            kept_tries.append(Trie(tokens, parents))
+            rows = masks[r, :len(tokens) + 1]
+            rows[:, :shared] = scratch[:len(tokens) + 1, :shared]
             rows[:, shared:] = 0                  # model ids past the tokenizer's
             bits = rows.view(np.uint32)
             for token in (*self._never, *(banned[r] if banned else ())):
                 if token < self.vocab_size:
                     bits[:, token // 32] &= ~np.uint32(1 << (token % 32))
-        return cut, masks
+        return kept_tries, masks
 
 
 def allowed(mask: np.ndarray, token: int) -> bool:

@@ -32,7 +32,7 @@ from scv_jax.decoding.grammar import Grammars
 from scv_jax.decoding.outputs import FinishReason, RequestOutput, TokenLogprob
 from scv_jax.decoding.plan import DecodeWork, Drafts, Observation, PrefillWork, SamplingColumn, StepResult
 from scv_jax.decoding.positions import catch_up_rows
-from scv_jax.decoding.proposers.base import Proposer, smallest_fitting
+from scv_jax.decoding.proposers.base import Proposer, Trie, path_trie, smallest_fitting
 from scv_jax.decoding.proposers.ngram import UnverifiedProposals
 from scv_jax.decoding.requests import RequestBatch
 from scv_jax.sampling_params import SamplingParams
@@ -320,7 +320,7 @@ class Scheduler:
         k = self.proposer.depth_for(self._choose_k(kind, computed_rows, requests, budget))
         caps = np.minimum(budget - 1, k)                    # never draft past a request's budget
         constrained = np.array([i for i, r in enumerate(requests) if r.matcher is not None], np.int64)
-        if constrained.size and not self.proposer.host_chains:
+        if constrained.size and self.proposer.host is None:
             caps[constrained] = 0           # drafts made on the device cannot be masked before they are verified
         views = self._token_views(rows) if self.proposer.host is not None else []   # host drafters read them
         drafts = self.proposer.drafts(request_ids, views, caps)
@@ -336,32 +336,33 @@ class Scheduler:
 
     def _grammar_masks(self, requests: list[Request], constrained: np.ndarray, drafts: Drafts, caps: np.ndarray
                        ) -> tuple[Drafts, np.ndarray]:
-        """The step's drafts with the constrained requests' chains cut where their grammar forbids a
-        draft, and int32[B, step_k + 1, W] the masks at each position (-1: every token; ``grammar``).
-        With host chains, the tokens a request's grammar forces next (up to its cap) are its drafts,
-        unless the drafter's chain starts with them and goes further: they are always accepted."""
-        grammars, host_chains = self.grammars, self.proposer.host_chains
-        chains = []
+        """The step's drafts without the constrained requests' drafts their grammar forbids (``grammar.
+        Grammars.step_masks``), and int32[B, step_k + 1, W] the masks at each position (-1: every token).
+        With host drafts, the tokens a request's grammar forces next (up to its cap) are its drafts
+        unless the drafter's go further along them: the masked target allows nothing else, so they are
+        always accepted."""
+        grammars, host, chains = self.grammars, self.proposer.host is not None, self.proposer.host_chains
+        tries = []
         for i in constrained.tolist():
-            chain = list(drafts.host[i]) if host_chains else []
-            if host_chains and caps[i] > 0:
+            trie = Trie([], []) if not host else path_trie(drafts.host[i]) if chains else drafts.host[i]
+            if host and caps[i] > 0:
                 forced = requests[i].matcher.compute_ff_tokens()[:int(caps[i])]
-                if len(forced) > len(chain) or chain[:len(forced)] != forced:
-                    chain = forced
-            chains.append(chain)
-        step_k = smallest_fitting(self.proposer.step_ks, max(drafts.step_k, *map(len, chains)))
+                if forced and (len(forced) >= trie.depth or trie.tokens[:len(forced)] != forced):
+                    trie = path_trie(forced)
+            tries.append(trie)
+        step_k = smallest_fitting(self.proposer.step_ks, max(drafts.step_k, *(len(t.tokens) for t in tries)))
         ignored = [[t for t in grammars.eos_ids if t not in requests[i].stops] for i in constrained.tolist()]
-        cut, masks = grammars.step_masks([requests[i].matcher for i in constrained.tolist()], chains, step_k + 1,
-                                         ignored)
-        positions = step_k + 1
-        grammar = np.full((len(requests), positions, masks.shape[2]), -1, np.int32)
+        kept, masks = grammars.step_masks([requests[i].matcher for i in constrained.tolist()], tries, step_k + 1,
+                                          ignored)
+        grammar = np.full((len(requests), step_k + 1, masks.shape[2]), -1, np.int32)
         grammar[constrained] = masks
-        if not host_chains:
+        if not host:
             return drafts, grammar
-        host, num_drafts = list(drafts.host), drafts.num_drafts.copy()
-        for i, chain in zip(constrained.tolist(), cut):
-            host[i], num_drafts[i] = chain, len(chain)
-        return Drafts(num_drafts, step_k, host), grammar
+        offered, num_drafts = list(drafts.host), drafts.num_drafts.copy()
+        for i, trie in zip(constrained.tolist(), kept):
+            offered[i] = trie.tokens if chains else trie
+            num_drafts[i] = min(trie.depth, int(caps[i]))
+        return Drafts(num_drafts, step_k, offered), grammar
 
     def _catch_up(self, rows: np.ndarray) -> PrefillWork | None:
         """Before a step that runs the draft: the tokens k = 0 steps left out of the draft cache

@@ -545,7 +545,8 @@ def accept_tree(logits: jax.Array, tokens: jax.Array, parents: jax.Array, keys: 
         seen = jnp.einsum("bpj,bjv->bpv", on_path, jax.nn.one_hot(tokens, logits.shape[-1], dtype=jnp.int32))
         depth = depths(full_mask)
         logits = controls.apply(logits, seen=seen, offsets=depth,
-                                previous=path_previous(controls.recent, tokens, forward_parents, depth))
+                                previous=path_previous(controls.recent, tokens, forward_parents, depth),
+                                grammar_rows=jnp.broadcast_to(jnp.arange(n + 1, dtype=jnp.int32), (batch, n + 1)))
     num_nodes = jnp.full((batch,), n, jnp.int32)
     if greedy:
         result = accept_tree_greedy(tokens, parents, num_nodes, argmax_ignoring_nan(logits), max_depth=max_depth,

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, decoders as token_decoders, models, pre_tokeni
 from scv_jax import DecoderConfig, Engine, HostDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from scv_jax import StructuredOutputsParams as Structured
 from scv_jax.decoding.grammar import Grammars, allowed
+from scv_jax.decoding.proposers.base import Trie, path_trie
 from scv_jax.graph.compile_counter import CompileCounter
 from tests.decoding.common import SMALL
 from tests.decoding.test_engine import run, target_logits, tokens  # noqa: F401 (a fixture)
@@ -110,7 +111,7 @@ def test_greedy_constrained_equals_the_oracle(target_logits, tokenizer, decoders
             assert valid(name, text(out.token_ids), out.finish_reason == "stop"), (name, text(out.token_ids))
             assert out.stop_token_id is None
     assert tokens(outputs, "plain") == decoders["target"].generate([PROMPTS[0]], MAX_TOKENS).tokens[0]
-    if drafter == "ngram":
+    if drafter in ("ngram", "tree"):
         assert sum(outputs[f"{n}-{i}"][-1].num_accepted_tokens for n in CONSTRAINTS for i in range(3)) > 0
     if drafter == "model":             # device drafts cannot be masked before verification: none verified
         assert all(outputs[f"{n}-{i}"][-1].num_draft_tokens == 0 for n in CONSTRAINTS for i in range(3))
@@ -205,7 +206,8 @@ def test_step_masks_are_llguidances_along_the_chain(chain, prefix, positions):
     grammars = Grammars(make_tokenizer().to_str(), TINY.vocab_size, ())
     matcher = grammars.matcher(CONSTRAINTS["json"])
     assert matcher.consume_tokens([CHARS.index(c) for c in prefix])
-    (cut,), masks = grammars.step_masks([matcher], [chain], positions)
+    (kept,), masks = grammars.step_masks([matcher], [path_trie(chain)], positions)
+    cut = kept.tokens
     fresh = grammars.matcher(CONSTRAINTS["json"])
     fresh.consume_tokens([CHARS.index(c) for c in prefix])
     reference = llguidance.numpy.allocate_token_bitmask(1, 17)
@@ -227,6 +229,57 @@ def test_step_masks_are_llguidances_along_the_chain(chain, prefix, positions):
     check.consume_tokens([CHARS.index(c) for c in prefix])
     llguidance.numpy.fill_next_token_bitmask(check, first, 0)
     assert (again == first).all()
+
+
+@st.composite
+def tries(draw) -> Trie:
+    """A random draft tree of up to 8 nodes over the vocabulary, parents before children."""
+    tokens, parents = [], []
+    for node in range(draw(st.integers(0, 8))):
+        tokens.append(draw(st.integers(0, TINY.vocab_size - 1)))
+        parents.append(draw(st.integers(-1, node - 1)))
+    return Trie(tokens, parents)
+
+
+@settings(max_examples=40, deadline=None)
+@given(trie=tries(), prefix=st.sampled_from(["", "{", '{"a":1', '{"a":1,"b":["']), positions=st.integers(1, 9))
+def test_tree_masks_follow_each_path(trie, prefix, positions):
+    """A kept node's mask row is a fresh matcher's after its path; a node is kept exactly when its parent
+    is (or it is a root child), the grammar allows its token after the parent's path and the token does
+    not complete the grammar, while fewer than positions - 1 nodes are kept; the kept tree keeps the order."""
+    grammars = Grammars(make_tokenizer().to_str(), TINY.vocab_size, ())
+    ids = [CHARS.index(c) for c in prefix]
+    matcher = grammars.matcher(CONSTRAINTS["json"])
+    matcher.consume_tokens(ids)
+    (kept,), masks = grammars.step_masks([matcher], [trie], positions)
+    reference = llguidance.numpy.allocate_token_bitmask(1, 17)
+
+    def mask_after(path: list[int]) -> list[bool] | None:
+        """The allowed tokens after ``path``; None where the path is forbidden or completes the grammar."""
+        fresh = grammars.matcher(CONSTRAINTS["json"])
+        fresh.consume_tokens(ids)
+        for token in path:
+            llguidance.numpy.fill_next_token_bitmask(fresh, reference, 0)
+            if not allowed(reference[0], token) or not fresh.consume_token(token) or fresh.is_stopped():
+                return None
+        llguidance.numpy.fill_next_token_bitmask(fresh, reference, 0)
+        return [allowed(reference[0], t) for t in range(TINY.vocab_size)]
+
+    assert [allowed(masks[0, 0], t) for t in range(16)] == mask_after([])
+    index, paths, expected_tokens, expected_parents = {}, {}, [], []
+    for node, (token, parent) in enumerate(zip(trie.tokens, trie.parents)):
+        if len(expected_tokens) == positions - 1 or (parent >= 0 and parent not in index):
+            continue
+        path = (paths[parent] if parent >= 0 else []) + [token]
+        row = mask_after(path)
+        if row is None:
+            continue
+        index[node], paths[node] = len(expected_tokens), path
+        expected_tokens.append(token)
+        expected_parents.append(index[parent] if parent >= 0 else -1)
+        assert [allowed(masks[0, len(expected_tokens)], t) for t in range(16)] == row
+    assert kept == Trie(expected_tokens, expected_parents)
+    assert (masks[0, len(kept.tokens) + 1:] == -1).all()
 
 
 def test_bad_constraints_get_one_line(target, tokenizer, decoders):
