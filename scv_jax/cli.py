@@ -17,6 +17,7 @@ from scv_jax.arguments import OneLineParser
 from scv_jax.demo import WORKLOADS
 from scv_jax.launch import check_memory, checkpoints, load_models, ngram_drafter
 from scv_jax.serving.detokenize import IncrementalDetokenizer
+from scv_jax.serving.tools import TOOL_CALL_PARSERS
 
 DEFAULT_PROMPT = "import sys\n\n\ndef "
 # what the memory check's error names for demo and generate: the flags that size their caches
@@ -320,6 +321,9 @@ def _add_serve(sub, formatter) -> None:
     serve.add_argument("--allow-unknown-fields", action="store_true",
                        help="ignore request fields neither OpenAI nor vLLM define (logged, and named in the "
                             "response's X-Ignored-Fields header) instead of answering 400")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help='how tool_choice "auto" reads the model\'s calls (vLLM\'s parsers; default: the chat '
+                            "template's format: <tool_call> -> hermes, <|python_tag|> or ipython -> llama3_json)")
     serve.add_argument("--shutdown-timeout", type=_non_negative(), default=30.0, metavar="SECONDS",
                        help="on SIGINT / SIGTERM, how long running requests may finish before they are ended")
     _add_ngram_sizes(serve)

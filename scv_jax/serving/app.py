@@ -39,7 +39,9 @@ from scv_jax.serving.detokenize import TextStream
 from scv_jax.serving.engine_loop import Added, EngineFailed, EngineLoop, Output, Refused, Shutdown
 from scv_jax.serving.metrics import ServerMetrics
 from scv_jax.serving.protocol import (ApiError, BaseRequest, Body, ChatRequest, CompletionRequest, choice_params,
-                                      engine_refusal, parse_request, sampling_params, stop_strings, unknown_fields)
+                                      engine_refusal, parse_request, sampling_params, stop_strings,
+                                      structured_outputs, unknown_fields)
+from scv_jax.serving.tools import ToolSet, decoder, template_parser, tool_set
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"    # with --allow-unknown-fields: the unknown fields ignored
 
@@ -49,7 +51,8 @@ class ServingContext:
     """What the endpoints need: the engine loop, the tokenizer (``encode`` / ``decode`` / ``vocab_size``),
     the chat template (None: the model has none), the served name, the context length, the most
     requests in flight (running + waiting) before a 429, the limits on a body's bytes and a prompt's
-    characters, and whether unknown request fields are ignored (else a 400)."""
+    characters, whether unknown request fields are ignored (else a 400), and the tool-call parser of
+    ``tool_choice: "auto"`` (None: the chat template's, ``tools.template_parser``)."""
 
     engine_loop: EngineLoop
     tokenizer: Any
@@ -61,6 +64,7 @@ class ServingContext:
     max_request_bytes: int
     max_prompt_chars: int
     allow_unknown_fields: bool = False
+    tool_call_parser: str | None = None
     in_flight: int = 0
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -447,7 +451,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
             raise ApiError(400, f"prompt: token id {bad[0]} is outside [0, vocab_size={vocab})", "prompt")
         return list(prompt)
 
-    async def run(request: Request, body: BaseRequest, headers: dict[str, str], ids: list[int], params: SamplingParams):
+    async def run(request: Request, body: BaseRequest, headers: dict[str, str], ids: list[int], params: SamplingParams,
+                  tools: ToolSet | None = None, parser: str | None = None):
         vocab = ctx.tokenizer.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise ApiError(400, f"stop_token_ids must be ids in [0, vocab_size={vocab}), got "
@@ -459,7 +464,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
         jobs = [_Run(ctx, request_id if len(choices) == 1 else f"{request_id}-{i}", i, ids, choice, body)
                 for i, choice in enumerate(choices)]
         await _start(jobs)
-        shape = _ChatShape(ctx, request_id) if chat else _CompletionShape(ctx, request_id)
+        shape = _ChatShape(ctx, request_id, tools, parser) if chat else _CompletionShape(ctx, request_id)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             # the background task closes a stream whose generator never ran (its client left at once)
@@ -485,6 +490,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
                                 "chat_template): use /v1/completions", "messages")
         if not body.messages:
             raise ApiError(400, "messages must not be empty", "messages")
+        tools = tool_set(body)
+        parser = tool_parser(body, tools)
         messages = []
         for i, message in enumerate(body.messages):
             fields = message.model_dump(exclude_none=True)
@@ -493,10 +500,11 @@ def build_app(ctx: ServingContext) -> FastAPI:
                            for p in message.content):
                     raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
                 fields["content"] = "".join(p["text"] for p in message.content)
-            messages.append(fields)
+            messages.append(_with_call_arguments(fields))
         try:
             text = await asyncio.to_thread(ctx.chat_template.render, messages,
-                                           add_generation_prompt=body.add_generation_prompt)
+                                           add_generation_prompt=body.add_generation_prompt,
+                                           tools=tools.template_tools() if tools else None)
         except ChatTemplateError as e:
             raise ApiError(400, str(e), "messages") from None
         check_chars(text, "messages")
@@ -509,7 +517,28 @@ def build_app(ctx: ServingContext) -> FastAPI:
         if prediction:
             check_chars(prediction, "prediction")
             params = dataclasses.replace(params, prediction=tuple(await asyncio.to_thread(encode, prediction)))
-        return await run(request, body, headers, ids, params)
+        if tools is not None and tools.forced:
+            params = dataclasses.replace(params, structured_outputs=tools.constraint())
+        return await run(request, body, headers, ids, params, tools, parser)
+
+    def tool_parser(body: ChatRequest, tools: ToolSet | None) -> str | None:
+        """The parser of ``tool_choice: "auto"`` (``--tool-call-parser``, else the chat template's); a 400
+        naming the choice's field when there is none, or when a forced call meets another output
+        constraint."""
+        if tools is None:
+            return None
+        if tools.forced and structured_outputs(body) is not None:
+            raise ApiError(400, f"{tools.choice_field} {json.dumps(getattr(body, tools.choice_field))} constrains the "
+                                f"output to a call: it cannot be combined with {body.field_of('structured_outputs')}",
+                           tools.choice_field)
+        parser = ctx.tool_call_parser or template_parser(ctx.chat_template.source)
+        if tools.choice == "auto" and parser is None:
+            forced = "a named function" if tools.legacy else '"required" or a named function'
+            raise ApiError(400, f'{tools.choice_field} "auto" needs the model\'s tool-call format, and its chat '
+                                "template has none this server knows (<tool_call> blocks, Llama 3's <|python_tag|>): "
+                                f'send "none" or {forced}, or start the server with --tool-call-parser',
+                           tools.choice_field)
+        return parser
 
     @app.get("/v1/models")
     async def models():
@@ -529,6 +558,22 @@ def build_app(ctx: ServingContext) -> FastAPI:
     return app
 
 
+def _with_call_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's ``tool_calls`` with their JSON ``arguments`` text as objects (what chat
+    templates expect, as vLLM passes them); other messages as they are."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+
+    def parsed(call: Any) -> Any:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            with contextlib.suppress(ValueError):
+                return {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+        return call
+    return {**message, "tool_calls": [parsed(call) for call in calls]}
+
+
 async def _stream(jobs: list[_Run], shape, include_usage: bool) -> AsyncIterator[bytes]:
     """The SSE stream of one request: a first chunk per choice, the choices' chunks as they come (each
     with its ``index``), a chunk with each choice's finish reason when it ends (the last of them with
@@ -544,12 +589,16 @@ async def _stream(jobs: list[_Run], shape, include_usage: bool) -> AsyncIterator
         async for index, piece in _merged(jobs):
             if piece is not None:
                 if piece.text or piece.logprobs:
-                    yield _sse({**shape.chunk(index, piece, None), **usage})
+                    for chunk in shape.chunks(index, piece, None):
+                        yield _sse({**chunk, **usage})
                 continue
             ended += 1
             last = {"spec_decode": _spec_decode(jobs), **({} if include_usage else {"metrics": _metrics(jobs)})} \
                 if ended == len(jobs) else {}
-            yield _sse({**shape.chunk(index, _Piece("", (), None), jobs[index].finish_reason), **usage, **last})
+            chunks = shape.chunks(index, _Piece("", (), None), jobs[index].finish_reason)
+            for chunk in chunks[:-1]:
+                yield _sse({**chunk, **usage})
+            yield _sse({**chunks[-1], **usage, **last})
         if include_usage:
             yield _sse({**shape.usage_chunk(_usage(jobs)), "metrics": _metrics(jobs)})
     except ApiError as error:
@@ -575,6 +624,9 @@ class _CompletionShape:
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         return {**self._base(), "choices": [], "usage": usage}
 
+    def chunks(self, index: int, piece: _Piece, finish_reason: str | None) -> list[dict[str, Any]]:
+        return [self.chunk(index, piece, finish_reason)]
+
     def chunk(self, index: int, piece: _Piece, finish_reason: str | None) -> dict[str, Any]:
         offset = self.offsets.get(index, 0)
         logprobs = None if piece.logprobs is None else _completion_logprobs(self.ctx.tokenizer, piece.logprobs, offset)
@@ -593,10 +645,14 @@ class _CompletionShape:
 
 
 class _ChatShape:
-    """``/v1/chat/completions``' response and chunks."""
+    """``/v1/chat/completions``' response and chunks; with ``tools``, each choice's text goes through its
+    tool-call decoder (``tools.decoder``): ``message.tool_calls`` (legacy: ``function_call``) and
+    finish_reason "tool_calls" ("function_call") when it made calls and stopped."""
 
-    def __init__(self, ctx: ServingContext, request_id: str):
-        self.ctx, self.id = ctx, request_id
+    def __init__(self, ctx: ServingContext, request_id: str, tools: ToolSet | None = None, parser: str | None = None):
+        self.ctx, self.id, self.tools, self.parser = ctx, request_id, tools, parser
+        self.decoders: dict[int, Any] = {}
+        self.called: set[int] = set()          # the choices that made a call
 
     def _base(self, object_: str) -> dict[str, Any]:
         return {"id": self.id, "object": object_, "created": int(time.time()), "model": self.ctx.model_name}
@@ -605,21 +661,80 @@ class _ChatShape:
         return {**self._base("chat.completion.chunk"), "choices": [], "usage": usage}
 
     def first_chunk(self, index: int) -> dict[str, Any]:
-        return {**self._base("chat.completion.chunk"),
-                "choices": [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None}]}
+        return self._chunk(index, {"role": "assistant", "content": ""}, None, None)
 
-    def chunk(self, index: int, piece: _Piece, finish_reason: str | None) -> dict[str, Any]:
-        logprobs = None if piece.logprobs is None else {"content": _chat_logprobs(self.ctx.tokenizer, piece.logprobs)}
-        delta = {"content": piece.text} if piece.text or finish_reason is None else {}
+    def _chunk(self, index: int, delta: dict[str, Any], logprobs: Any, finish_reason: str | None) -> dict[str, Any]:
         return {**self._base("chat.completion.chunk"),
                 "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+    def _decoder(self, index: int) -> Any:
+        if index not in self.decoders:
+            self.decoders[index] = None if self.tools is None else decoder(self.tools, self.parser)
+        return self.decoders[index]
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        if reason == "stop" and index in self.called:
+            return "function_call" if self.tools.legacy else "tool_calls"
+        return reason
+
+    def _call_delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        """A tool call's delta as the chunk's ``delta`` (legacy: ``function_call``, without index and id)."""
+        if self.tools.legacy:
+            return {"function_call": delta["function"]}
+        return {"tool_calls": [delta]}
+
+    def chunks(self, index: int, piece: _Piece, finish_reason: str | None) -> list[dict[str, Any]]:
+        """A piece's chunks: its content (and logprobs), its tool-call deltas, and with ``finish_reason`` a
+        last chunk with it."""
+        logprobs = None if piece.logprobs is None else {"content": _chat_logprobs(self.ctx.tokenizer, piece.logprobs)}
+        calls = self._decoder(index)
+        content, deltas = (piece.text, []) if calls is None else calls.feed(piece.text)
+        if calls is not None and finish_reason is not None:
+            more, last = calls.finish()
+            content, deltas = content + more, deltas + last
+        if deltas:
+            self.called.add(index)
+        out = [self._chunk(index, {"content": content} if content else {}, logprobs, None)] \
+            if content or logprobs else []
+        out += [self._chunk(index, self._call_delta(delta), None, None) for delta in deltas]
+        if finish_reason is not None:
+            out.append(self._chunk(index, {}, None, self._finish_reason(index, finish_reason)))
+        return out
+
+    def _message(self, index: int, text: str) -> dict[str, Any]:
+        """A choice's whole message: its content, or its calls (a forced call only when its text is whole)."""
+        calls = self._decoder(index)
+        if calls is None:
+            return {"role": "assistant", "content": text}
+        content, deltas = calls.feed(text)
+        more, last = calls.finish()
+        content, deltas = content + more, deltas + last
+        if self.tools.forced:
+            try:
+                json.loads(text)
+            except ValueError:             # cut (max_tokens, a stop string): the text as it is
+                return {"role": "assistant", "content": text}
+        merged: dict[int, dict[str, Any]] = {}
+        for delta in deltas:
+            if delta["index"] in merged:
+                merged[delta["index"]]["function"]["arguments"] += delta["function"]["arguments"]
+            else:
+                merged[delta["index"]] = {"id": delta["id"], "type": delta["type"], "function": dict(delta["function"])}
+        if not merged:
+            return {"role": "assistant", "content": content}
+        self.called.add(index)
+        message = {"role": "assistant", "content": content or None}
+        if self.tools.legacy:
+            return {**message, "function_call": merged[0]["function"]}
+        return {**message, "tool_calls": list(merged.values())}
 
     def whole(self, jobs: list[_Run], pieces: list[list[_Piece]]) -> dict[str, Any]:
         def choice(job: _Run, pieces: list[_Piece]) -> dict[str, Any]:
             logprobs = [e for p in pieces for e in (p.logprobs or ())]
-            return {"index": job.index, "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
+            message = self._message(job.index, "".join(p.text for p in pieces))
+            return {"index": job.index, "message": message,
                     "logprobs": {"content": _chat_logprobs(self.ctx.tokenizer, logprobs)}
-                    if job.params.logprobs is not None else None, "finish_reason": job.finish_reason}
+                    if job.params.logprobs is not None else None,
+                    "finish_reason": self._finish_reason(job.index, job.finish_reason)}
         return {**self._base("chat.completion"), "choices": [choice(job, p) for job, p in zip(jobs, pieces)],
                 "usage": _usage(jobs), "spec_decode": _spec_decode(jobs), "metrics": _metrics(jobs)}

@@ -1,7 +1,7 @@
 """A checkpoint's chat template (``tokenizer_config.json``'s ``chat_template``), rendered with Jinja2
 as Hugging Face's ``apply_chat_template`` does: a sandboxed environment with ``trim_blocks`` and
 ``lstrip_blocks``, the loop-controls extension, ``raise_exception``, ``strftime_now``, a ``tojson``
-that keeps non-ASCII text, and the variables ``messages``, ``add_generation_prompt`` and the
+that keeps non-ASCII text, and the variables ``messages``, ``add_generation_prompt``, ``tools`` and the
 tokenizer's special tokens (``bos_token``, ``eos_token``, ...)."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class ChatTemplate:
     """``render(messages, add_generation_prompt=True) -> str`` with one compiled template."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]):
+        self.source = source
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -50,12 +51,15 @@ class ChatTemplate:
             raise ValueError(f"chat_template does not compile: {e}") from None
         self._special_tokens = special_tokens
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt of ``messages``; ``tools``: OpenAI's tool objects, as transformers passes them (None
+        when the request has none)."""
         import jinja2
 
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._special_tokens)
+                                         tools=tools, **self._special_tokens)
         except ChatTemplateError:
             raise
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:

@@ -3,7 +3,7 @@ OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``).
 
 Every field of OpenAI's completions and chat completions and of vLLM's extensions to them is declared:
 one this server implements is honoured; one it does not is marked ``Unsupported``: accepted at the
-values that ask for nothing (e.g. ``"tools": []``, ``"presence_penalty": 0``), a 400 naming it
+values that ask for nothing (e.g. ``"echo": false``, ``"priority": 0``), a 400 naming it
 otherwise. scv-jax adds one field of its own, ``num_speculative_tokens`` (``SamplingParams``'). A field
 none of them defines is left in ``unknown_fields`` (the server refuses it, or ignores it when told to).
 """
@@ -52,7 +52,6 @@ def _only(*accepted: Any, why: str = "is not implemented by this server") -> Uns
 MAX_CHOICES = 16   # the most choices (``n``) one request may ask for: each is an engine request
 _STRUCTURED_BACKEND = "structured output runs on llguidance only"
 _WHITESPACE = "JSON is generated compactly (no free whitespace)"
-_TOOLS = "tool calls are not implemented"
 _MULTIMODAL = "the server serves text only"
 _Json = dict[str, Any] | None
 
@@ -193,12 +192,13 @@ class ChatRequest(BaseRequest):
     # OpenAI, accepted: ids and a cache key, no effect on the output (no cache is shared)
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    parallel_tool_calls: bool | None = None  # qualifies tools, which are refused
+    # OpenAI, honoured: tool calls (checked by ``tools.tool_set``)
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
     # OpenAI, not implemented
-    tools: Annotated[list[Any] | None, _only([], why=_TOOLS)] = None
-    tool_choice: Annotated[str | dict[str, Any] | None, _only("none", "auto", why=_TOOLS)] = None
-    functions: Annotated[list[Any] | None, _only([], why=_TOOLS)] = None
-    function_call: Annotated[str | dict[str, Any] | None, _only("none", "auto", why=_TOOLS)] = None
     reasoning_effort: Annotated[str | None, _only(why="the served model does not reason")] = None
     prediction: _Json = None                 # predicted outputs: {"type": "content", "content": ...}
     audio: Annotated[_Json, _only(why=_MULTIMODAL)] = None
@@ -231,6 +231,11 @@ class ChatRequest(BaseRequest):
 
     def max_tokens_field(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def field_of(self, name: str) -> str:
+        if name == "structured_outputs" and structured_outputs(self) is None and (self.tools or self.functions):
+            return "functions" if self.functions else "tools"       # a forced tool call's constraint
+        return super().field_of(name)
 
     def prediction_text(self) -> str:
         """The text of ``prediction`` (OpenAI's predicted outputs: ``{"type": "content", "content": a string or

@@ -187,7 +187,8 @@ def serve(args: argparse.Namespace) -> int:
     ctx = ServingContext(engine_loop=engine_loop, tokenizer=tokenizer, chat_template=chat_template, metrics=metrics,
                          model_name=name, max_model_len=served.max_model_len,
                          max_in_flight=args.max_num_seqs + args.max_waiting, max_request_bytes=args.max_request_bytes,
-                         max_prompt_chars=args.max_prompt_chars, allow_unknown_fields=args.allow_unknown_fields)
+                         max_prompt_chars=args.max_prompt_chars, allow_unknown_fields=args.allow_unknown_fields,
+                         tool_call_parser=args.tool_call_parser)
     server = _uvicorn_server(build_app(ctx), args.host, args.port, args.shutdown_timeout,
                              lambda: engine_loop.stop(timeout=0))
     try:

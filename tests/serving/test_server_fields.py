@@ -58,8 +58,7 @@ REFUSED = [
     ]
 ] + [(COMPLETIONS, "suffix", "end"), (COMPLETIONS, "add_special_tokens", False),
      (COMPLETIONS, "prompt_embeds", "AAAA")] + [(CHAT, field, value) for field, value in [
-         ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
-         ("functions", [{"name": "f"}]), ("function_call", {"name": "f"}), ("reasoning_effort", "low"),
+         ("reasoning_effort", "low"),
          ("reasoning_effort", "none"),
          ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
          ("web_search_options", {}), ("verbosity", "low"), ("moderation", {"model": "m"}), ("metadata", {"a": "b"}),
@@ -134,6 +133,19 @@ def test_allow_unknown_fields_ignores_them_and_says_so(checkpoint, tmp_path):
 def test_errors_name_the_field_the_client_sent(server, fields, param):
     body = {"model": NAME, "messages": MESSAGES, **fields}
     assert post_error(server.url, CHAT, body, 400)["param"] == param
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),      # "auto" by default
+    ({"functions": [{"name": "f"}], "function_call": "auto"}, "function_call"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"function_call": {"name": "f"}}, "function_call"),
+])
+def test_auto_tool_calls_need_a_known_format(server, fields, param):
+    """The tiny checkpoint's template has no tool-call format: "auto" (the default with tools) is a 400
+    naming the choice's field (the server was given no --tool-call-parser), as is a forced call
+    without tools."""
+    error = post_error(server.url, CHAT, _body(CHAT, **fields), 400)
+    assert error["param"] == param and param in error["message"], error
 
 
 def test_too_many_stop_token_ids_name_them_in_completions(server):
