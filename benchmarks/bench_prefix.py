@@ -1,6 +1,7 @@
 """Prefix caching with and without speculation: the prefix-cache hit rate (tokens found / tokens looked
 up) and the time to first token (TTFT) of two workloads, with the cache off and on, for the target
-alone, a draft model (k = 4), n-gram drafts (k = 4) and draft-model trees, on the demo pair:
+alone, a draft model (k = 4), n-gram drafts (k = 4), draft-model trees and the demo's EAGLE-3 head
+(chains, k = 4, and trees), on the demo pair:
 
 - shared system prompt: requests of one system prompt + a user message each;
 - multi-turn chat: conversations whose every turn's prompt is the last prompt + its answer + a new
@@ -12,6 +13,7 @@ workload once untimed (it compiles its shapes), then, with its prefix cache empt
 speculation: drafts never reach a cache.
 
     python benchmarks/bench_prefix.py --append
+    python benchmarks/bench_prefix.py --modes "target only" "EAGLE-3 head k=4" "EAGLE-3 head tree" --append
 
 ``--dry-run``: tiny workloads, target alone and a draft model, nothing appended.
 """
@@ -30,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, TreeConfig  # noqa: E402
 from scv_jax.demo.e2e import benchmark_prompts  # noqa: E402
 from scv_jax.demo.report import append_markdown, results_header  # noqa: E402
-from scv_jax.models import load_demo  # noqa: E402
+from scv_jax.models import load_demo, load_demo_head  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 
@@ -79,15 +81,22 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--modes", nargs="+", default=None, help="the drafters to run (default: all)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
     target, draft = load_demo()
+    head, tree = load_demo_head(target), TreeConfig(max_depth=4, branching=2, max_nodes=8)
     modes = {"target only": (None, dict(k=0)), "draft model k=4": (draft, dict(k=4)),
-             "n-gram k=4": ("ngram", dict(k=4)),
-             "draft-model tree": (draft, dict(tree=TreeConfig(max_depth=4, branching=2, max_nodes=8)))}
+             "n-gram k=4": ("ngram", dict(k=4)), "draft-model tree": (draft, dict(tree=tree)),
+             "EAGLE-3 head k=4": (head, dict(k=4)), "EAGLE-3 head tree": (head, dict(tree=tree))}
+    if args.modes:
+        unknown = set(args.modes) - set(modes)
+        if unknown:
+            raise SystemExit(f"bench_prefix: --modes must name some of {list(modes)}, got {sorted(unknown)}")
+        modes = {name: modes[name] for name in args.modes}
     if args.dry_run:
         args.requests, args.system_tokens, args.conversations, args.turns, args.max_tokens = 3, 40, 2, 2, 6
-        modes = {name: modes[name] for name in ("target only", "draft model k=4")}
+        modes = {name: modes[name] for name in ("target only", "EAGLE-3 head k=4")}
     max_len = max(args.system_tokens + 48, args.turns * (24 + args.max_tokens) + 8) + args.max_tokens
     rows, rates = [], {}
     for workload, run in WORKLOADS.items():

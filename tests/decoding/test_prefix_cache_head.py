@@ -69,11 +69,29 @@ def test_a_cached_prefix_serves_the_head_and_drafts_are_unchanged(target, head, 
     assert accepted > 0
     for engine in engines.values():
         assert engine.num_free_blocks == engine.num_blocks
+    # the head's K/V rows of the blocks "c" left cached (its first two reused) are those "c" computes alone
+    # without the cache (its blocks the pool's first, in order)
+    sequence = prompt[:-1] + [(prompt[-1] + 1) % 16] + got[True][0]
+    blocks = engines[True].runner.pool.shards[0].cached_prefix(
+        chain_hashes(engines[True].runner.prefix_root, np.asarray(sequence), 8, lookahead=1))
+    alone = Engine(target, head, config=without_cache(CACHED))
+    run_one(alone, sequence[:len(prompt)], request_id="c")
+    assert len(blocks) == (len(sequence) - 1) // 8 == 4
+    np.testing.assert_allclose(head_kv(engines[True], blocks[:3]), head_kv(alone, [0, 1, 2]), atol=1e-5)
+
+
+def head_kv(engine: Engine, blocks: list[int]) -> np.ndarray:
+    """The head cache's K and V pages of ``blocks``."""
+    caches = engine.runner.caches.take()
+    engine.runner.caches.put(*caches)
+    return np.stack([np.asarray(caches[1].kv.k_pages)[:, blocks], np.asarray(caches[1].kv.v_pages)[:, blocks]])
 
 
 def test_a_shared_block_is_never_written_with_a_head(target, head, text):
     """The pages of the blocks a request reuses, in the target's cache and every page of the head's
-    (K/V, features, tokens), are bit for bit what they were after their first request."""
+    (K/V, features, tokens), are bit for bit what they were after their first request: a request whose
+    prefix is cached up to its pending token runs the head's last row again for its hidden state but
+    does not commit it."""
     prompt, _ = text
     decoder = SpeculativeDecoder(target, head, config=CACHED)
     engine, runner = Engine(decoder), decoder.runner
@@ -88,6 +106,10 @@ def test_a_shared_block_is_never_written_with_a_head(target, head, text):
         pages = [np.asarray(getattr(cache, name))[:, blocks] for cache in kv for name in ("k_pages", "v_pages")]
         return pages + [np.asarray(head_cache.features)[blocks], np.asarray(head_cache.tokens)[blocks]]
 
+    # marked (+0.5 on the head's keys): a rewrite, even of the values they held, would show
+    target_cache, head_cache = runner.caches.take()
+    k_pages = head_cache.kv.k_pages.at[:, np.asarray(blocks)].add(0.5)
+    runner.caches.put(target_cache, head_cache._replace(kv=head_cache.kv.replace(k_pages=k_pages)))
     before = pages()
     for request_id, tokens_in in (("b", prompt), ("c", prompt + [1, 2]), ("d", prompt[:-1] + [7])):
         run_one(engine, tokens_in, request_id=request_id)
