@@ -66,7 +66,8 @@ def prefill_chunks(state: RequestBatch, rows: np.ndarray, begin: np.ndarray, cou
         start = begin[live] + offset
         take = np.minimum(count[live] - offset, chunk)
         positions = np.minimum(start[:, None] + columns, state.tokens.shape[1] - 1)
-        tokens = np.where(columns < take[:, None] + lookahead, state.tokens[sub[:, None], positions], 0).astype(np.int32)
+        tokens = np.where(columns < take[:, None] + lookahead, state.tokens[sub[:, None], positions], 0)
+        tokens = tokens.astype(np.int32)
         width = int(state.num_blocks[sub].max())
         yield offset + chunk, sub, dict(block_tables=state.blocks[sub, :width], tokens=tokens,
                                         start=start.astype(np.int32), count=take.astype(np.int32))

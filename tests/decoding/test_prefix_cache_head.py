@@ -132,7 +132,8 @@ def test_seeded_sampling_with_a_head_through_chunks_and_preemptions_is_unchanged
     """Chunks of 5 over blocks of 8, eight seeded sampled requests sharing 24-token prefixes in a pool of
     12 blocks: prefix hits and preemptions happen, and tokens and drafts are the cache-off run's (greedy:
     tests/decoding/test_chunked_prefill.py)."""
-    requests = [(p, SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=i)) for i, p in enumerate(mixed_prompts(5))]
+    requests = [(p, SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=i))
+                for i, p in enumerate(mixed_prompts(5))]
     results = {}
     for on in (True, False):
         engine = Engine(target, head, config=ODD if on else without_cache(ODD))
