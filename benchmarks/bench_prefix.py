@@ -10,7 +10,12 @@ alone, a draft model (k = 4), n-gram drafts (k = 4), draft-model trees and the d
 Requests run one at a time (TTFT is the request's own prefill and first step). Each decoder runs the
 workload once untimed (it compiles its shapes), then, with its prefix cache emptied
 (``Engine.reset_prefix_cache``), timed. The hit rates with the cache on must be equal with and without
-speculation: drafts never reach a cache.
+speculation: drafts never reach a cache. With an EAGLE head a block is cached under its tokens and the
+token after it (the head's row at its last position pairs it with that token), so a block that ends
+exactly where prompts start to differ (the shared system prompt's last, 384 tokens = 24 blocks) is
+shared only between prompts that agree on the next token: there the head's rate may be lower (it is
+reported, and must not be higher); a chat's turns extend the last turn's tokens, so there it must be
+equal too.
 
     python benchmarks/bench_prefix.py --append
     python benchmarks/bench_prefix.py --modes "target only" "EAGLE-3 head k=4" "EAGLE-3 head tree" --append
@@ -114,19 +119,24 @@ def main() -> None:
                 stats = engine.stats
                 rate = stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1)
                 if caching:
-                    rates.setdefault(workload, set()).add(round(rate, 6))
+                    rates.setdefault(workload, {})[name] = round(rate, 6)
                 line = (f"| {workload} | {name} | {'on' if caching else 'off'} | {rate:.1%} | "
                         f"{np.median(ttft):.1f} | {np.percentile(ttft, 90):.1f} | {wall:.1f} |")
                 print(line, file=sys.stderr, flush=True)
                 rows.append(line)
-    equal = all(len(r) == 1 for r in rates.values())
+    lookahead = {"EAGLE-3 head k=4", "EAGLE-3 head tree"}       # blocks hashed with the token after them
+    equal = all(len({r for n, r in by_name.items() if w == "multi-turn chat" or n not in lookahead}) <= 1
+                for w, by_name in rates.items())
+    plain = {w: max((r for n, r in by_name.items() if n not in lookahead), default=1.0)
+             for w, by_name in rates.items()}
+    equal = equal and all(r <= plain[w] for w, by_name in rates.items() for n, r in by_name.items() if n in lookahead)
     table = ("| workload | drafter | prefix cache | hit rate (tokens) | TTFT p50 ms | TTFT p90 ms | wall s |\n"
              "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     text = (f"Shared system prompt: {args.requests} requests of a {args.system_tokens}-token system prompt + "
             f"16-32 tokens; multi-turn chat: {args.conversations} conversations x {args.turns} turns (+ 24 tokens "
             f"a message); {args.max_tokens} output tokens a request, one request at a time; demo pair, float32, "
-            f"greedy.\n\n{table}\n\nHit rates with the cache on equal with and without speculation: "
-            f"{'yes' if equal else 'NO'} ({rates}).\n")
+            f"greedy.\n\n{table}\n\nHit rates with the cache on equal with and without speculation (an EAGLE head's "
+            f"in the chat; at most equal with a shared system prompt): {'yes' if equal else 'NO'} ({rates}).\n")
     print(text)
     if not equal:
         raise SystemExit("bench_prefix: the hit rates differ between drafters")
