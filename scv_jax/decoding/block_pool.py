@@ -20,12 +20,14 @@ def prefix_root(description: str) -> bytes:
     return hashlib.sha256(description.encode()).digest()
 
 
-def chain_hashes(parent: bytes, tokens: np.ndarray, block_size: int) -> list[bytes]:
-    """The hash of each full block of ``tokens`` (int[n]; n // block_size blocks), each chained over the
-    ones before it from ``parent`` (SHA-256: a collision would serve one prompt another's cache)."""
+def chain_hashes(parent: bytes, tokens: np.ndarray, block_size: int, lookahead: int = 0) -> list[bytes]:
+    """The hash of each full block of ``tokens`` (int[n]; (n - lookahead) // block_size blocks), each
+    chained over the ones before it from ``parent`` (SHA-256: a collision would serve one prompt another's
+    cache). ``lookahead``: tokens after a block its contents depend on, hashed with it (an EAGLE head's
+    row at a block's last position pairs it with the next block's first token: 1)."""
     hashes, data = [], np.asarray(tokens, "<i4")
-    for j in range(len(data) // block_size):
-        parent = hashlib.sha256(parent + data[j * block_size:(j + 1) * block_size].tobytes()).digest()
+    for j in range(max(len(data) - lookahead, 0) // block_size):
+        parent = hashlib.sha256(parent + data[j * block_size:(j + 1) * block_size + lookahead].tobytes()).digest()
         hashes.append(parent)
     return hashes
 

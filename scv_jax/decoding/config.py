@@ -60,8 +60,7 @@ class DecoderConfig:
         ``adaptive``, ``packed_verify`` or a mesh (k is then unused).
       enable_prefix_caching: keep blocks full of verified tokens (prompt and output) cached after their
         request ends, and start a new request from the cached blocks of its longest cached prefix
-        (docs/engine.md); None (default): on, but with an EAGLE head (not supported yet), where True is
-        refused.
+        (docs/engine.md); None (default) or True: on; False: off.
     """
 
     k: int = 4

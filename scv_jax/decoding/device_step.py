@@ -75,7 +75,8 @@ class StepInputs(NamedTuple):
     """A decode step's ``rows`` unpacked (B requests).
 
     Attributes:
-      lag: int32[B] tokens the draft cache lacks, in [1, MAX_CATCH_UP] (0 on padding rows).
+      lag: int32[B] tokens the draft cache lacks, in [1, MAX_CATCH_UP] (1 on padding rows; an EAGLE head's
+        rows the head cache lacks, 0 after a prefill: ``head_step``).
       context_lens: int32[B] positions in the target cache (the pending token's position).
       num_drafts: int32[B] a chain's drafts to verify, in [0, k]; a tree's depth cap.
       tail: int32[B, MAX_CATCH_UP] the request's last tokens, the pending one last.

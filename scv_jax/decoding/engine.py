@@ -92,10 +92,6 @@ def build_runner(target, draft=None, *, config: DecoderConfig | None = None, mes
                          f"{vocab_size} (a node's children are distinct tokens)")
     if config.packed_verify and is_head(draft_model):
         raise ValueError("SpeculativeDecoder: an EAGLE head verifies dense chains: use DecoderConfig(packed_verify=False)")
-    if config.enable_prefix_caching and is_head(draft_model):
-        raise ValueError("SpeculativeDecoder: DecoderConfig.enable_prefix_caching is not supported with an EAGLE head "
-                         "yet (its row at a block's last position depends on the next block's first token); leave "
-                         "it None")
     try:
         proposer = make_proposer(draft, config.allowed_k, config.tree, vocab_size)
     except ValueError as error:
@@ -148,7 +144,7 @@ class Engine:
         self.progress = progress
         proposer = runner.proposer
         batch = RequestBatch(largest, cfg.max_seq_len + runner.step_ks[-1] + 2, cfg.block_size, cfg.max_blocks_per_seq,
-                             runner.pool.shards, runner.prefix_root)
+                             runner.pool.shards, runner.prefix_root, proposer.lookahead)
         grammars = None
         if tokenizer is not None:
             to_json = getattr(tokenizer, "to_json", None) or getattr(tokenizer, "to_str", None)

@@ -4,11 +4,12 @@ and the prefill that feeds the head the prompt's (``make_head_prefill_step``).
 A head row at position p pairs the target's feature of position p (its taps at ``head.aux_layers``,
 combined by ``head.combine``) with the token at position p + 1, and predicts the token at p + 2. The
 head's cache (``caches.HeadCache``) holds the K/V of rows [0, context - lag) (context: the target's
-cache length, the pending token's position; lag >= 1) and, for every verified position, its feature
-and accepted draft. Each step, k = 0 included:
+cache length, the pending token's position; lag >= 0: 0 after a prefill, whose rows reach the pending
+token) and, for every verified position, its feature and accepted draft. Each step, k = 0 included:
 
-1. ``propose``: the head's catch-up over its ``lag`` missing rows (features and tokens read from its
-   cache, the pending token last), then k - 1 one-row forwards, each feeding the head its own
+1. ``propose``: the head's catch-up over its ``lag`` missing rows, at least one (features and tokens
+   read from its cache, the pending token last; at lag 0 the last committed row, run again for its
+   hidden state, not committed), then k - 1 one-row forwards, each feeding the head its own
    ``hidden_out`` and its last draft (``verifiers.draft_chain``). A request at position 0 (a one-token
    prompt: no feature yet) proposes nothing that step.
 2. ``score``: the chain verifier's dense target forward, asking for the taps of every scored token.
@@ -116,8 +117,9 @@ def commit(cache: HeadCache, ran: CatchUp, features: jax.Array, drafts: jax.Arra
     """The head cache after a step: the catch-up rows' K/V, the combined taps ``features`` [B, D + 1,
     d_model] of positions context + d for d <= num_accepted (the pending token's, then the accepted
     drafts'), and the accepted ``drafts`` int32[B, D] at positions context + 1 + d, d < num_accepted."""
+    # (a request at lag 0, its rows all in the cache after its prefill, ran its last row for its hidden state only)
     kv = commit_positions(cache.kv, ran.out.keys, ran.out.values, block_tables, ran.start,
-                          jnp.where(ran.valid, ran.lag, 0), block_size, backend, after=after)
+                          jnp.where(ran.valid & (inputs.lag > 0), ran.lag, 0), block_size, backend, after=after)
     t = jnp.arange(features.shape[1], dtype=jnp.int32)[None, :]
     positions = inputs.context_lens[:, None] + t
     accepted, live = num_accepted[:, None], inputs.request_mask[:, None]
@@ -244,34 +246,34 @@ class HeadTreeVerifier(TreeVerifier):
 
 def make_head_prefill_step(target: SplitModel, head: SplitModel, block_size: int, aux_layers: tuple[int, ...]):
     """``prefill_step(...)`` (``device_step.make_prefill_step``'s signature) for a target drafted by an EAGLE
-    head: the target's chunk commits with its taps; the head's rows of the chunk (position p's feature
-    with token p + 1; the chunk's first row takes the feature of the position before it from the head
-    cache) commit up to the chunk's second-to-last token (its last row's token is the next chunk's first
-    or the pending one), and every position's feature is stored."""
+    head, whose ``tokens`` are int32[B, C + 1]: the chunk's C tokens and one more, the token after each
+    request's ``count`` (the next chunk's first, or the pending one). The target commits positions
+    [start, start + count) with their taps; the head commits its rows of the same positions (position p's
+    feature with token p + 1, so after a prefill of every token but the pending one the head lags by
+    none, as a cached block of its rows, hashed one token further, needs), and every position's feature
+    is stored. With ``target_params`` None (the top-up of a finished request's last rows, prefix caching)
+    the features are the ones stored in the head cache."""
 
     def prefill_step(target_params, draft_params, target_cache, draft_cache: HeadCache, block_tables, tokens, start,
                      count, request_mask=None, *, backend: str = "auto"):
         if request_mask is not None:
             count = jnp.where(request_mask, count, 0)
-        out = target.merge(target_params).forward_paged(tokens, target_cache, block_tables, start,
-                                                        aux_layers=aux_layers, backend=backend)
-        target_cache = commit_positions(target_cache, out.keys, out.values, block_tables, start, count, block_size,
-                                        backend, after=out.logits)
-        model, head_cache = head.merge(draft_params), draft_cache
-        features = model.combine(out.taps)                                           # [B, C, d_model]
-        before, _ = read_rows(head_cache, block_tables, (start - 1)[:, None])
-        shift = (start == 0).astype(jnp.int32)        # a first chunk has no row before its first token
-        rows = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :] + shift[:, None]
-        hidden = jnp.take_along_axis(jnp.concatenate([before.astype(features.dtype), features], axis=1),
-                                     rows[:, :, None], axis=1)
-        head_tokens = jnp.take_along_axis(jnp.pad(tokens, ((0, 0), (0, 1))), rows, axis=1)
-        head_start = start - 1 + shift
-        o = model.forward_paged(head_tokens, hidden, head_cache.kv, block_tables, head_start, backend=backend)
-        kv = commit_positions(head_cache.kv, o.keys, o.values, block_tables, head_start,
-                              jnp.maximum(count - shift, 0), block_size, backend, after=o.hidden)
-        t = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-        head_cache = write_rows(head_cache._replace(kv=kv), block_tables, start[:, None] + t, t < count[:, None],
-                                after=o.hidden, features=features)
+        model = head.merge(draft_params)
+        t = jnp.arange(tokens.shape[1] - 1, dtype=jnp.int32)[None, :]
+        if target_params is None:
+            features, _ = read_rows(draft_cache, block_tables, start[:, None] + t)
+        else:
+            out = target.merge(target_params).forward_paged(tokens[:, :-1], target_cache, block_tables, start,
+                                                            aux_layers=aux_layers, backend=backend)
+            target_cache = commit_positions(target_cache, out.keys, out.values, block_tables, start, count,
+                                            block_size, backend, after=out.logits)
+            features = model.combine(out.taps)                                       # [B, C, d_model]
+        o = model.forward_paged(tokens[:, 1:], features, draft_cache.kv, block_tables, start, backend=backend)
+        head_cache = draft_cache._replace(kv=commit_positions(draft_cache.kv, o.keys, o.values, block_tables, start,
+                                                              count, block_size, backend, after=o.hidden))
+        if target_params is not None:
+            head_cache = write_rows(head_cache, block_tables, start[:, None] + t, t < count[:, None], after=o.hidden,
+                                    features=features)
         return target_cache, head_cache
 
     return prefill_step

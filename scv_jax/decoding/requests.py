@@ -96,11 +96,12 @@ class RequestBatch:
         blocks of its prefix; shards: int64[S] the data shard of each request's pool, ``pools[shard]``
         (0 on one device).
       prefix_root: the hash block hashes chain from (``block_pool.prefix_root``), None when prefix
-        caching is off; hashes: each row's chained hashes of its blocks cached so far (``register``).
+        caching is off; hashes: each row's chained hashes of its blocks cached so far (``register``);
+        lookahead: the tokens after a block hashed with it (``block_pool.chain_hashes``; an EAGLE head's: 1).
     """
 
     def __init__(self, num_slots: int, capacity: int, block_size: int, max_blocks: int, pools: Sequence[BlockPool],
-                 prefix_root: bytes | None = None):
+                 prefix_root: bytes | None = None, lookahead: int = 0):
         self.tokens = np.zeros((num_slots, capacity), np.int32)
         self.length, self.prompt_len, self.budget = (np.zeros(num_slots, np.int64) for _ in range(3))
         self.lag = np.ones(num_slots, np.int64)
@@ -116,6 +117,7 @@ class RequestBatch:
         self.pools = list(pools)
         self.prefix_root = prefix_root
         self.hashes: list[list[bytes]] = [[] for _ in range(num_slots)]
+        self.lookahead = lookahead
         self._block_size = block_size
         self.active = np.zeros(0, np.int64)
 
@@ -154,18 +156,21 @@ class RequestBatch:
 
     def prefix_hashes(self, tokens: list[int]) -> list[bytes]:
         """The chained hashes of the full blocks of ``tokens`` but the last (always computed: it is the
-        pending one), the prefix a request may find cached ([] when prefix caching is off)."""
+        pending one), the prefix a request may find cached ([] when prefix caching is off); each block
+        hashed with the ``lookahead`` tokens after it (the pending one may be one of them)."""
         if self.prefix_root is None:
             return []
-        return chain_hashes(self.prefix_root, np.asarray(tokens[:-1]), self._block_size)
+        return chain_hashes(self.prefix_root, np.asarray(tokens[:len(tokens) - 1 + self.lookahead]), self._block_size,
+                            self.lookahead)
 
     def start(self, tokens: list[int], prompt_len: int, budget: int, shard: int, sampling: np.ndarray,
               keys: np.ndarray, stops: tuple[int, ...], controls: SamplingParams | None = None,
-              cached: Sequence[int] = (), hashes: Sequence[bytes] = ()) -> int:
+              cached: Sequence[int] = (), hashes: Sequence[bytes] = (), lag: int = 1) -> int:
         """Runs a request in the lowest free row: ``tokens`` its prompt (``prompt_len`` tokens) and what it
         generated before it was preempted, ``budget`` the tokens it may still emit, ``shard`` its pool;
         ``controls``: its params when it has logit controls; ``cached``: the cached blocks of its prefix
-        it holds (``BlockPool.hold``) and their ``hashes``. Returns the row."""
+        it holds (``BlockPool.hold``) and their ``hashes``; ``lag``: its draft cache's lag once prefilled
+        (``Proposer.lag_after_prefill``). Returns the row."""
         free = np.setdiff1d(np.arange(self.num_slots), self.active)
         if not free.size:
             raise RuntimeError("RequestBatch.start: every row runs a request")
@@ -176,7 +181,7 @@ class RequestBatch:
         self.hashes[row] = list(hashes)
         self.tokens[row, :len(tokens)] = tokens
         self.length[row], self.prompt_len[row] = len(tokens), prompt_len
-        self.budget[row], self.lag[row] = budget, 1
+        self.budget[row], self.lag[row] = budget, lag
         self.computed[row] = len(cached) * self._block_size
         self.sampling[row], self.keys[row] = sampling, keys
         self.stops[row] = -1
@@ -211,7 +216,8 @@ class RequestBatch:
 
     def register(self, rows: np.ndarray, committed: np.ndarray) -> None:
         """Caches the blocks of ``rows`` now full of verified tokens in every cache (those below
-        ``committed``, int64[len(rows)] the positions every cache holds) under their chained hashes."""
+        ``committed``, int64[len(rows)] the positions every cache holds, at most ``length`` - ``lookahead``)
+        under their chained hashes."""
         if self.prefix_root is None:
             return
         bs = self._block_size
@@ -221,7 +227,7 @@ class RequestBatch:
                 continue
             start = len(hashes)
             hashes += chain_hashes(hashes[-1] if hashes else self.prefix_root,
-                                   self.tokens[row, start * bs:full * bs], bs)
+                                   self.tokens[row, start * bs:full * bs + self.lookahead], bs, self.lookahead)
             pool = self.pools[self.shards[row]]
             for j in range(start, full):
                 pool.register(int(self.blocks[row, j]), hashes[j])

@@ -92,9 +92,9 @@ class StepRunner:
         self.max_num_batched_tokens = cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS[
             "gpu" if cuda_available() else "cpu"]
         # prefix caching: what a cached block's contents depend on besides its tokens (one pool per decoder)
-        self.prefix_root = None if cfg.enable_prefix_caching is False or proposer.every_step else prefix_root(
+        self.prefix_root = None if cfg.enable_prefix_caching is False else prefix_root(
             f"target {target_placed.cache_dims} draft {draft_placed.cache_dims} vocab {vocab_size} cache "
-            f"{cfg.cache_dtype} block {cfg.block_size}")
+            f"{cfg.cache_dtype} block {cfg.block_size} lookahead {proposer.lookahead}")
         head = proposer.every_step          # an EAGLE head: its cache a HeadCache, its verifiers head_step's
         self.caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_placed.cache_dims,
                                   draft_placed.cache_dims, factory=self.placement.new_cache,
@@ -219,7 +219,8 @@ class StepRunner:
         rows, begin, count = work.rows, work.begin, work.count
         longest = int(count.max(initial=0))
         start = reported = time.perf_counter()
-        for done, sub, inputs in prefill_chunks(batch, rows, begin, count, self.config.prefill_chunk):
+        for done, sub, inputs in prefill_chunks(batch, rows, begin, count, self.config.prefill_chunk,
+                                                self.proposer.lookahead):
             layout = self.placement.rows(batch.shards[sub], self.prefill_executable)
             self._call(self.prefill_executable, stats, use_target=not work.draft_only,
                        use_draft=self.draft is not None, **layout.arrange(self.prefill_executable, **inputs))
@@ -502,11 +503,12 @@ class StepRunner:
         models = _abstract(dict(target_params=self.target_params, target_cache=target_cache, backend=cfg.backend,
                                 **self.placement.warmup_args()))
         draft = _abstract(dict(draft_params=self.draft_params, draft_cache=draft_cache))
-        prefill = dict(block_tables=tables, tokens=np.zeros((1, cfg.prefill_chunk), np.int32),
+        prefill = dict(block_tables=tables, tokens=np.zeros((1, cfg.prefill_chunk + self.proposer.lookahead), np.int32),
                        start=np.zeros(1, np.int32), count=np.zeros(1, np.int32), keep=fits)
         calls = [(self.prefill_executable, {**models, **draft, **prefill})]
-        # the draft's catch-up: after k = 0 steps, or a finished request's top-up (prefix caching)
-        if self.proposer.has_draft_model and (cfg.adaptive and 0 in cfg.allowed_k or self.prefix_root is not None):
+        # the draft's catch-up: after k = 0 steps, or a finished request's top-up (prefix caching; a head's too)
+        if (self.proposer.has_draft_model and cfg.adaptive and 0 in cfg.allowed_k
+                or self.draft is not None and self.prefix_root is not None):
             calls.append((self.prefill_executable, {**models, "target_params": None, "target_cache": None, **draft, **prefill}))
         no_draft = dict(draft_params=None, draft_cache=None)
         for greedy in kinds:

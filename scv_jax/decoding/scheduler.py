@@ -232,7 +232,7 @@ class Scheduler:
             pools.shards[shard].hold(cached[shard])
             request.row = state.start(tokens, len(request.prompt), budget, shard, request.sampling, request.keys,
                                       request.stops, params if params.controlled else None, cached=cached[shard],
-                                      hashes=hashes[:len(cached[shard])])
+                                      hashes=hashes[:len(cached[shard])], lag=self.proposer.lag_after_prefill)
             if not request.token_ids:
                 request.num_cached_tokens = min(int(state.computed[request.row]), len(request.prompt))
             self.running[request.row] = request
@@ -454,25 +454,27 @@ class Scheduler:
 
     def _register(self, rows: np.ndarray) -> None:
         """Caches the blocks of ``rows`` now full in every cache: the target holds all but the pending
-        token, a draft model's cache lags (``positions``)."""
+        token, a draft model's cache or an EAGLE head's lags (``Proposer.committed``)."""
         state = self.batch
-        state.register(rows, state.length[rows] - (state.lag[rows] if self.proposer.has_draft_model else 1))
+        state.register(rows, self.proposer.committed(state.length[rows], state.lag[rows]))
 
     def top_up(self) -> PrefillWork | None:
-        """With prefix caching and a draft model: the draft-only prefill of the rows the requests that
-        finished in the last ``update`` lack in blocks full in the target cache (a request whose last
-        drafts were all accepted ends with its draft one row behind), so that those blocks are cached as
-        they would be without speculation; None when none lacks any."""
+        """With prefix caching and a draft model or an EAGLE head: the draft-only prefill of the positions
+        the requests that finished in the last ``update`` lack in blocks full in the target cache (a draft
+        model ends a row behind when its last drafts were all accepted, a head by the tokens of its last
+        step), so that those blocks are cached as they would be without speculation; None when none
+        lacks any."""
         state, rows = self.batch, self._finished
-        if state.prefix_root is None or not self.proposer.has_draft_model or not rows.size:
+        if state.prefix_root is None or not rows.size:
             return None
-        length, lag = state.length[rows], state.lag[rows]
-        short = (length - lag) // state.block_size < (length - 1) // state.block_size
+        length = state.length[rows]
+        committed = self.proposer.committed(length, state.lag[rows])
+        short = committed // state.block_size < (length - 1) // state.block_size
         if not short.any():
             return None
         rows = rows[short]
-        work = PrefillWork(rows, length[short] - lag[short], lag[short] - 1, draft_only=True)
-        state.lag[rows] = 1
+        work = PrefillWork(rows, committed[short], length[short] - 1 - committed[short], draft_only=True)
+        state.lag[rows] = self.proposer.lag_after_prefill
         return work
 
     def retire(self) -> None:

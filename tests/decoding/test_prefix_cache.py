@@ -2,7 +2,8 @@
 ends; a request starts from the cached blocks of its longest cached prefix (``num_cached_tokens``
 exact, its last token always computed), a shared block is never written, eviction under pressure
 takes the least recently used, and outputs are identical with the cache on and off (greedy and
-seeded sampling, draft models, n-gram, trees, fp8), with speculation hitting as often as without."""
+seeded sampling, draft models, n-gram, trees, fp8), with speculation hitting as often as without
+(an EAGLE head's: test_prefix_cache_head.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, SpeculativeDecoder, TreeConfig
 from scv_jax.decoding.block_pool import BlockPool, chain_hashes, prefix_root
 from tests.decoding.common import MAX_NEW, SMALL, prompts
-from tests.decoding.test_eagle3_decoding import random_head
 from tests.decoding.test_engine import MAX_STEPS, tokens
 
 CACHED = DecoderConfig(**{**vars(SMALL), "k": 2})                  # blocks of 8 positions
@@ -165,13 +165,6 @@ def test_aborting_a_request_after_its_prefill_frees_everything(with_draft):
     engine.abort("long")
     assert [o.finish_reason for o in engine.step()] == ["abort"]
     assert engine.num_free_blocks == engine.num_blocks and not engine.has_unfinished()
-
-
-def test_an_eagle_head_refuses_prefix_caching(target, tmp_path):
-    head = random_head(target, tmp_path, seed=6)
-    with pytest.raises(ValueError, match="enable_prefix_caching is not supported with an EAGLE head yet"):
-        SpeculativeDecoder(target, head, config=DecoderConfig(**{**vars(CACHED), "enable_prefix_caching": True}))
-    assert SpeculativeDecoder(target, head, config=CACHED).runner.prefix_root is None
 
 
 def test_enable_prefix_caching_must_be_a_bool_or_none():

@@ -161,6 +161,13 @@ class Proposer:
     predictions: Predictions | None = None
     step_ks: tuple[int, ...] = (0,)
     max_depth: int = 0
+    lookahead: int = 0              # tokens past a block its draft rows depend on (an EAGLE head: 1)
+    lag_after_prefill: int = 1      # the draft cache's lag once all but the pending token are prefilled
+
+    def committed(self, length: np.ndarray, lag: np.ndarray) -> np.ndarray:
+        """int64[B] the positions every cache holds for requests of ``length`` tokens at ``lag``: the
+        target's, all but the pending token (a draft cache may hold fewer)."""
+        return length - 1
 
     def depth_for(self, k: int) -> int:
         """The most drafts a step at the chosen ``k`` may verify per request."""

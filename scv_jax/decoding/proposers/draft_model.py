@@ -29,6 +29,10 @@ class DraftModelChain(Proposer):
     def lag_after_step(self, lag: np.ndarray, num_accepted: np.ndarray, step_k: int) -> np.ndarray:
         return lag_after_step(lag, num_accepted, step_k)
 
+    def committed(self, length: np.ndarray, lag: np.ndarray) -> np.ndarray:
+        """The draft cache's positions, [0, length - lag) (``positions``)."""
+        return length - lag
+
 
 def head_lag_after_step(lag: np.ndarray, num_accepted: np.ndarray, step_k: int) -> np.ndarray:
     """An EAGLE head's lag after a step (``decoding.head_step``): the tokens the step emitted, whose
@@ -36,19 +40,30 @@ def head_lag_after_step(lag: np.ndarray, num_accepted: np.ndarray, step_k: int) 
     return num_accepted + 1
 
 
-class HeadChain(DraftModelChain):
-    """Chains from an EAGLE head (``decoding.head_step``): it runs every step, k = 0 included, over the
-    rows its previous step emitted, so it lags by ``num_accepted + 1`` (at most the largest k + 1, all on
-    the device: never caught up on the host)."""
+class HeadRows:
+    """What an EAGLE head's proposers share (``decoding.head_step``): it runs every step, k = 0 included,
+    over the rows its previous step emitted, so it lags by ``num_accepted + 1`` (at most its deepest
+    step + 1, all on the device: never caught up on the host), and by none after a prefill. Its row at
+    position p pairs p's feature with token p + 1: the head cache holds the rows of positions
+    [0, length - 1 - lag), and a cached block's rows depend on the token after the block (``lookahead``)."""
 
     has_draft_model = False
     every_step = True
+    lookahead = 1
+    lag_after_prefill = 0
+    lag_after_step = staticmethod(head_lag_after_step)
+
+    def committed(self, length: np.ndarray, lag: np.ndarray) -> np.ndarray:
+        """The head cache's rows, [0, length - 1 - lag)."""
+        return length - 1 - lag
+
+
+class HeadChain(HeadRows, DraftModelChain):
+    """Chains from an EAGLE head (``HeadRows``)."""
 
     def __init__(self, allowed_k: Sequence[int]):
         super().__init__(allowed_k)
         self.max_lag = self.max_depth + 1
-
-    lag_after_step = staticmethod(head_lag_after_step)
 
 
 class DraftModelTree(Proposer):
@@ -73,16 +88,14 @@ class DraftModelTree(Proposer):
         never have run it); a k = 0 step adds its token to the lag."""
         return lag + 1 if step_k == 0 else 1 + (num_accepted > 0)
 
+    def committed(self, length: np.ndarray, lag: np.ndarray) -> np.ndarray:
+        """The draft cache's positions, [0, length - lag)."""
+        return length - lag
 
-class HeadTree(DraftModelTree):
-    """EAGLE-2 dynamic trees from an EAGLE head (``decoding.head_step.HeadTreeVerifier``); its lag as
-    ``HeadChain``'s (at most max_depth + 1)."""
 
-    has_draft_model = False
-    every_step = True
+class HeadTree(HeadRows, DraftModelTree):
+    """EAGLE-2 dynamic trees from an EAGLE head (``decoding.head_step.HeadTreeVerifier``; ``HeadRows``)."""
 
     def __init__(self, tree):
         super().__init__(tree)
         self.max_lag = self.max_depth + 1
-
-    lag_after_step = staticmethod(head_lag_after_step)
