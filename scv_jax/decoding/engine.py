@@ -184,6 +184,11 @@ class Engine:
     def num_blocks(self) -> int:
         return self.runner.pool.num_blocks
 
+    @property
+    def supports_logprobs(self) -> bool:
+        """Whether requests may ask for log-probabilities (chain drafts; a tree verifier has none)."""
+        return self.runner.proposer.verifier == "chain"
+
     def has_unfinished(self) -> bool:
         """Whether a request waits or runs, or an abort is still to be reported by ``step``."""
         return self._scheduler.has_unfinished()
@@ -238,7 +243,7 @@ class Engine:
             raise ValueError(f"add_request: SamplingParams.prediction needs an engine with a host drafter (n-gram, "
                              f"suffix or a HostDrafter; not a draft model, an EAGLE head or none) and token ids in "
                              f"[0, vocab_size={vocab})")
-        if runner.proposer.verifier == "tree" and params.logprobs is not None:
+        if params.logprobs is not None and not self.supports_logprobs:
             raise ValueError("add_request: SamplingParams.logprobs needs chain drafts (DecoderConfig.tree=None)")
         scheduler = self._scheduler
         matcher = None

@@ -16,6 +16,10 @@ from scv_jax.graph.buckets import Buckets, Pad
 from scv_jax.graph.executable_cache import ExecutableCache
 
 _TABLE_PADS = (Pad("batch", axis=0, fill=-1), Pad("blocks", axis=1, fill=-1))
+# While buckets compile in the background, a sampled step runs an all-greedy batch (its greedy rows take
+# the argmax) and a step with logprobs one without (the caller drops them): a server listens once the
+# sampled steps with logprobs are compiled.
+_DECODE_STAND_INS = {"greedy": {True: False}, "logprobs": {False: True}}
 
 
 def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitModel | None, k_values: tuple[int, ...],
@@ -35,5 +39,5 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
         pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch"),
               "grammar": Pad("batch", fill=-1)},
         bucketed_statics={"k": k_values}, static_argnames=("greedy", "logprobs", "backend", "packed_k"),
-        name="decode_step", donate_argnames=("target_cache", "draft_cache", "controls"), **common)
+        stand_ins=_DECODE_STAND_INS, name="decode_step", donate_argnames=("target_cache", "draft_cache", "controls"), **common)
     return prefill, decode

@@ -45,6 +45,7 @@ from scv_jax.sampling_params import MAX_BAD_WORD_LEN
 
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
 BACKGROUND_NICE = 10             # background compile threads yield the cores to the thread that steps
+BACKGROUND_SWITCH_INTERVAL = 5e-4    # ... and the interpreter lock (``Compiler.switch_interval``)
 
 # the decode step's dynamic arguments that every call gives
 _DECODE_ALWAYS = ("target_params", "target_cache", "block_tables", "rows", "sampling")
@@ -280,8 +281,8 @@ class StepRunner:
 
     def fetch(self, pending: PendingStep) -> StepResult:
         """The step's one device-to-host transfer, as a ``StepResult``."""
-        summary, *logprobs = pending.outputs
-        host, host_logprobs = pending.layout.fetch(summary, *logprobs)
+        summary, *logprobs = pending.outputs      # logprobs also when run in the stead of a step without
+        host, host_logprobs = pending.layout.fetch(summary, *(logprobs if pending.work.logprobs else ()))
         cold = self.decode_executable.last_call_first_run        # compiled now or ahead of time, never run
         fetched = time.perf_counter()
         return StepResult(host.output_token_ids, host.num_emitted, host.num_accepted, host.num_verified, host_logprobs,
@@ -436,7 +437,7 @@ class StepRunner:
         except BaseException:
             compiler.stop()
             raise
-        compiler.nice = BACKGROUND_NICE
+        compiler.nice, compiler.switch_interval = BACKGROUND_NICE, BACKGROUND_SWITCH_INTERVAL
         if progress:
             print(f"warm-up: the {len(first)} largest buckets are compiled; {compiler.pending} more compile in the "
                   f"background ({compiler.max_workers} threads), steps meanwhile run padded to a compiled bucket",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, NamedTuple, Sequence
@@ -33,15 +34,19 @@ class CompileJob(NamedTuple):
 
 
 def largest_first(jobs: Sequence[CompileJob]) -> tuple[list[CompileJob], list[CompileJob]]:
-    """(the largest bucket of each kind of call, the others from the smallest up). A kind is one cache's
-    static values and given arguments; its largest bucket is the one of the largest dim sizes, which a
-    call of any smaller sizes of that kind can run padded to (``ExecutableCache.ready_plan``)."""
+    """(the fewest largest buckets that can run every call of these jobs, the others from the smallest
+    up). A kind is one cache's static values and given arguments; its largest bucket is the one of the
+    largest dim sizes, which a call of any smaller sizes of that kind can run padded to
+    (``ExecutableCache.ready_plan``); a kind whose largest bucket another kind's can run
+    (``ExecutableCache.can_run``: its statics' stand-ins) needs none of its own first."""
     largest: dict[tuple, CompileJob] = {}
     for job in jobs:
         kind = (id(job.cache), job.key[1], job.key[2])
         if kind not in largest or job.key[0] > largest[kind].key[0]:
             largest[kind] = job
-    first = list(largest.values())
+    first = [job for job in largest.values()
+             if not any(other is not job and other.cache is job.cache and other.cache.can_run(other.key, job.key)
+                        for other in largest.values())]
     chosen = {id(job) for job in first}
     rest = sorted((job for job in jobs if id(job) not in chosen), key=lambda job: math.prod(job.key[0]))
     return first, rest
@@ -65,17 +70,24 @@ def default_workers() -> int:
 class Compiler:
     """A pool of ``max_workers`` threads (default: ``default_workers()``) compiling ``CompileJob``s in order.
     ``nice`` > 0 (settable while it runs; from the next job on) lowers the threads' scheduling priority
-    (Linux) so that a thread running steps meanwhile keeps its core.
+    (Linux) so that a thread running steps meanwhile keeps its core. ``switch_interval`` (seconds;
+    settable likewise) sets the interpreter's switch interval (``sys.setswitchinterval``, 5 ms by
+    default) while the threads run and restores it when the last one ends: tracing and lowering hold
+    the interpreter lock, and a thread running steps that waits for the lock at every device call gets
+    it back within this interval (0.5 ms: stalls of a served stream 0.23 -> 0.04 s while the
+    background compile loads from a warm cache; benchmarks/RESULTS.md, "Start-up").
 
     ``on_compiled(job, compiles, seconds, done, total)`` is called on a worker thread after each job
     (progress lines, logs). Thread-safe."""
 
     def __init__(self, max_workers: int | None = None, *, name: str = "scv-jax-compile", nice: int = 0,
+                 switch_interval: float | None = None,
                  on_compiled: Callable[[CompileJob, int, float, int, int], None] | None = None):
         self.max_workers = default_workers() if max_workers is None else max_workers
         if not isinstance(self.max_workers, int) or self.max_workers < 1:
             raise ValueError(f"Compiler: max_workers must be an int >= 1, got {max_workers!r}")
-        self.name, self.nice, self.on_compiled = name, nice, on_compiled
+        self.name, self.nice, self.switch_interval, self.on_compiled = name, nice, switch_interval, on_compiled
+        self._saved_interval: float | None = None      # the switch interval before this compiler set it
         self._queue: list[CompileJob] = []
         self._futures: dict[tuple[int, tuple], concurrent.futures.Future] = {}
         self._cond = threading.Condition()
@@ -172,10 +184,16 @@ class Compiler:
             with self._cond:
                 if self._stopping or not self._queue:
                     self._threads.remove(threading.current_thread())
+                    if not self._threads and self._saved_interval is not None:
+                        sys.setswitchinterval(self._saved_interval)
+                        self._saved_interval = None
                     self._cond.notify_all()
                     return
                 job = self._queue.pop(0)
                 self._running += 1
+                if self.switch_interval is not None and self._saved_interval is None:
+                    self._saved_interval = sys.getswitchinterval()
+                    sys.setswitchinterval(self.switch_interval)
             if self.nice != applied:
                 applied = self.nice
                 try:    # Linux: this thread's priority (threads XLA starts for the compile inherit it)

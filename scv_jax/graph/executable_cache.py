@@ -171,6 +171,7 @@ def enable_persistent_cache(cache_dir: str, *, min_compile_time_secs: float = 0.
 
 _COPY_CHECK_BYTES = 1 << 12   # donated arrays smaller than this are not checked for copies
 _HLO_COPY = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](?:\{[^}]*\})? copy\(")
+_NONE = object()               # no stand-in
 
 
 def _copied_arrays(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -232,6 +233,10 @@ class ExecutableCache:
       cache_dir: opt-in JAX persistent compilation cache directory (process-wide; see
         ``enable_persistent_cache``) so that a restart loads executables instead of compiling.
       keep: a default ``warmup`` filter of buckets that can never occur (see ``all_keys``).
+      stand_ins: static argument -> {a call's value: the value whose executable may run that call in
+        its stead} (e.g. ``{"greedy": {True: False}}``: a sampled step runs an all-greedy batch too):
+        while buckets compile in the background, a call may run on such an executable (``can_run``,
+        ``ready_plan``), which must compute what the call's own would (its outputs may hold more).
       name: a label for progress lines and logs.
     """
 
@@ -243,7 +248,7 @@ class ExecutableCache:
                  masks: Mapping[str, str] | None = None,
                  fallback: Callable | Mapping[str, Any] | None = None,
                  cache_dir: str | None = None, keep: Callable[[dict[str, int]], bool] | None = None,
-                 name: str | None = None):
+                 stand_ins: Mapping[str, Mapping[Any, Any]] | None = None, name: str | None = None):
         self.name = name or getattr(fn, "__name__", "step")
         parameters = inspect.signature(fn).parameters
         self._params = tuple(parameters)
@@ -260,10 +265,15 @@ class ExecutableCache:
         self.static_argnames = tuple(self.bucketed_statics) + tuple(
             a for a in static_argnames if a not in self.bucketed_statics)
         self.donate_argnames = tuple(donate_argnames)
+        self.stand_ins = {a: dict(v) for a, v in (stand_ins or {}).items()}
         for arg in (*self.pads, *self.static_argnames, *self.donate_argnames):
             if arg not in self._params:
                 raise ValueError(f"ExecutableCache: {arg!r} is not a parameter of {self.name} "
                                  f"(parameters: {self._params})")
+        for arg in self.stand_ins:
+            if arg not in self.static_argnames:
+                raise ValueError(f"ExecutableCache: stand_ins names {arg!r}, not one of the static arguments "
+                                 f"{self.static_argnames}")
         for arg, arg_pads in self.pads.items():
             for p in arg_pads:
                 if p.dim not in self.dims:
@@ -686,21 +696,26 @@ class ExecutableCache:
                     threading.current_thread().name)
         return compiles
 
+    def can_run(self, key: BucketKey, call: BucketKey) -> bool:
+        """Whether bucket ``key``'s executable can run a call planned as ``call``: the same arguments
+        given, every dim at least as large, every static equal or its stand-in (``stand_ins``)."""
+        return key[2] == call[2] and all(a >= b for a, b in zip(key[0], call[0])) and all(
+            mine == theirs or self.stand_ins.get(arg, {}).get(theirs, _NONE) == mine
+            for arg, mine, theirs in zip(self.static_argnames, key[1], call[1]))
+
     def ready_plan(self, plan: BucketPlan) -> BucketPlan:
         """The plan to run now for ``plan``: itself when its executable exists or nothing is scheduled in the
-        background; else the smallest compiled bucket at least as large in every dim (same statics and
-        arguments): the call runs padded to it instead of waiting; else ``plan`` (the call hurries its
-        own bucket and waits for it)."""
+        background; else the smallest compiled bucket that can run it (``can_run``: at least as large in
+        every dim, the same statics or their stand-ins): the call runs padded to it instead of waiting;
+        else ``plan`` (the call hurries its own bucket and waits for it)."""
         if plan.key is None or not self._scheduled or plan.key in self._entries:
             return plan
-        dims, statics, present = plan.key
-        larger = [k for k in list(self._entries) if k[1] == statics and k[2] == present
-                  and all(a >= b for a, b in zip(k[0], dims))]
-        if not larger:
+        runners = [k for k in list(self._entries) if self.can_run(k, plan.key)]
+        if not runners:
             return plan
-        key = min(larger, key=lambda k: (int(np.prod(k[0])), k[0]))
+        key = min(runners, key=lambda k: (int(np.prod(k[0])), k[1] != plan.key[1], k[0]))
         self.stats.borrowed += 1
-        return BucketPlan(key, plan.real, dict(zip(self.dims, key[0])), plan.statics)
+        return BucketPlan(key, plan.real, dict(zip(self.dims, key[0])), dict(zip(self.static_argnames, key[1])))
 
     # ------------------------------------------------------------------------------------ calling
     def __call__(self, *args, **kwargs):

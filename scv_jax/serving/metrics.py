@@ -61,6 +61,8 @@ class ServerMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token")
         for reason in ("stop", "length", "abort", "error"):   # present at 0 from the start
             self.request_success.labels(self._model, reason)
+        for gauge in (self.running, self.waiting, self.kv_usage):
+            self.labels(gauge)
 
     def labels(self, metric, *values: str):
         return metric.labels(self._model, *values)

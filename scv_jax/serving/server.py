@@ -180,7 +180,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"compiling (one time): up to {args.max_num_seqs} requests of up to {served.max_model_len} tokens ...",
               file=sys.stderr, flush=True)
         compiler = served.engine.start_warmup(args.max_num_seqs, served.max_model_len, progress=True,
-                                              logprobs=served.engine.runner.proposer.verifier == "chain")
+                                              logprobs=served.engine.supports_logprobs)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     engine_loop = EngineLoop(served.engine, metrics.observe_engine)

@@ -71,13 +71,20 @@ def reference(models):
 
 
 def test_steps_padded_to_the_largest_buckets_give_their_own_buckets_tokens(models, reference):
-    """Only the largest bucket of each kind is compiled, every other one is scheduled and never gets
-    compiled: every step runs padded up to a largest bucket, compiles nothing, and every request's tokens
-    (and log-probabilities) are those of the fully warmed engine's exact buckets."""
+    """Only the largest bucket of each kind of prefill and the largest sampled decode steps with
+    logprobs are compiled, every other bucket is scheduled and never gets compiled: every step runs
+    padded up to a largest bucket (greedy and logprobs-free steps on a sampled one with logprobs),
+    compiles nothing, and every request's tokens (and log-probabilities) are those of the fully warmed
+    engine's exact buckets."""
     engine = Engine(*models, config=CONFIG)
+    decode = engine.runner.decode_executable
     jobs = engine.runner.warmup_jobs(4, MAX_LEN, temperatures=(0.0, 1.0), logprobs=True)
     first, rest = largest_first(jobs)
-    assert len(first) == len({(id(j.cache), j.key[1], j.key[2]) for j in jobs}) and rest
+    kinds = {(id(j.cache), j.key[1], j.key[2]) for j in jobs}
+    assert all(any(f.cache is j.cache and f.cache.can_run(f.key, j.key) for f in first) for j in jobs)
+    first_decode = [dict(zip(decode.static_argnames, j.key[1])) for j in first if j.cache is decode]
+    assert first_decode and all(not s["greedy"] and s["logprobs"] for s in first_decode), first_decode
+    assert len(first) < len(kinds) and rest
     Compiler(2).run(first)
     parked = Parked(None)
     for job in rest:

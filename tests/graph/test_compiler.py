@@ -160,3 +160,53 @@ def test_every_compile_outside_a_warmup_is_logged_once_with_what_was_new(caplog)
     assert "new batch=4, tokens=8, warmup() was never called" in messages[1]
     assert "new tokens=16, k=4" in messages[2]
     assert messages[3].endswith("new tokens=4, warmup() was never called")
+
+
+def _scaled(x, *, double: bool):
+    """x, or [x, 2x] when ``double``: a step whose ``double=True`` executable computes more."""
+    return (x, 2 * x) if double else (x,)
+
+
+def test_a_stand_in_static_runs_a_call_while_its_own_bucket_is_scheduled(no_persistent_cache):
+    """``stand_ins={"double": {False: True}}``: a double=False call borrows the compiled double=True
+    bucket (at least as large, the same arguments), never the other way round, and gives its own outputs
+    first; a stand-in for an argument that is not static is refused naming it."""
+    from scv_jax.graph.buckets import Pad
+    from scv_jax.graph.executable_cache import ExecutableCache
+
+    cache = ExecutableCache(_scaled, dims={"n": (2, 4)}, pads={"x": Pad("n")}, static_argnames=("double",),
+                            stand_ins={"double": {False: True}})
+    jobs = {(job.key[0], job.key[1]): job for job in cache.jobs(jnp.zeros(2), double=False)
+            + cache.jobs(jnp.zeros(2), double=True)}
+    big_double = jobs[((4,), (True,))]
+    assert cache.can_run(big_double.key, jobs[((2,), (False,))].key)
+    assert cache.can_run(big_double.key, jobs[((4,), (False,))].key)
+    assert not cache.can_run(jobs[((4,), (False,))].key, jobs[((2,), (True,))].key)    # not the other way
+    assert not cache.can_run(jobs[((2,), (True,))].key, jobs[((4,), (False,))].key)    # smaller
+    Compiler(1).run([big_double])
+    parked = Parked(big_double.example)
+    for key, job in jobs.items():
+        if job is not big_double:
+            cache.schedule(job.key, parked)
+    x = np.arange(3, dtype=np.float32)
+    with CompileCounter() as compiles:
+        out = cache(x, double=False)
+    assert compiles.count == 0 and parked.hurried == [] and cache.stats.borrowed == 1
+    np.testing.assert_array_equal(np.asarray(out[0])[:3], np.asarray(x))
+    try:
+        ExecutableCache(_scaled, dims={"n": (2,)}, pads={"x": Pad("n")}, static_argnames=("double",),
+                        stand_ins={"x": {0: 1}})
+    except ValueError as error:
+        assert "stand_ins names 'x'" in str(error)
+    else:
+        raise AssertionError("a stand-in for a dynamic argument was accepted")
+
+
+def test_a_compiler_sets_the_switch_interval_while_it_runs_and_restores_it(no_persistent_cache):
+    import sys
+
+    before = sys.getswitchinterval()
+    seen = []
+    compiler = Compiler(1, switch_interval=before / 4, on_compiled=lambda *_: seen.append(sys.getswitchinterval()))
+    compiler.run(make_cache().jobs(*_example(), k=2)[:2])
+    assert seen == [before / 4] * 2 and sys.getswitchinterval() == before

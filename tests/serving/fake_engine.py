@@ -40,6 +40,13 @@ def expected_tokens(prompt: list[int], max_tokens: int) -> list[int]:
     return [CYCLE[(start + i) % len(CYCLE)] for i in range(max_tokens)]
 
 
+class _Compiled:
+    """``Engine.start_warmup``'s compiler with nothing left to compile."""
+
+    def stop(self) -> None:
+        pass
+
+
 class FakeEngine:
     def __init__(self, *, max_num_seqs: int, max_seq_len: int, num_blocks: int, eos_token_id=None,
                  step_seconds: float = 0.002):
@@ -51,8 +58,14 @@ class FakeEngine:
         self._aborted: list[str] = []
         self.stats = GenerateStats()          # (num_preemptions: the fake never preempts)
 
+    supports_logprobs = True
+
     def warmup(self, max_num_seqs, max_len, *, temperatures=(0.0, 1.0), logprobs=False, progress=False) -> int:
         return 0
+
+    def start_warmup(self, max_num_seqs, max_len, *, temperatures=(0.0, 1.0), logprobs=False,
+                     progress=False) -> _Compiled:
+        return _Compiled()
 
     def add_request(self, prompt_token_ids, params=None, request_id=None) -> str:
         from scv_jax.sampling_params import SamplingParams

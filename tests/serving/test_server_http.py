@@ -383,7 +383,7 @@ def test_bodies_and_prompts_are_bounded(server):
 
 
 def test_a_long_prompt_does_not_hold_up_the_server(server):
-    """Tokenizing the longest prompt allowed (over a second here) leaves /health answering at once."""
+    """Tokenizing the longest prompt allowed (0.5 to 1.5 s here) leaves /health answering at once."""
     prompt = "héllo wörld " * (MAX_CHARS // 12)
     result = {}
 
@@ -403,7 +403,7 @@ def test_a_long_prompt_does_not_hold_up_the_server(server):
         latencies.append(time.monotonic() - start)
     thread.join(REQUEST_TIMEOUT)
     assert (result["status"], result["param"]) == (400, "prompt")        # tokenized: too long for the context
-    assert result["seconds"] > 1.0 and max(latencies) < result["seconds"] / 3, (result, max(latencies))
+    assert result["seconds"] > 0.3 and max(latencies) < result["seconds"] / 3, (result, max(latencies))
 
 
 def _slow_server(checkpoint, log, *flags: str) -> ServerProcess:
