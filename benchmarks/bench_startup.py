@@ -103,8 +103,9 @@ async def _stream(http, url: str, body: dict) -> tuple[float, list[float], float
 
 async def probe(url: str) -> dict[str, float]:
     """First-token latency of a first request; then, for a logprobs request, a sampled one and a batch of
-    four (each a shape the running stream has not used), the worst gap between chunks of a running
-    greedy stream while they ran, against that stream's median gap."""
+    four (each a shape the running stream has not used), and a batch of four again (shapes run before),
+    the worst gap between chunks of a running greedy stream while they ran, against that stream's median
+    gap."""
     import httpx
 
     prompt = list(b"def fibonacci(n):\n    ")
@@ -113,7 +114,7 @@ async def probe(url: str) -> dict[str, float]:
         ttft, _, _ = await _stream(http, url, {**base, "max_tokens": 8})
         results = {"first_token_s": ttft}
         for label, extra, count in (("logprobs", {"logprobs": 2}, 1), ("sampled", {"temperature": 0.8}, 1),
-                                    ("batch", {}, 4)):
+                                    ("batch", {}, 4), ("batch_again", {}, 4)):
             background = asyncio.create_task(_stream(http, url, {**base, "max_tokens": 480}))
             await asyncio.sleep(0.3)
             arrived = time.perf_counter()

@@ -63,10 +63,15 @@ class ServerProcess:
         """Sends ``sig`` and waits for the exit (killed after STOP_TIMEOUT); its status."""
         if self.process.poll() is None:
             self.process.send_signal(sig)
-            try:
-                self.process.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(STOP_TIMEOUT)
+        return self.wait()
+
+    def wait(self) -> int:
+        """Waits for the exit of a server already signalled (killed after STOP_TIMEOUT); its status. (A
+        second signal could land after uvicorn's shutdown restored the default handlers: status -15.)"""
+        try:
+            self.process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(STOP_TIMEOUT)
         self._stderr.close()
         return self.process.returncode
