@@ -39,5 +39,6 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
         pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch"),
               "grammar": Pad("batch", fill=-1)},
         bucketed_statics={"k": k_values}, static_argnames=("greedy", "logprobs", "backend", "packed_k"),
-        stand_ins=_DECODE_STAND_INS, name="decode_step", donate_argnames=("target_cache", "draft_cache", "controls"), **common)
+        stand_ins=_DECODE_STAND_INS, name="decode_step", donate_argnames=("target_cache", "draft_cache", "controls"),
+        **common)
     return prefill, decode

@@ -16,31 +16,16 @@ import pytest
 
 from tests.serving.conftest import REQUEST_TIMEOUT, client
 from tests.serving.harness import ServerProcess
+from tests.serving.test_server_engine import offline  # noqa: F401 (a fixture: the target's greedy tokens)
 
 NAME = "tiny"
 MAX_LEN = 64
 PROMPTS = ["def main(", "import os\n"]
 
 
-def _offline_greedy(checkpoint, prompt: list[int], max_tokens: int) -> list[int]:
-    """The target's greedy tokens (an engine of its own, target only)."""
-    import scv_jax
-    from scv_jax.models import load_hf
-
-    engine = scv_jax.Engine(load_hf(checkpoint, dtype="float32"), None, config=scv_jax.DecoderConfig(
-        k=0, max_seq_len=MAX_LEN, num_blocks=16, batch_buckets=(1,)))
-    engine.add_request(prompt, scv_jax.SamplingParams(max_tokens=max_tokens))
-    tokens: list[int] = []
-    for _ in range(max_tokens + 2):
-        for out in engine.step():
-            tokens = list(out.token_ids)
-        if not engine.has_unfinished():
-            break
-    return tokens
-
-
 @pytest.mark.slow
-def test_serve_answers_every_kind_of_request_while_compiling_in_the_background(checkpoint, tokenizer, tmp_path):
+def test_serve_answers_every_kind_of_request_while_compiling_in_the_background(checkpoint, tokenizer, offline,
+                                                                              tmp_path):
     process = ServerProcess(["--model", str(checkpoint), "--draft", str(checkpoint), "--k", "2",
                              "--served-model-name", NAME, "--dtype", "float32", "--max-model-len", str(MAX_LEN),
                              "--max-num-seqs", "2"], tmp_path / "startup.log", env={"SCV_JAX_CACHE_DIR": "off"})
@@ -73,7 +58,7 @@ def test_serve_answers_every_kind_of_request_while_compiling_in_the_background(c
         stopped_in = time.monotonic() - started
     log = process.stderr()
     assert status == 0 and "scv-jax serve: stopped" in log and "Traceback" not in log, log
-    expected = [tokenizer.decode(_offline_greedy(checkpoint, tokenizer.encode(p), 12)) for p in PROMPTS]
+    expected = [tokenizer.decode(offline(tokenizer.encode(p), 12)) for p in PROMPTS]
     assert greedy.choices[0].text == with_logprobs.choices[0].text == pair[0] == expected[0]
     assert pair[1] == expected[1]
     top = with_logprobs.choices[0].logprobs.top_logprobs
