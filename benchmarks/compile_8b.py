@@ -1,41 +1,70 @@
 """Compile time of the decoder's steps at Llama-3.1-8B sizes, with no weights ever materialised.
 
     JAX_PLATFORMS=cpu python benchmarks/compile_8b.py [--batch 8] [--k 4] [--context 4096] [--append]
+    JAX_PLATFORMS=cpu python benchmarks/compile_8b.py --set serve [--drafter draft eagle3] [--limit N]
+                     [--workers W] [--serve-args "--max-num-seqs 4"] [--dry-run] [--append]
 
 Everything is abstract (``nnx.eval_shape`` for the models, ``jax.eval_shape`` for the bfloat16 paged
-caches, ``jax.ShapeDtypeStruct`` inputs); each step is ``jax.jit(...).trace(...).lower().compile()``d
-exactly as graph mode compiles it (caches donated), and lowering and compile seconds are printed:
+caches, ``jax.ShapeDtypeStruct`` inputs), and nothing comes from the persistent compilation cache
+(``SCV_JAX_CACHE_DIR=off``: every compile is cold).
+
+``--set steps`` (default): single steps, ``jax.jit(...).trace(...).lower().compile()``d exactly as
+graph mode compiles them (caches donated), lowering and compile seconds printed:
 
 - ``autoregressive``: one decode step of the target alone (forward over the pending token + commit);
 - ``speculative``: one speculative step, k drafts from a Llama-3.2-1B-shaped draft (catch-up forward
   and a scan of k - 1 draft forwards), the target's verify forward over k + 1 tokens, greedy
-  acceptance and the no-write-on-reject commits of both caches.
+  acceptance and the no-write-on-reject commits of both caches;
 
-Each is compiled with the layers as the decoder runs them (``per_layer``: each layer's weights inputs
-of their own, the layers one after another) and as a ``jax.lax.scan`` over stacked weights (``scan``:
-traced once), at 32 target layers and at 2 (how compile time grows with depth).
+at 32 target layers and at 2 (how compile time grows with depth).
+
+``--set serve``: every executable ``scv-jax serve`` compiles for the 8B target with each ``--drafter``
+(``draft``: the 1B-shaped draft model; ``eagle3``: an EAGLE-3 head of the published Llama-3.1-8B shape),
+with serve's default flags (``--serve-args`` changes them), enumerated by the engine itself
+(``Engine.warmup_jobs`` of ``serving.server.engine_config`` and ``warmup_sizes``) and split as serve
+splits them (``graph.compiler.largest_first``: the executables serve waits for before it listens, the
+rest compiled in the background). Counts: every executable (what a server waited for before issue 40),
+the largest bucket of each kind without stand-ins (what it waited for before them), and with them (what
+serve waits for now). Then they are compiled in that order (those serve waits for, the other largest
+buckets, the rest smallest first as serve compiles them in the background; ``--limit``: the first N) on a
+``graph.compiler.Compiler`` of ``--workers`` threads: seconds each (trace, lower and compile), the sums
+of the two waited-for sets, summed and wall. ``--dry-run``: the counts alone.
+
+Either set compiles the layers as the decoder runs them (``per_layer``: each layer's weights inputs of
+their own, the layers one after another) and as a ``jax.lax.scan`` over stacked weights (``scan``:
+traced once; the layout before ``Transformer.per_layer``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
+import shlex
+import statistics
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["SCV_JAX_CACHE_DIR"] = "off"      # cold compiles: no executable loaded from a persistent cache
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from harness import publish  # noqa: E402
+from scv_jax import Engine, cli  # noqa: E402
 from scv_jax.decoding.device_step import SplitModel, StepRow  # noqa: E402
 from scv_jax.decoding.plan import SamplingColumn  # noqa: E402
 from scv_jax.decoding.step_fn import make_decode_step  # noqa: E402
 from scv_jax.decoding.verifiers import ChainVerifier  # noqa: E402
+from scv_jax.graph.compiler import CompileJob, Compiler, largest_first  # noqa: E402
+from scv_jax.launch import Models  # noqa: E402
 from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig  # noqa: E402
+from scv_jax.models.eagle3 import Eagle3Head  # noqa: E402
 from scv_jax.ops.commit.kv_cache import PagedKVCache  # noqa: E402
+from scv_jax.serving.server import Served, engine_config, warmup_sizes  # noqa: E402
 
 LLAMA3_ROPE = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                 original_max_position_embeddings=8192)
@@ -45,18 +74,37 @@ LLAMA_31_8B = TransformerConfig(vocab_size=128256, num_layers=32, d_model=4096, 
 LLAMA_32_1B = TransformerConfig(vocab_size=128256, num_layers=16, d_model=2048, num_heads=32, num_kv_heads=8,
                                 head_dim=64, ffn_dim=8192, rope_theta=500000.0, norm_eps=1e-5,
                                 tie_embeddings=True, dtype="bfloat16", rope_scaling=LLAMA3_ROPE)
+# The published EAGLE-3 head of Llama-3.1-8B-Instruct (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): one layer of the
+# target's width over its features at layers (2, 16, 29), a 32000-token draft vocabulary.
+EAGLE3_8B = dataclasses.replace(LLAMA_31_8B, num_layers=1)
+EAGLE3_DRAFT_VOCAB, EAGLE3_AUX_LAYERS = 32000, (2, 16, 29)
 BLOCK_SIZE = 16
 
 
-def abstract_model(config: TransformerConfig, layers: str):
-    """(structure, abstract parameter leaves) of the model: no parameter allocated; ``layers``
-    "per_layer" (as the decoder splits it) or "scan" (stacked weights, the layers under a scan)."""
-    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    if layers == "per_layer":
-        return SplitModel.split(model)
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree.flatten(state)
-    return SplitModel(graphdef, treedef), leaves
+class ScannedTransformer(Transformer):
+    """A ``Transformer`` the decoder runs with its stacked layers under a ``jax.lax.scan`` (``per_layer``
+    keeps them stacked): the layout the steps had before ``Transformer.per_layer``."""
+
+    def per_layer(self) -> "Transformer":
+        return self
+
+
+def abstract_transformer(config: TransformerConfig, layers: str) -> Transformer:
+    """The model with abstract parameters (nothing allocated); ``layers`` "per_layer" (as the decoder
+    splits it) or "scan" (a ``ScannedTransformer``)."""
+    cls = ScannedTransformer if layers == "scan" else Transformer
+    return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+
+
+def abstract_head(target: Transformer) -> Eagle3Head:
+    """An abstract EAGLE-3 head of ``EAGLE3_8B``'s shape over ``target``, sharing its embedding (as
+    ``load_eagle3`` binds one)."""
+    vocab_map = np.arange(EAGLE3_DRAFT_VOCAB, dtype=np.int32)
+    head = nnx.eval_shape(lambda: Eagle3Head(
+        EAGLE3_8B, None, draft_vocab_size=EAGLE3_DRAFT_VOCAB, draft_to_target=vocab_map,
+        aux_layers=EAGLE3_AUX_LAYERS, norm_before_residual=False, rngs=nnx.Rngs(0)))
+    head.embed = target.embed
+    return head
 
 
 def abstract_cache(config: TransformerConfig, num_blocks: int) -> PagedKVCache:
@@ -64,13 +112,15 @@ def abstract_cache(config: TransformerConfig, num_blocks: int) -> PagedKVCache:
                                                       config.num_kv_heads, config.head_dim, dtype="bfloat16"))
 
 
+# ---------------------------------------------------------------------------------------- --set steps
 def compile_step(target: TransformerConfig, draft: TransformerConfig | None, *, batch: int, k: int,
                  context: int, layers: str) -> tuple[float, float]:
     """(lowering seconds, compile seconds) of one decode step (``k`` drafts; no draft: k = 0)."""
     max_blocks = -(-context // BLOCK_SIZE)
     num_blocks = batch * max_blocks
-    target_split, target_params = abstract_model(target, layers)
-    draft_split, draft_params = abstract_model(draft, layers) if draft is not None else (None, None)
+    target_split, target_params = SplitModel.split(abstract_transformer(target, layers))
+    draft_split, draft_params = (SplitModel.split(abstract_transformer(draft, layers)) if draft is not None
+                                 else (None, None))
     step = jax.jit(make_decode_step(target_split, draft_split, BLOCK_SIZE, ChainVerifier()),
                    static_argnames=("k", "greedy", "backend"), donate_argnames=("target_cache", "draft_cache"))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
@@ -87,14 +137,8 @@ def compile_step(target: TransformerConfig, draft: TransformerConfig | None, *, 
     return lowered_at - start, time.perf_counter() - lowered_at
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--context", type=int, default=4096, help="tokens per request the block tables cover")
-    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
-    parser.add_argument("--layers", nargs="+", default=["per_layer", "scan"], choices=["per_layer", "scan"])
-    args = parser.parse_args(argv)
+def steps_table(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(title, details, markdown table) of the single steps."""
     rows = ["| step | layers run | target layers | draft layers | lowering s | compile s |",
             "|---|---|---:|---:|---:|---:|"]
     for depth in (32, 2):
@@ -107,9 +151,138 @@ def main(argv=None) -> None:
                 rows.append(f"| {name} | {layers} | {depth} | {draft_config.num_layers if draft_config else '-'} | "
                             f"{lower_s:.1f} | {compile_s:.1f} |")
                 print(rows[-1], flush=True)
-    publish(__file__, "Compile time at Llama-3.1-8B sizes (abstract shapes)",
+    return ("Compile time at Llama-3.1-8B sizes (abstract shapes)",
             f"Batch {args.batch}, {args.context}-token block tables, bfloat16 model and caches, "
-            "Llama-3.2-1B-shaped draft. ", "\n".join(rows), append=args.append)
+            "Llama-3.2-1B-shaped draft. ", "\n".join(rows))
+
+
+# ---------------------------------------------------------------------------------------- --set serve
+@dataclasses.dataclass
+class ServeSet:
+    """The executables ``serve`` compiles for one drafter and layer layout, split as serve splits them."""
+
+    jobs: list[CompileJob]          # every executable: the ``first`` serve waits for, the other ``kinds``, the rest
+    first: int                      # how many serve waits for before it listens (with stand-ins)
+    kinds: int                      # how many it waited for without stand-ins: the largest bucket of each kind
+
+
+def serve_set(drafter: str, layers: str, serve_args: list[str]) -> ServeSet:
+    """``scv-jax serve``'s warm-up executables (``serve_args``: its flags beyond the defaults) for the
+    abstract 8B target with ``drafter`` ("draft" or "eagle3"), as the engine enumerates them, in the
+    order ``ServeSet.jobs`` says."""
+    target = abstract_transformer(LLAMA_31_8B, layers)
+    model = abstract_transformer(LLAMA_32_1B, layers) if drafter == "draft" else abstract_head(target)
+    args = cli.parse_args(["serve", "--model", "llama-3.1-8b-shaped", *serve_args])
+    # no position limit: Llama-3.1's 131072 exceeds serve's default context (2048) as none would
+    models = Models(target, model, (target, model), position_limit=None)
+    config, max_model_len, _ = engine_config(args, models)
+    engine = Engine(target, model, config=config)
+    caches = engine.runner.caches
+    caches.put(*jax.eval_shape(caches.take))      # abstract caches: the warm-up's examples read their shapes
+    jobs = engine.warmup_jobs(**warmup_sizes(args, Served(engine, max_model_len, LLAMA_31_8B.vocab_size)))
+    first, rest = largest_first(jobs)
+    decode = engine.runner.decode_executable
+    stand_ins, decode.stand_ins = decode.stand_ins, {}      # the split as it was before stand-ins
+    try:
+        largest = largest_first(jobs)[0]
+    finally:
+        decode.stand_ins = stand_ins
+    waited = {id(job) for job in first}
+    others = [job for job in largest if id(job) not in waited]
+    taken = {id(job) for job in others}
+    rest = [job for job in rest if id(job) not in taken]
+    return ServeSet(first + others + rest, len(first), len(first) + len(others))
+
+
+def compile_jobs(jobs: list[CompileJob], workers: int | None) -> tuple[list[tuple[CompileJob, float]], float]:
+    """Compiles ``jobs`` in order on a ``Compiler`` of ``workers`` threads: ([(job, seconds)] in completion
+    order, wall seconds); one line per executable on stdout."""
+    done: list[tuple[CompileJob, float]] = []
+
+    def on_compiled(job: CompileJob, compiles: int, seconds: float, count: int, total: int) -> None:
+        done.append((job, seconds))
+        print(f"  {count}/{total} [{label(job)}] ({job.cache.describe(job.key)}) {seconds:.1f} s", flush=True)
+
+    start = time.perf_counter()
+    Compiler(workers, on_compiled=on_compiled).run(jobs)
+    return done, time.perf_counter() - start
+
+
+def label(job: CompileJob) -> str:
+    """The job's executable, a prefill of the drafter alone (its catch-up) marked."""
+    return job.cache.name + (" (drafter's catch-up)" if job.example.get("target_params", ()) is None else "")
+
+
+def summed_seconds(done: list[tuple[CompileJob, float]], jobs: list[CompileJob]) -> str:
+    """The seconds ``jobs`` took, summed; "-" unless each was compiled."""
+    seconds = {id(job): s for job, s in done}
+    return f"{sum(seconds[id(job)] for job in jobs):.1f}" if all(id(job) in seconds for job in jobs) else "-"
+
+
+def serve_table(args: argparse.Namespace) -> tuple[str, str, str]:
+    """(title, details, markdown tables) of serve's executables for each drafter and layer layout."""
+    serve_args = shlex.split(args.serve_args)
+    rows = ["| drafter | layers run | executables: all / largest per kind without stand-ins / serve waits for "
+            "| compiled here | seconds each: min / median / max | waited for, s: with / without stand-ins "
+            "| summed s | wall s |",
+            "|---|---|---|---:|---|---:|---:|---:|"]
+    details = []
+    for drafter in args.drafter:
+        for layers in args.layers:
+            found = serve_set(drafter, layers, serve_args)
+            by_name = collections.Counter(job.cache.name for job in found.jobs)
+            counts = (f"{len(found.jobs)} ({', '.join(f'{n} {name}' for name, n in by_name.items())}) / "
+                      f"{found.kinds} / {found.first}")
+            print(f"{drafter}, {layers}: {counts} executables (all / largest per kind without stand-ins / "
+                  f"serve waits for)", flush=True)
+            if args.dry_run:
+                rows.append(f"| {drafter} | {layers} | {counts} | 0 | - | - | - | - |")
+                continue
+            chosen = found.jobs[:args.limit]
+            done, wall = compile_jobs(chosen, args.workers)
+            seconds = [s for _, s in done]
+            waits = [summed_seconds(done, found.jobs[:n]) for n in (found.first, found.kinds)]
+            rows.append(f"| {drafter} | {layers} | {counts} | {len(done)} | {min(seconds):.1f} / "
+                        f"{statistics.median(seconds):.1f} / {max(seconds):.1f} | {' / '.join(waits)} | "
+                        f"{sum(seconds):.1f} | {wall:.1f} |")
+            details += [f"| {drafter} | {layers} | {label(job)} | {job.cache.describe(job.key)} | {s:.1f} |"
+                        for job, s in done]
+            print(rows[-1], flush=True)
+    body = "\n".join(rows)
+    if details:
+        body += ("\n\nEach executable (trace, lower and compile seconds):\n\n| drafter | layers run | executable "
+                 "| bucket | s |\n|---|---|---|---|---:|\n" + "\n".join(details))
+    limit = "every executable" if args.limit is None else f"the first {args.limit} in the order above"
+    return ("Compile time of serve's executables at Llama-3.1-8B sizes (abstract shapes)",
+            f"`scv-jax serve` defaults{' with ' + args.serve_args if args.serve_args else ''}; Llama-3.1-8B-shaped "
+            "target, drafter a Llama-3.2-1B-shaped draft model (`draft`) or an EAGLE-3 head of the published 8B "
+            f"shape (`eagle3`); compiled: {limit}, on {args.workers or 'the default number of'} compile "
+            "thread(s), cold (no persistent cache). ", body)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--set", choices=["steps", "serve"], default="steps", dest="which",
+                        help="single decode steps, or every executable serve compiles")
+    parser.add_argument("--batch", type=int, default=8, help="--set steps: batch size")
+    parser.add_argument("--k", type=int, default=4, help="--set steps: drafts per step")
+    parser.add_argument("--context", type=int, default=4096,
+                        help="--set steps: tokens per request the block tables cover")
+    parser.add_argument("--drafter", nargs="+", default=["draft", "eagle3"], choices=["draft", "eagle3"],
+                        help="--set serve: the 1B-shaped draft model and/or the 8B EAGLE-3 head")
+    parser.add_argument("--serve-args", default="", help="--set serve: serve flags beyond its defaults")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="--set serve: compile the first N executables in serve's order (default: all)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="--set serve: compile threads (default: graph.compiler.default_workers())")
+    parser.add_argument("--dry-run", action="store_true", help="--set serve: count the executables, compile none")
+    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--layers", nargs="+", default=["per_layer", "scan"], choices=["per_layer", "scan"])
+    args = parser.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        parser.error(f"--limit must be >= 1, got {args.limit}")
+    title, details, body = steps_table(args) if args.which == "steps" else serve_table(args)
+    publish(__file__, title, details, body, append=args.append)
 
 
 if __name__ == "__main__":

@@ -280,6 +280,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The parsed arguments of the command line ``argv`` (without the program name, e.g. ``["serve",
+    "--model", DIR]``): every flag left out at its default."""
+    return _parser().parse_args(argv)
+
+
 def _add_serve(sub, formatter) -> None:
     serve = sub.add_parser("serve", help="serve a Hugging Face model over an OpenAI-compatible HTTP API",
                            formatter_class=formatter)
@@ -518,7 +524,7 @@ def main(argv: list[str] | None = None, *, command_line: str | None = None) -> i
     """Runs the command ``argv`` (default: the process's arguments); ``command_line`` names it in the
     results ``bench --append`` writes (default: ``scv-jax`` and ``argv``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     args.command_line = command_line or shlex.join(["scv-jax", *argv])
     try:
         return {"demo": run_demo, "generate": run_generate, "bench": run_bench, "serve": run_serve}[args.command](args)

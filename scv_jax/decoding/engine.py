@@ -40,9 +40,11 @@ from scv_jax.decoding.requests import RequestBatch, check_eos, check_prompt
 from scv_jax.decoding.runner import StepRunner
 from scv_jax.decoding.scheduler import Request, Scheduler
 from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
-from scv_jax.graph.compiler import Compiler
+from scv_jax.graph.compiler import CompileJob, Compiler
 from scv_jax.graph.persistent_cache import use_default_cache
 from scv_jax.sampling_params import MAX_STOP_IDS, SamplingParams, batch_sampling_arrays
+
+WARMUP_TEMPERATURES = (0.0, 1.0)    # a warm-up compiles the steps of all-greedy and of sampled batches
 
 
 def stream_keys(seed: int) -> np.ndarray:
@@ -346,7 +348,8 @@ class Engine:
             runner.record(pending, result, stats, fetched)
             return outputs
 
-    def warmup(self, max_num_seqs: int, max_len: int, *, temperatures: float | Sequence[float] = (0.0, 1.0),
+    def warmup(self, max_num_seqs: int, max_len: int, *,
+               temperatures: float | Sequence[float] = WARMUP_TEMPERATURES,
                logprobs: bool = False, structured_output: bool = False, progress: bool = False,
                workers: int | None = None) -> int:
         """``SpeculativeDecoder.warmup`` for this engine's steps: up to ``max_num_seqs`` requests of up to
@@ -359,7 +362,17 @@ class Engine:
                                   logprobs=logprobs, structured_output=structured_output, progress=progress,
                                   workers=workers)
 
-    def start_warmup(self, max_num_seqs: int, max_len: int, *, temperatures: float | Sequence[float] = (0.0, 1.0),
+    def warmup_jobs(self, max_num_seqs: int, max_len: int, *,
+                    temperatures: float | Sequence[float] = WARMUP_TEMPERATURES,
+                    logprobs: bool = False, structured_output: bool = False) -> list[CompileJob]:
+        """The executables ``warmup`` and ``start_warmup`` with these arguments compile (those not compiled
+        yet), as ``Compiler`` jobs with abstract example arguments; compiles nothing (``largest_first``
+        splits them as ``start_warmup`` does)."""
+        return self.runner.warmup_jobs(min(max_num_seqs, self.max_num_seqs), max_len, temperatures=temperatures,
+                                       logprobs=logprobs, structured_output=structured_output)
+
+    def start_warmup(self, max_num_seqs: int, max_len: int, *,
+                     temperatures: float | Sequence[float] = WARMUP_TEMPERATURES,
                      logprobs: bool = False, structured_output: bool = False, progress: bool = False,
                      workers: int | None = None) -> Compiler:
         """``warmup``'s executables, returning once the largest bucket of each kind of step is compiled; the

@@ -17,7 +17,8 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 if TYPE_CHECKING:
-    from scv_jax.launch import Checkpoints
+    from scv_jax.decoding.config import DecoderConfig
+    from scv_jax.launch import Checkpoints, Models
 
 DEFAULT_MAX_MODEL_LEN = 2048     # the context served when --max-model-len is not given (at most the model's)
 CANCEL_AFTER_SECONDS = 10        # past --shutdown-timeout, uvicorn cancels what has still not ended
@@ -93,26 +94,35 @@ def pool_blocks(args: argparse.Namespace, cached_models: list, max_model_len: in
                 f"demand (--max-num-seqs {args.max_num_seqs})")
 
 
+def engine_config(args: argparse.Namespace, models: Models, data_shards: int = 1) -> tuple[DecoderConfig, int, Pool]:
+    """(the ``DecoderConfig``, the context served, the KV pool) that ``serve``'s flags ``args`` give ``models``
+    (as ``launch.load_models`` returns them; abstract ones will do: only their configs are read) on
+    ``data_shards`` data shards. Raises ValueError naming the flag for a bad one."""
+    from scv_jax.decoding.config import DecoderConfig
+
+    limit = models.position_limit[0] if models.position_limit is not None else None
+    max_model_len = args.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
+    if limit is not None and max_model_len > limit:
+        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {limit}")
+    pool = pool_blocks(args, models.cached, max_model_len, data_shards)
+    drafting = models.drafter is not None
+    config = DecoderConfig(k=args.k if drafting else 0, adaptive=args.adaptive and drafting,
+                           batch_buckets=batch_buckets(args.max_num_seqs), max_seq_len=max_model_len,
+                           num_blocks=pool.num_blocks, cache_dtype=args.dtype, packed_verify=args.packed_verify,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
+    return config, max_model_len, pool
+
+
 def make_engine(args: argparse.Namespace, dirs: Checkpoints, tokenizer=None) -> Served:
     """The ``Engine`` of ``args`` with the models of ``dirs`` (not warmed up), ``tokenizer`` for structured
     output (None: none). Raises ValueError naming the flag for a bad one."""
-    from scv_jax.decoding.config import DecoderConfig
     from scv_jax.launch import check_memory, load_models
     from scv_jax.models.hf import eos_token_ids
 
     mesh_shape = parse_mesh(args.mesh) if args.mesh else None
     models = load_models(args, dirs)
-    limit = models.position_limit[0] if models.position_limit is not None else None
-    max_model_len = args.max_model_len or min(limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN)
-    if limit is not None and max_model_len > limit:
-        raise ValueError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings {limit}")
-    pool = pool_blocks(args, models.cached, max_model_len, mesh_shape[0] if mesh_shape else 1)
-    num_blocks, flag = pool.num_blocks, pool.flag
-    drafting = models.drafter is not None
-    config = DecoderConfig(k=args.k if drafting else 0, adaptive=args.adaptive and drafting,
-                           batch_buckets=batch_buckets(args.max_num_seqs), max_seq_len=max_model_len,
-                           num_blocks=num_blocks, cache_dtype=args.dtype, packed_verify=args.packed_verify,
-                           max_num_batched_tokens=args.max_num_batched_tokens)
+    config, max_model_len, pool = engine_config(args, models, mesh_shape[0] if mesh_shape else 1)
+    flag = pool.flag
     check_memory(config, models.cached, flag=flag, advice=f"lower {flag}" if flag != "--max-num-seqs" else
                  "lower --max-num-seqs or --max-model-len, or pass --kv-cache-memory or --num-blocks")
     print(pool.summary, file=sys.stderr, flush=True)
@@ -125,6 +135,13 @@ def make_engine(args: argparse.Namespace, dirs: Checkpoints, tokenizer=None) -> 
     engine = Engine(models.target, models.drafter, config=config, mesh=mesh,
                     eos_token_id=eos_token_ids(dirs.model) or None, tokenizer=tokenizer)
     return Served(engine, max_model_len, models.target.config.vocab_size)
+
+
+def warmup_sizes(args: argparse.Namespace, served: Served) -> dict[str, Any]:
+    """What ``serve`` compiles ahead of time: ``Engine.start_warmup``'s (and ``Engine.warmup_jobs``')
+    arguments for ``args``' flags."""
+    return dict(max_num_seqs=args.max_num_seqs, max_len=served.max_model_len,
+                logprobs=served.engine.supports_logprobs)
 
 
 def _uvicorn_server(app, host: str, port: int, grace: float, end_requests: Callable[[], None]):
@@ -179,8 +196,7 @@ def serve(args: argparse.Namespace) -> int:
     if not args.no_warmup:
         print(f"compiling (one time): up to {args.max_num_seqs} requests of up to {served.max_model_len} tokens ...",
               file=sys.stderr, flush=True)
-        compiler = served.engine.start_warmup(args.max_num_seqs, served.max_model_len, progress=True,
-                                              logprobs=served.engine.supports_logprobs)
+        compiler = served.engine.start_warmup(**warmup_sizes(args, served), progress=True)
     name = args.served_model_name or args.model
     metrics = ServerMetrics(name)
     engine_loop = EngineLoop(served.engine, metrics.observe_engine)

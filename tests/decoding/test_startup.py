@@ -100,9 +100,11 @@ def test_steps_padded_to_the_largest_buckets_give_their_own_buckets_tokens(model
 @pytest.mark.slow
 def test_after_start_warmup_nothing_compiles_on_the_stepping_thread(models, reference):
     engine = Engine(*models, config=CONFIG)
+    jobs = engine.warmup_jobs(4, MAX_LEN, logprobs=True)     # what start_warmup compiles (compiles nothing)
     with CompileThreads() as threads:
         compiler = engine.start_warmup(4, MAX_LEN, logprobs=True, workers=1)
         ready = len(threads.names)
+        assert compiler.total == len(jobs)
         outputs = _serve(engine)
         assert compiler.wait(timeout=300)
     assert threading.current_thread().name not in threads.names[ready:], threads.names
@@ -114,6 +116,7 @@ def test_after_start_warmup_nothing_compiles_on_the_stepping_thread(models, refe
         _assert_same(_serve(engine), outputs)
     assert compiles.count + compiles.loads == 0
     assert engine.runner.graph_stats["decode"].borrowed == borrowed
+    assert engine.warmup_jobs(4, MAX_LEN, logprobs=True) == []
 
 
 def test_stopping_the_background_compiler_leaves_a_working_engine(models, reference, caplog):
