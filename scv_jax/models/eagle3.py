@@ -31,8 +31,14 @@ from scv_jax.ops.attention.sharded import sharded_paged_attention
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# config.json ``architectures`` of the EAGLE-3 layout: SafeAILab's and SpecForge's name, vLLM's name, and
+# the plain Llama name of SafeAILab's trainer config (eagle/traineagle3/config.json).
+EAGLE3_ARCHITECTURES = (EAGLE3_ARCHITECTURE, "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 NORM_BEFORE_RESIDUAL_DEFAULT = False     # SafeAILab's forward; the speculators library's config default
+# The decoder layer of a speculators checkpoint: transformer_layer_config.model_type -> the load_hf
+# architecture whose layer it is (Qwen3's adds q/k norms).
+SPECULATORS_LAYER_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # Our parameter path -> (checkpoint tensor name, stored as [out, in] and so transposed). Layer tensors
 # are relative to the layout's layer prefix ("midlayer." or "layers.0.").
@@ -43,20 +49,28 @@ _LAYER_TENSORS = {
     "attn/k/kernel": ("self_attn.k_proj.weight", True),
     "attn/v/kernel": ("self_attn.v_proj.weight", True),
     "attn/o/kernel": ("self_attn.o_proj.weight", True),
+    "attn/q_norm/scale": ("self_attn.q_norm.weight", False),
+    "attn/k_norm/scale": ("self_attn.k_norm.weight", False),
     "mlp_norm/scale": ("post_attention_layernorm.weight", False),
     "mlp/gate/kernel": ("mlp.gate_proj.weight", True),
     "mlp/up/kernel": ("mlp.up_proj.weight", True),
     "mlp/down/kernel": ("mlp.down_proj.weight", True),
 }
+_EMBEDDING = "embed_tokens.weight"
 _GLOBAL_TENSORS = {
+    "embed/embedding": (_EMBEDDING, False),         # only for a head whose embedding is its own
     "fc/kernel": ("fc.weight", True),
+    "fc_input_norm/scale": ("input_norm.weight", False),
+    **{f"fc_norm/{i}/scale": (f"fc_norm.{i}.weight", False) for i in range(3)},
     "norm/scale": ("norm.weight", False),
     "lm_head/kernel": ("lm_head.weight", True),
 }
-# Tensors a checkpoint may carry that the head does not use: the embedding (the target's is shared;
-# checked against it), the draft/target vocabulary maps (read separately) and training-only modules.
-_EMBEDDING = "embed_tokens.weight"
-_NOT_PARAMETERS = {_EMBEDDING, "d2t", "t2d", "verifier_lm_head.weight", "verifier_norm.weight"}
+# Tensors a checkpoint may carry besides the parameters, by name: the embedding (a copy of the target's,
+# or the head's own: load_eagle3), the draft/target vocabulary maps (read separately) and the
+# speculators trainer's frozen copies of the verifier's final norm and LM head (training only; its
+# Eagle3DraftModel lists them in _keys_to_ignore_on_load_missing). Names ending in
+# ``rotary_emb.inv_freq`` (a RoPE buffer older exports saved) are ignored too; any other tensor is an error.
+NOT_PARAMETERS = (_EMBEDDING, "d2t", "t2d", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
 class VocabMap(nnx.Variable):
@@ -68,7 +82,8 @@ class Eagle3Output(NamedTuple):
 
     Attributes:
       logits: float32[B, T, target vocab] (-inf at target ids outside the draft vocabulary).
-      hidden: [B, T, d_model], the layer's output before the final norm: the next draft step's ``hidden``.
+      hidden: [B, T, d_model], the layer's output (before the final norm; after it with ``norm_output``):
+        the next draft step's ``hidden``.
       keys, values: the new tokens' K/V, [1, B, T, kv_heads, head_dim] (a one-layer cache's), to stage,
         then commit.
     """
@@ -91,17 +106,26 @@ class Eagle3Head(nnx.Module):
         layer k - 1, the embedding for k = 0) ``combine`` takes, in order.
       norm_before_residual: the residual around attention is ``hidden_norm(hidden)`` (True) or
         ``hidden`` (False).
+      norm_output: the layer's output passed on (``hidden_out``) is ``norm(h)`` (True, speculators'
+        "Eagle 3.1" option) or ``h`` (False).
+      fc_norm: per-feature RMSNorms (an ``nnx.List`` of 3) applied to each feature before ``fc``, or None.
+      fc_input_norm: one RMSNorm over the concatenated features before ``fc`` (speculators'
+        ``norm_before_fc``), or None.
       draft_to_target: ``VocabMap`` of the draft ids' target ids, or None (the vocabularies are one).
     """
 
     def __init__(self, config: TransformerConfig, embed: nnx.Embed | None, *, draft_vocab_size: int,
                  draft_to_target: np.ndarray | None, aux_layers: tuple[int, int, int],
-                 norm_before_residual: bool, rngs: nnx.Rngs):
+                 norm_before_residual: bool, rngs: nnx.Rngs, norm_output: bool = False, fc_norm: bool = False,
+                 norm_before_fc: bool = False):
         c, dtype = config, config.jnp_dtype
         self.config = c
         self.embed = nnx.data(embed)      # data even while None (the loader attaches the target's)
         self.aux_layers = tuple(aux_layers)
         self.norm_before_residual = norm_before_residual
+        self.norm_output = norm_output
+        self.fc_norm = nnx.List([RMSNorm(c.d_model, c.norm_eps, dtype) for _ in range(3)]) if fc_norm else None
+        self.fc_input_norm = RMSNorm(3 * c.d_model, c.norm_eps, dtype) if norm_before_fc else None
         self.fc = nnx.Linear(3 * c.d_model, c.d_model, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.input_norm = RMSNorm(c.d_model, c.norm_eps, dtype)
         self.hidden_norm = RMSNorm(c.d_model, c.norm_eps, dtype)
@@ -116,12 +140,19 @@ class Eagle3Head(nnx.Module):
 
     def combine(self, taps: jax.Array) -> jax.Array:
         """The head's input feature [B, T, d_model] from the ``aux_layers`` features concatenated in
-        order, taps [B, T, 3 * d_model] (the ``fc`` projection)."""
-        return self.fc(taps.astype(self.config.jnp_dtype))
+        order, taps [B, T, 3 * d_model] (the ``fc`` projection, after ``fc_norm`` or ``fc_input_norm``)."""
+        taps = taps.astype(self.config.jnp_dtype)
+        if self.fc_norm is not None:
+            taps = jnp.concatenate([norm(tap) for norm, tap in zip(self.fc_norm, jnp.split(taps, 3, axis=-1))],
+                                   axis=-1)
+        if self.fc_input_norm is not None:
+            taps = self.fc_input_norm(taps)
+        return self.fc(taps)
 
-    def _logits(self, hidden_out: jax.Array) -> jax.Array:
-        """float32[B, T, target vocab]: the draft vocabulary's logits placed at their target ids."""
-        draft = self.lm_head(self.norm(hidden_out))
+    def _logits(self, normed: jax.Array) -> jax.Array:
+        """float32[B, T, target vocab] of the final-normed output: the draft vocabulary's logits placed at
+        their target ids."""
+        draft = self.lm_head(normed)
         if self.draft_to_target is None:
             return draft
         full = jnp.full((*draft.shape[:-1], self.config.vocab_size), -jnp.inf, jnp.float32)
@@ -141,13 +172,15 @@ class Eagle3Head(nnx.Module):
         attn_out, keys, values = self.attn(x, positions, attend)
         x = (normed if self.norm_before_residual else hidden) + attn_out
         x = x + self.mlp(self.mlp_norm(x))
-        return self._logits(x), x, keys, values
+        normed = self.norm(x)
+        return self._logits(normed), normed if self.norm_output else x, keys, values
 
     def __call__(self, token_ids: jax.Array, hidden: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Dense causal forward over T rows at positions 0..T-1: row t pairs ``hidden[:, t]`` (the
         feature of position t) with ``token_ids[:, t]`` (the token at position t + 1).
 
-        Returns logits float32[B, T, target vocab] and hidden_out [B, T, d_model] (pre-final-norm).
+        Returns logits float32[B, T, target vocab] and hidden_out [B, T, d_model] (before the final norm,
+        after it with ``norm_output``).
         """
         positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1], dtype=jnp.int32), token_ids.shape)
         logits, hidden_out, _, _ = self.forward_rows(
@@ -181,7 +214,7 @@ class _Settings:
     layer_prefix: str
     draft_vocab_size: int
     aux_layers: tuple[int, int, int]
-    norm_before_residual: bool
+    options: dict[str, bool]        # Eagle3Head's norm_before_residual, norm_output, fc_norm, norm_before_fc
 
 
 def _flag(raw: dict, field: str, default: bool) -> bool:
@@ -189,6 +222,24 @@ def _flag(raw: dict, field: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{field} must be true or false, got {value!r}")
     return value
+
+
+def _aux_layers(ids: Any, field: str, num_layers: int, *, output_convention: bool) -> tuple[int, int, int]:
+    """The three target layers whose inputs the head reads, from the config's ids. With
+    ``output_convention`` (SpecForge's ``eagle_config`` ids, SGLang's reading) ids whose first is 1 name
+    layer outputs, so each is the input of the next layer (+1); other ids name layer inputs as they are."""
+    if ids is None:
+        if num_layers < 5:
+            raise ValueError(f"{field} is needed: the default (2, L // 2, L - 3) does not fit a target of "
+                             f"{num_layers} layers")
+        return 2, num_layers // 2, num_layers - 3
+    if not (isinstance(ids, list) and len(ids) == 3 and all(is_int(k, 0) for k in ids)):
+        raise ValueError(f"{field} must be 3 layer ids, got {ids!r}")
+    inputs = tuple(k + 1 for k in ids) if output_convention and ids[0] == 1 else tuple(ids)
+    if max(inputs) >= num_layers:
+        raise ValueError(f"{field} {ids!r} names the inputs of layers {list(inputs)}: they must be in "
+                         f"[0, {num_layers}) (the target's layers)")
+    return inputs
 
 
 def _settings(raw: Any, target: TransformerConfig, dtype: str) -> _Settings:
@@ -200,24 +251,44 @@ def _settings(raw: Any, target: TransformerConfig, dtype: str) -> _Settings:
             raise ValueError(f"speculators_model_type {raw['speculators_model_type']!r} is not supported "
                              "(only 'eagle3')")
         fields, prefix = raw.get("transformer_layer_config"), "layers.0."
-        aux = raw.get("eagle_aux_hidden_state_layer_ids")
         if not isinstance(fields, dict):
             raise ValueError(f"transformer_layer_config must be an object, got {fields!r}")
-        if fields.get("model_type", "llama") != "llama":
-            raise ValueError(f"transformer_layer_config.model_type {fields['model_type']!r} is not supported "
-                             "(only 'llama')")
-    elif raw.get("architectures") == [EAGLE3_ARCHITECTURE]:
-        fields, prefix = raw, "midlayer."
+        model_type = fields.get("model_type", "llama")
+        if model_type not in SPECULATORS_LAYER_TYPES:
+            raise ValueError(f"transformer_layer_config.model_type {model_type!r} is not supported "
+                             f"(supported: {sorted(SPECULATORS_LAYER_TYPES)})")
+        architecture = SPECULATORS_LAYER_TYPES[model_type]
+        aux = _aux_layers(raw.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids",
+                          target.num_layers, output_convention=False)
+        norm_output = _flag(raw, "norm_output", False)
+    elif raw.get("architectures") in [[name] for name in EAGLE3_ARCHITECTURES]:
+        fields, prefix, architecture = raw, "midlayer.", "LlamaForCausalLM"
         eagle_config = raw.get("eagle_config") or {}
-        aux = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None
+        if not isinstance(eagle_config, dict):
+            raise ValueError(f"eagle_config must be an object, got {eagle_config!r}")
+        if not _flag(eagle_config, "use_aux_hidden_state", True):
+            raise ValueError("eagle_config.use_aux_hidden_state: false (a head without fc) is not supported")
+        if eagle_config.get("eagle_aux_hidden_state_layer_ids") is not None:
+            aux = _aux_layers(eagle_config["eagle_aux_hidden_state_layer_ids"],
+                              "eagle_config.eagle_aux_hidden_state_layer_ids", target.num_layers,
+                              output_convention=True)
+        else:
+            aux = _aux_layers(raw.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids",
+                              target.num_layers, output_convention=False)
+        # SpecForge's norm_output (default true) normalises before lm_head, as every head does.
+        if not _flag(raw, "norm_output", True):
+            raise ValueError("norm_output: false (logits of the un-normalised output) is not supported")
+        norm_output = False
     else:
-        raise ValueError(f"architectures {raw.get('architectures')!r} is not supported (an EAGLE-3 head has "
-                         f"[{EAGLE3_ARCHITECTURE!r}] or speculators_model_type 'eagle3')")
-    for field in ("norm_before_fc", "fc_norm", "norm_output"):
-        if _flag(raw, field, False):
-            raise ValueError(f"{field}: true is not supported")
+        raise ValueError(f"architectures {raw.get('architectures')!r} is not supported (an EAGLE-3 head has one "
+                         f"of {[[name] for name in EAGLE3_ARCHITECTURES]} or speculators_model_type 'eagle3')")
+    fc_norm, norm_before_fc = _flag(raw, "fc_norm", False), _flag(raw, "norm_before_fc", False)
+    if fc_norm and norm_before_fc:
+        raise ValueError("fc_norm and norm_before_fc are both true: they exclude each other")
+    if fields.get("tie_word_embeddings"):
+        raise ValueError("tie_word_embeddings: true is not supported (the head has its own lm_head)")
     layer = config_from_hf({"num_hidden_layers": 1, "vocab_size": target.vocab_size, **fields,
-                            "architectures": ["LlamaForCausalLM"]}, dtype=dtype)
+                            "architectures": [architecture]}, dtype=dtype)
     if layer.num_layers != 1:
         raise ValueError(f"num_hidden_layers {layer.num_layers} is not supported (an EAGLE-3 head has 1)")
     for field, value in (("hidden_size", layer.d_model), ("target_hidden_size", raw.get("target_hidden_size"))):
@@ -225,20 +296,16 @@ def _settings(raw: Any, target: TransformerConfig, dtype: str) -> _Settings:
             raise ValueError(f"{field} {value} differs from the target's hidden size {target.d_model}")
     if layer.vocab_size != target.vocab_size:
         raise ValueError(f"vocab_size {layer.vocab_size} differs from the target's vocabulary {target.vocab_size}")
-    draft_vocab = raw.get("draft_vocab_size", target.vocab_size)
+    draft_vocab = target.vocab_size if raw.get("draft_vocab_size") is None else raw["draft_vocab_size"]
     if not is_int(draft_vocab, 1) or draft_vocab > target.vocab_size:
         raise ValueError(f"draft_vocab_size must be an int in [1, {target.vocab_size}] (the target's "
                          f"vocabulary), got {draft_vocab!r}")
-    if aux is None:
-        aux = (2, target.num_layers // 2, target.num_layers - 3)
-        if target.num_layers < 5:
-            raise ValueError(f"eagle_aux_hidden_state_layer_ids is needed: the default (2, L // 2, L - 3) does not "
-                             f"fit a target of {target.num_layers} layers")
-    elif not (isinstance(aux, list) and len(aux) == 3 and all(is_int(k, 0) and k < target.num_layers for k in aux)):
-        raise ValueError(f"eagle_aux_hidden_state_layer_ids must be 3 layer ids in [0, {target.num_layers}), "
-                         f"got {aux!r}")
-    return _Settings(dataclasses.replace(layer, tie_embeddings=False), prefix, draft_vocab, tuple(aux),
-                     _flag(raw, "norm_before_residual", NORM_BEFORE_RESIDUAL_DEFAULT))
+    options = dict(norm_before_residual=_flag(raw, "norm_before_residual", NORM_BEFORE_RESIDUAL_DEFAULT),
+                   norm_output=norm_output, fc_norm=fc_norm, norm_before_fc=norm_before_fc)
+    # max_position_embeddings is the length the head was trained on (2048 in most published heads), not
+    # a limit: its RoPE is computed for any position, and the target bounds the context.
+    return _Settings(dataclasses.replace(layer, tie_embeddings=False, max_position_embeddings=None), prefix,
+                     draft_vocab, aux, options)
 
 
 # ---------------------------------------------------------------------------------------- tensors
@@ -282,6 +349,19 @@ def _draft_to_target(tensors: dict[str, np.ndarray], where: str, draft_vocab: in
     return target_ids
 
 
+def _has_own_embedding(tensors: dict[str, np.ndarray], file: pathlib.Path, target_embed: nnx.Embed) -> bool:
+    """Whether the checkpoint's ``embed_tokens.weight`` (when it has one) differs from the target's
+    embedding rounded to the checkpoint's dtype, so that the head keeps its own, as vLLM does."""
+    embedding = tensors.get(_EMBEDDING)
+    if embedding is None:
+        return False
+    mine = np.asarray(target_embed.embedding[...])
+    if embedding.shape != mine.shape:
+        raise ValueError(f"load_eagle3: tensor {_EMBEDDING} in {file} has shape {list(embedding.shape)}, the "
+                         f"target's embedding {list(mine.shape)}")
+    return not np.array_equal(embedding, mine.astype(embedding.dtype))
+
+
 def _checkpoint_name(path: str, layer_prefix: str) -> tuple[str, bool]:
     if path in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[path]
@@ -291,14 +371,16 @@ def _checkpoint_name(path: str, layer_prefix: str) -> tuple[str, bool]:
 
 def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "bfloat16",
                 revision: str | None = None) -> Eagle3Head:
-    """An ``Eagle3Head`` with an EAGLE-3 checkpoint's config and weights, sharing ``target``'s embedding.
+    """An ``Eagle3Head`` with an EAGLE-3 checkpoint's config and weights, sharing ``target``'s embedding
+    (unless the checkpoint's ``embed_tokens.weight`` differs from it: then the head keeps its own).
 
     Args:
       path: a local directory with ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``
         (read without torch), or a Hugging Face Hub id (``org/name``) of one, in the EAGLE-3 layout
-        (SafeAILab EAGLE, SpecForge: architectures ``["LlamaForCausalLMEagle3"]``, the layer under
+        (SafeAILab EAGLE, SpecForge: architectures one of ``EAGLE3_ARCHITECTURES``, the layer under
         ``midlayer.``) or the speculators one (``speculators_model_type: "eagle3"``, the layer under
-        ``layers.0.``).
+        ``layers.0.``). Tensors besides the head's parameters must be in ``NOT_PARAMETERS``. The
+        config's ``max_position_embeddings`` does not bound the context (``head.config`` has None).
       target: the model whose features the head drafts from (e.g. ``load_hf``'s); same hidden size and
         vocabulary as the checkpoint's.
       dtype: parameter and activation dtype, "bfloat16" (default), "float16" or "float32".
@@ -323,13 +405,16 @@ def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "
         raise ValueError(f"load_eagle3: {config_file}: {e}") from None
     file, tensors = _read_tensors(directory)
     draft_to_target = _draft_to_target(tensors, str(file), s.draft_vocab_size, target.config.vocab_size)
-    embedding = tensors.get(_EMBEDDING)
-    if embedding is not None and embedding.shape != target.embed.embedding.shape:
-        raise ValueError(f"load_eagle3: tensor {_EMBEDDING} in {file} has shape {list(embedding.shape)}, the "
-                         f"target's embedding {list(target.embed.embedding.shape)}")
-    abstract = nnx.eval_shape(lambda: Eagle3Head(
-        s.config, None, draft_vocab_size=s.draft_vocab_size, draft_to_target=draft_to_target,
-        aux_layers=s.aux_layers, norm_before_residual=s.norm_before_residual, rngs=nnx.Rngs(0)))
+    own_embedding = _has_own_embedding(tensors, file, target.embed)
+    c = s.config
+
+    def new_head() -> Eagle3Head:
+        embed = (nnx.Embed(c.vocab_size, c.d_model, dtype=c.jnp_dtype, param_dtype=c.jnp_dtype, rngs=nnx.Rngs(0))
+                 if own_embedding else None)
+        return Eagle3Head(c, embed, draft_vocab_size=s.draft_vocab_size, draft_to_target=draft_to_target,
+                          aux_layers=s.aux_layers, rngs=nnx.Rngs(0), **s.options)
+
+    abstract = nnx.eval_shape(new_head)
     graphdef, state = nnx.split(abstract)
     used = set()
     for path_parts, var in nnx.to_flat_state(state):
@@ -348,12 +433,14 @@ def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "
                              f"config.json implies floating point {list(expected)}")
         var.set_value(jnp.asarray(tensor.T if transposed else tensor).astype(spec.dtype))
         used.add(hf_name)
-    extra = sorted(n for n in tensors if n not in used and n not in _NOT_PARAMETERS
+    extra = sorted(n for n in tensors if n not in used and n not in NOT_PARAMETERS
                    and not n.endswith("rotary_emb.inv_freq"))
     if extra:
-        raise ValueError(f"load_eagle3: tensor {extra[0]} in {file} is not used by an EAGLE-3 head")
+        raise ValueError(f"load_eagle3: tensor {extra[0]} in {file} is not used by an EAGLE-3 head (known "
+                         f"extras: {', '.join(NOT_PARAMETERS)})")
     head = nnx.merge(graphdef, state)
-    head.embed = target.embed
+    if not own_embedding:
+        head.embed = target.embed
     return head
 
 
@@ -362,12 +449,18 @@ def save_eagle3(head: Eagle3Head, path: str | pathlib.Path, *, dtype: str = "flo
     vLLM and SGLang read): ``config.json`` (architectures ``["LlamaForCausalLMEagle3"]``, the Llama
     fields, ``draft_vocab_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids``) and
     ``model.safetensors`` (``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``
-    int64[draft_vocab], ``t2d`` bool[target vocab]; no embedding). Weights in ``dtype``, "float16"
-    (default) or "float32". Returns the directory (created)."""
+    int64[draft_vocab], ``t2d`` bool[target vocab]; ``fc_norm.*`` / ``input_norm.weight`` with their
+    flags when the head has them; no embedding, not even a head's own). Weights in ``dtype``, "float16"
+    (default) or "float32". Returns the directory (created). A head this layout cannot describe (q/k
+    norms, ``norm_output``, a first aux layer of 1, which readers take for a layer output) is a ValueError."""
     from safetensors.numpy import save_file
 
     if dtype not in ("float16", "float32"):
         raise ValueError(f"save_eagle3: dtype must be 'float16' or 'float32', got {dtype!r}")
+    for unsupported, what in ((head.config.qk_norm, "q/k norms (a Qwen3 layer)"), (head.norm_output, "norm_output"),
+                              (head.aux_layers[0] == 1, "aux_layers starting at 1 (read as the output of layer 1)")):
+        if unsupported:
+            raise ValueError(f"save_eagle3: a head with {what} cannot be written in the EAGLE-3 layout")
     directory = pathlib.Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     c = head.config
@@ -393,6 +486,8 @@ def save_eagle3(head: Eagle3Head, path: str | pathlib.Path, *, dtype: str = "flo
               "max_position_embeddings": c.max_position_embeddings or 2048, "vocab_size": c.vocab_size,
               "tie_word_embeddings": False, "torch_dtype": dtype, "draft_vocab_size": draft_vocab,
               "norm_before_residual": head.norm_before_residual,
+              **({"fc_norm": True} if head.fc_norm is not None else {}),
+              **({"norm_before_fc": True} if head.fc_input_norm is not None else {}),
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(head.aux_layers)}}
     (directory / "config.json").write_text(json.dumps(config, indent=1) + "\n")
     return directory

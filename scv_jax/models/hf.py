@@ -81,6 +81,18 @@ def _rope_scaling(value: Any) -> Llama3RopeScaling | None:
     return Llama3RopeScaling(**{f: value[f] for f in fields})
 
 
+def _rope(hf: dict) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, llama3 scaling or None): from ``rope_parameters`` where the config has it (the
+    transformers >= 5 form, ``rope_theta`` and ``rope_type`` inside one object, which then wins), else
+    from the top-level ``rope_theta`` (default 10000) and ``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        return _number(hf, "rope_theta", 10000.0), _rope_scaling(hf.get("rope_scaling"))
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise ValueError(f"rope_parameters must be an object with rope_theta (one set for all layers), got {params!r}")
+    return _number(params, "rope_theta", 10000.0), _rope_scaling({"rope_type": "default", **params})
+
+
 def _reject_unsupported(hf: dict, architecture: str) -> None:
     """Raises ValueError naming the first config field the model cannot honour."""
     if hf.get("hidden_act", "silu") != "silu":
@@ -133,6 +145,7 @@ def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
     architecture = architectures[0]
     _reject_unsupported(hf, architecture)
     hidden, heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
+    rope_theta, rope_scaling = _rope(hf)
     # Mistral attends within a sliding window (MistralConfig's default is 4096); Qwen2 and Qwen3 only
     # with use_sliding_window (rejected above); Llama never.
     window = _optional({"sliding_window": 4096, **hf}, "sliding_window", None) \
@@ -141,10 +154,10 @@ def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
         vocab_size=_required(hf, "vocab_size"), num_layers=_required(hf, "num_hidden_layers"), d_model=hidden,
         num_heads=heads, num_kv_heads=_optional(hf, "num_key_value_heads", heads),
         head_dim=_optional(hf, "head_dim", hidden // heads), ffn_dim=_required(hf, "intermediate_size"),
-        rope_theta=_number(hf, "rope_theta", 10000.0), norm_eps=_number(hf, "rms_norm_eps", 1e-6),
+        rope_theta=rope_theta, norm_eps=_number(hf, "rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
         qkv_bias=architecture == "Qwen2ForCausalLM", qk_norm=architecture == "Qwen3ForCausalLM",
-        rope_scaling=_rope_scaling(hf.get("rope_scaling")), sliding_window=window,
+        rope_scaling=rope_scaling, sliding_window=window,
         max_position_embeddings=_optional(hf, "max_position_embeddings", None))
 
 

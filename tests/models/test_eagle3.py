@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import collections
+import copy
+import dataclasses
+import io
 import json
 import os
 import pathlib
 import pickle
 import shutil
+import sys
 import tempfile
+import types
 import zipfile
 
 import jax
@@ -21,8 +27,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.numpy import save_file
 
 import scv_jax
-from scv_jax.models import Eagle3Head, StagedKV, TransformerConfig, load_eagle3
+from scv_jax.models import Eagle3Head, StagedKV, TransformerConfig, load_eagle3, save_eagle3
 from scv_jax.models.torch_checkpoint import read_torch_state_dict
+from tests.models.eagle3_fixtures import published
 from tests.models.eagle3_fixtures.heads import BIN_HEAD, LAYER_PREFIX, head_config, head_tensors
 from tests.models.fixtures import commit_prefix, tiny_model
 
@@ -74,15 +81,25 @@ def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarr
 
 def reference(tensors: dict, config: dict, embedding: np.ndarray, token_ids: np.ndarray,
               hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(logits [B, T, target vocab], hidden_out [B, T, H]) in float64, straight from the checkpoint."""
+    """(logits [B, T, target vocab], hidden_out [B, T, H]) in float64, straight from the checkpoint
+    (its embed_tokens.weight when it has one, else ``embedding``) and config.json, with the published
+    defaults: rope_theta 10000 (or rope_parameters'), head_dim H / heads, norm_before_residual false,
+    norm_output (speculators: the normed output passed on) false; q/k norms for a Qwen3 layer."""
     w = {k: np.asarray(v, np.float64) if v.dtype.kind == "f" else v for k, v in tensors.items()}
+    embedding = w.get("embed_tokens.weight", embedding)
     llama = config.get("transformer_layer_config", config)
     layout = "speculators" if "speculators_model_type" in config else "eagle3"
     p = LAYER_PREFIX[layout]
-    eps, heads, kv_heads, head_dim = (llama["rms_norm_eps"], llama["num_attention_heads"],
-                                      llama["num_key_value_heads"], llama["head_dim"])
-    inv_freq = inverse_frequencies(head_dim, llama["rope_theta"], llama["rope_scaling"])
+    heads = llama["num_attention_heads"]
+    eps, kv_heads, head_dim = (llama.get("rms_norm_eps", 1e-6), llama.get("num_key_value_heads", heads),
+                               llama.get("head_dim") or llama["hidden_size"] // heads)
+    rope_fields = llama.get("rope_parameters") or {"rope_theta": llama.get("rope_theta", 10000.0),
+                                                    **(llama.get("rope_scaling") or {})}
+    inv_freq = inverse_frequencies(head_dim, rope_fields["rope_theta"],
+                                   rope_fields if rope_fields.get("rope_type") == "llama3" else None)
     norm_before_residual = config.get("norm_before_residual", False)
+    norm_output = layout == "speculators" and config.get("norm_output", False)
+    qk_norm = llama.get("model_type") == "qwen3"
     vocab = embedding.shape[0]
     target_ids = np.arange(len(w["lm_head.weight"])) + w.get("d2t", 0)
     batch, num_tokens = token_ids.shape
@@ -97,6 +114,8 @@ def reference(tensors: dict, config: dict, embedding: np.ndarray, token_ids: np.
         q = (x @ w[f"{p}self_attn.q_proj.weight"].T).reshape(num_tokens, heads, head_dim)
         k = (x @ w[f"{p}self_attn.k_proj.weight"].T).reshape(num_tokens, kv_heads, head_dim)
         v = (x @ w[f"{p}self_attn.v_proj.weight"].T).reshape(num_tokens, kv_heads, head_dim)
+        if qk_norm:
+            q, k = rms_norm(q, w[f"{p}self_attn.q_norm.weight"], eps), rms_norm(k, w[f"{p}self_attn.k_norm.weight"], eps)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
         attn = np.zeros((num_tokens, heads, head_dim))
         for head in range(heads):
@@ -109,9 +128,22 @@ def reference(tensors: dict, config: dict, embedding: np.ndarray, token_ids: np.
         m = rms_norm(out, w[f"{p}post_attention_layernorm.weight"], eps)
         gate = m @ w[f"{p}mlp.gate_proj.weight"].T
         out = out + (gate / (1 + np.exp(-gate)) * (m @ w[f"{p}mlp.up_proj.weight"].T)) @ w[f"{p}mlp.down_proj.weight"].T
-        hidden_out[b] = out
-        logits[b][:, target_ids] = rms_norm(out, w["norm.weight"], eps) @ w["lm_head.weight"].T
+        normed = rms_norm(out, w["norm.weight"], eps)
+        hidden_out[b] = normed if norm_output else out
+        logits[b][:, target_ids] = normed @ w["lm_head.weight"].T
     return logits, hidden_out
+
+
+def reference_combine(tensors: dict, config: dict, taps: np.ndarray) -> np.ndarray:
+    """fc of the taps [..., 3H] after fc_norm (each feature) or norm_before_fc (all), in float64."""
+    w = {k: np.asarray(v, np.float64) for k, v in tensors.items() if v.dtype.kind == "f"}
+    eps = config.get("transformer_layer_config", config).get("rms_norm_eps", 1e-6)
+    taps = taps.astype(np.float64)
+    if config.get("fc_norm"):
+        taps = np.concatenate([rms_norm(t, w[f"fc_norm.{i}.weight"], eps) for i, t in enumerate(np.split(taps, 3, -1))], -1)
+    if config.get("norm_before_fc"):
+        taps = rms_norm(taps, w["input_norm.weight"], eps)
+    return taps @ w["fc.weight"].T
 
 
 def assert_matches(got: np.ndarray, want: np.ndarray, tol: float = 2e-4):
@@ -133,11 +165,12 @@ HEAD_SHAPES = [dict(heads=4, kv_heads=2, head_dim=8, ffn=24), dict(heads=2, kv_h
 def test_head_matches_numpy_reference(target, layout, norm_before_residual, shape, draft_vocab, batch,
                                       num_tokens, scaled, seed):
     """Logits (mapped through d2t) and hidden_out of both layouts, both residual variants, GQA/MHA
-    shapes and llama3 RoPE scaling equal the numpy reference; a shipped embed_tokens copy is ignored."""
+    shapes and llama3 RoPE scaling equal the numpy reference; a shipped copy of the target's embedding
+    is shared, not duplicated."""
     sizes = {**HEAD, **shape, "draft_vocab": draft_vocab}
     tensors = head_tensors(**sizes, seed=seed, layout=layout)
     if layout == "speculators":
-        tensors["embed_tokens.weight"] = np.ones((TARGET.vocab_size, TARGET.d_model), np.float32)
+        tensors["embed_tokens.weight"] = np.asarray(target.embed.embedding[...])
     config = head_config(**sizes, layout=layout, norm_before_residual=norm_before_residual, rope_theta=500.0,
                          rope_scaling=SCALING if scaled else None)
     rng = np.random.default_rng(seed)
@@ -151,6 +184,7 @@ def test_head_matches_numpy_reference(target, layout, norm_before_residual, shap
     assert_matches(hidden_out, want_hidden)
     assert_matches(logits, want_logits)
     assert head.norm_before_residual is bool(norm_before_residual)
+    assert head.embed is target.embed
 
 
 @pytest.mark.parametrize("layout", ["eagle3", "speculators"])
@@ -211,8 +245,8 @@ def test_aux_layers_default_and_from_config(tmp_path, target, layout):
     default = load_eagle3(write_head(tmp_path / "a", tensors, head_config(**HEAD, layout=layout)), target)
     assert default.aux_layers == (2, TARGET.num_layers // 2, TARGET.num_layers - 3) == (2, 4, 5)
     given_ids = load_eagle3(write_head(tmp_path / "b", tensors, head_config(**HEAD, layout=layout,
-                                                                            aux_layers=[1, 3, 7])), target)
-    assert given_ids.aux_layers == (1, 3, 7)
+                                                                            aux_layers=[0, 3, 7])), target)
+    assert given_ids.aux_layers == (0, 3, 7)
 
 
 def test_combine_is_the_fc_projection(tmp_path, target):
@@ -380,7 +414,7 @@ BAD = [
      "model.safetensors", "tensor fc.weight"),
     ("integer weight", lambda t, c: t.__setitem__("norm.weight", np.ones(16, np.int64)), "model.safetensors",
      "tensor norm.weight"),
-    ("unknown architecture", _configure(architectures=["LlamaForCausalLM"]), "config.json", "architectures"),
+    ("unknown architecture", _configure(architectures=["MistralForCausalLM"]), "config.json", "architectures"),
     ("unused tensor", _set("midlayer.self_attn.q_proj.bias", np.zeros(32, np.float32)), "model.safetensors",
      "midlayer.self_attn.q_proj.bias"),
     ("d2t out of range", lambda t, c: t.__setitem__("d2t", t["d2t"] + 30), "model.safetensors", "tensor d2t"),
@@ -394,6 +428,13 @@ BAD = [
      "eagle_aux_hidden_state_layer_ids"),
     ("activation", _configure(hidden_act="gelu"), "config.json", "hidden_act"),
     ("residual flag", _configure(norm_before_residual="yes"), "config.json", "norm_before_residual"),
+    ("no fc", _configure(eagle_config={"use_aux_hidden_state": False}), "config.json", "use_aux_hidden_state"),
+    ("un-normed logits", _configure(norm_output=False), "config.json", "norm_output: false"),
+    ("two tap norms", _configure(fc_norm=True, norm_before_fc=True), "config.json", "fc_norm and norm_before_fc"),
+    ("tied lm_head", _configure(tie_word_embeddings=True), "config.json", "tie_word_embeddings"),
+    ("fc_norm without its tensors", _configure(fc_norm=True), "model.safetensors", "tensor fc_norm.0.weight is missing"),
+    ("aux id past the target", _configure(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 7]}), "config.json",
+     r"\[1, 2, 7\] names the inputs of layers \[2, 3, 8\]"),
 ]
 
 
@@ -408,8 +449,8 @@ def test_bad_checkpoint_raises_one_line_naming_file_and_field(tmp_path, target, 
 
 def test_bad_speculators_checkpoints(tmp_path, target):
     tensors, config = head_tensors(**HEAD, seed=13, layout="speculators"), head_config(**HEAD, layout="speculators")
-    config["transformer_layer_config"]["model_type"] = "qwen3"
-    with pytest.raises(ValueError, match=r"config\.json: transformer_layer_config\.model_type 'qwen3'"):
+    config["transformer_layer_config"]["model_type"] = "mistral"
+    with pytest.raises(ValueError, match=r"config\.json: transformer_layer_config\.model_type 'mistral'"):
         load_eagle3(write_head(tmp_path / "a", tensors, config), target)
     config = head_config(**HEAD, layout="speculators")
     tensors.pop("layers.0.self_attn.o_proj.weight")
@@ -427,3 +468,228 @@ def test_missing_files(tmp_path, target):
 
 def test_eagle3_head_is_exported():
     assert scv_jax.models.Eagle3Head is Eagle3Head and "load_eagle3" in scv_jax.models.__all__
+
+
+# ------------------------------------------------------------------------------ published heads
+# A target deep enough for every published config's aux layer ids (qwen3-235B's reach layer 90).
+DEEP_TARGET = dataclasses.replace(TARGET, num_layers=96)
+SMALL = dict(hidden_size=16, intermediate_size=24, num_attention_heads=4, vocab_size=24)
+
+
+@pytest.fixture(scope="module")
+def deep_target():
+    """What load_eagle3 reads of a target (its config and embedding), without building 96 layers."""
+    embed = nnx.Embed(DEEP_TARGET.vocab_size, DEEP_TARGET.d_model, dtype=jnp.float32, rngs=nnx.Rngs(9))
+    return types.SimpleNamespace(config=DEEP_TARGET, embed=embed)
+
+
+def shrink(config: dict) -> tuple[dict, dict]:
+    """A published config with tiny sizes (every other field as published: rope, eps, flags, aux ids,
+    max_position_embeddings, extra keys) and the head_tensors sizes of its layout."""
+    small = copy.deepcopy(config)
+    llama = small.get("transformer_layer_config", small)
+    mha = llama["num_key_value_heads"] == llama["num_attention_heads"]
+    llama.update(SMALL, num_key_value_heads=4 if mha else 2)
+    if llama.get("head_dim") is not None:
+        llama["head_dim"] = 8                       # != hidden_size / heads: read, not derived
+    if small.get("draft_vocab_size") is not None:
+        small["draft_vocab_size"] = 24 if config["draft_vocab_size"] == llama_of(config)["vocab_size"] else 12
+    sizes = dict(hidden=16, heads=4, kv_heads=llama["num_key_value_heads"], head_dim=llama.get("head_dim") or 4, ffn=24,
+                 target_vocab=24, draft_vocab=small.get("draft_vocab_size") or 24)
+    return small, sizes
+
+
+def llama_of(config: dict) -> dict:
+    return config.get("transformer_layer_config", config)
+
+
+# name -> the aux layers (target layer inputs) it must give on DEEP_TARGET: SpecForge writes the
+# outputs of layers 1, L // 2 - 1, L - 4 (the inputs of the next ones); the default is (2, L // 2, L - 3).
+LOADABLE = {**{name: None for name in published.SPECFORGE if name not in ("deepseek-v2-lite-eagle3.json",
+                                                                           "qwen2-5-vl-7b-eagle3.json")},
+            "gpt-oss-20B-eagle3.json": (2, 12, 22), "deepseek-v3-671b-eagle3.json": (2, 30, 58),
+            "qwen3-235B-A22B-eagle3.json": (2, 47, 91), "SafeAILab traineagle3/config.json": None}
+
+
+def published_config(name: str) -> dict:
+    return published.SAFEAILAB_TRAINER if name.startswith("SafeAILab") else published.SPECFORGE[name]
+
+
+@pytest.mark.parametrize("name", sorted(LOADABLE))
+def test_published_config_loads_and_matches_the_reference(tmp_path, deep_target, name):
+    """Each published config (shrunk, random weights of its layout) loads: its RoPE theta (10000 where
+    absent), eps, flags and aux ids are read as published, max_position_embeddings does not bound the
+    context, and the head's forward and fc equal the numpy reference."""
+    config, sizes = shrink(published_config(name))
+    tensors = head_tensors(**sizes, seed=len(name), fc_norm=bool(config.get("fc_norm")))
+    head = load_eagle3(write_head(tmp_path, tensors, config), deep_target, dtype="float32")
+    original = published_config(name)
+    assert head.config.rope_theta == float(original.get("rope_theta", 10000.0))
+    assert head.config.norm_eps == original["rms_norm_eps"] and head.config.max_position_embeddings is None
+    assert head.aux_layers == (LOADABLE[name] or (2, 48, 93))
+    assert (head.fc_norm is not None, head.norm_output) == (bool(original.get("fc_norm")), False)
+    rng = np.random.default_rng(0)
+    token_ids = rng.integers(0, 24, (1, 5))
+    hidden = rng.standard_normal((1, 5, 16)).astype(np.float32)
+    logits, hidden_out = head(jnp.asarray(token_ids), jnp.asarray(hidden))
+    want_logits, want_hidden = reference(tensors, config, np.asarray(deep_target.embed.embedding[...]), token_ids, hidden)
+    assert_matches(hidden_out, want_hidden)
+    assert_matches(logits, want_logits)
+    taps = rng.standard_normal((1, 5, 48)).astype(np.float32)
+    assert_matches(head.combine(jnp.asarray(taps)), reference_combine(tensors, config, taps))
+
+
+@pytest.mark.parametrize("config, match", [
+    (published.SPECFORGE["deepseek-v2-lite-eagle3.json"], "rope_scaling type 'yarn' is not supported"),
+    (published.SPECFORGE["qwen2-5-vl-7b-eagle3.json"], "rope_scaling type 'mrope' is not supported"),
+    (published.SPECULATORS_ISSUE_1065, r"eagle_aux_hidden_state_layer_ids must be 3 layer ids, got \[2, 46, 91, 93\]"),
+    ({**published.SPECULATORS_ISSUE_1065, "eagle_aux_hidden_state_layer_ids": [2, 46, 91]},
+     r"layer_types \['sliding_attention'\] are not supported"),
+], ids=["yarn", "mrope", "four aux ids", "sliding layer"])
+def test_published_configs_a_head_cannot_honour_are_refused(tmp_path, deep_target, config, match):
+    small, sizes = shrink(config)
+    directory = write_head(tmp_path, head_tensors(**sizes, seed=1, layout="speculators" if "speculators_model_type"
+                                                  in small else "eagle3"), small)
+    with pytest.raises(ValueError, match=match) as error:
+        load_eagle3(directory, deep_target)
+    assert str(directory / "config.json") in str(error.value) and "\n" not in str(error.value)
+
+
+def speculators_config(model_type: str, **flags) -> dict:
+    """A speculators config.json as its Eagle3SpeculatorConfig writes one (vllm-project/speculators,
+    src/speculators/models/eagle3/config.py; the layout of SPECULATORS_ISSUE_1065), with a full-attention
+    layer of ``model_type`` in the transformers 5 form (rope_parameters), tiny sizes."""
+    config = copy.deepcopy(published.SPECULATORS_ISSUE_1065)
+    layer = config["transformer_layer_config"]
+    for field in ("layer_types", "sliding_window", "rope_scaling", "rope_theta"):
+        layer.pop(field)
+    layer.update(model_type=model_type, use_sliding_window=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 5000000.0})
+    config.update(eagle_aux_hidden_state_layer_ids=[1, 46, 91], **flags)
+    return shrink(config)[0]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("flags", [dict(norm_before_fc=True, fc_norm=False, norm_output=True),
+                                   dict(norm_before_fc=False, fc_norm=True, norm_output=False)], ids=["3.1", "fc_norm"])
+def test_speculators_options_match_the_reference(tmp_path, deep_target, model_type, flags):
+    """speculators' options: a Qwen3 layer (q/k norms), norm_before_fc (input_norm over the taps),
+    fc_norm, norm_output (the normed output passed on), rope_parameters; aux ids as given (no shift)."""
+    config = speculators_config(model_type, **flags)
+    sizes = dict(hidden=16, heads=4, kv_heads=2, head_dim=8, ffn=24, target_vocab=24, draft_vocab=12)
+    tensors = head_tensors(**sizes, seed=4, layout="speculators", qk_norm=model_type == "qwen3",
+                           fc_norm=flags["fc_norm"], norm_before_fc=flags["norm_before_fc"])
+    head = load_eagle3(write_head(tmp_path, tensors, config), deep_target, dtype="float32")
+    assert head.aux_layers == (1, 46, 91) and head.config.rope_theta == 5e6 and head.config.qk_norm == (model_type == "qwen3")
+    assert head.norm_output == flags["norm_output"] and head.norm_before_residual
+    rng = np.random.default_rng(1)
+    token_ids, hidden = rng.integers(0, 24, (2, 4)), rng.standard_normal((2, 4, 16)).astype(np.float32)
+    logits, hidden_out = head(jnp.asarray(token_ids), jnp.asarray(hidden))
+    want_logits, want_hidden = reference(tensors, config, np.asarray(deep_target.embed.embedding[...]), token_ids, hidden)
+    assert_matches(hidden_out, want_hidden)
+    assert_matches(logits, want_logits)
+    taps = rng.standard_normal((2, 4, 48)).astype(np.float32)
+    assert_matches(head.combine(jnp.asarray(taps)), reference_combine(tensors, config, taps))
+
+
+@pytest.mark.parametrize("where, ids, want", [
+    ("eagle_config", [1, 3, 5], (2, 4, 6)),         # SpecForge: layer outputs (SGLang adds 1)
+    ("eagle_config", [2, 3, 5], (2, 3, 5)),         # first id not 1: layer inputs (SGLang PR #25454)
+    ("eagle_config", [0, 0, 0], (0, 0, 0)),
+    ("top level", [1, 3, 5], (1, 3, 5)),            # vLLM's reading: layer inputs
+])
+def test_aux_layer_ids_conventions(tmp_path, target, where, ids, want):
+    config = head_config(**HEAD)
+    if where == "eagle_config":
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+    else:
+        config["eagle_aux_hidden_state_layer_ids"] = ids
+    assert load_eagle3(write_head(tmp_path, head_tensors(**HEAD, seed=2), config), target).aux_layers == want
+
+
+def test_known_extra_tensors_are_ignored_and_an_own_embedding_is_kept(tmp_path, target):
+    """verifier_* (speculators training) and rotary inv_freq buffers are skipped; an embed_tokens
+    that differs from the target's embedding is the head's own (as vLLM keeps it), one equal to it
+    (rounded to the checkpoint's dtype) is shared."""
+    tensors = head_tensors(**HEAD, seed=5, layout="speculators")
+    config = head_config(**HEAD, layout="speculators")
+    tensors.update({"verifier_lm_head.weight": np.zeros((12, 16), np.float32),
+                    "verifier_norm.weight": np.ones(16, np.float32),
+                    "layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32),
+                    "embed_tokens.weight": np.asarray(target.embed.embedding[...]).astype(np.float16)})
+    shared = load_eagle3(write_head(tmp_path / "shared", tensors, config), target, dtype="float32")
+    assert shared.embed is target.embed
+    tensors["embed_tokens.weight"] = np.random.default_rng(3).standard_normal((24, 16)).astype(np.float32)
+    own = load_eagle3(write_head(tmp_path / "own", tensors, config), target, dtype="float32")
+    assert own.embed is not target.embed
+    np.testing.assert_array_equal(own.embed.embedding[...], tensors["embed_tokens.weight"])
+    token_ids, hidden = np.array([[3, 9, 17]]), np.random.default_rng(4).standard_normal((1, 3, 16)).astype(np.float32)
+    logits, _ = own(jnp.asarray(token_ids), jnp.asarray(hidden))
+    assert_matches(logits, reference(tensors, config, np.asarray(target.embed.embedding[...]), token_ids, hidden)[0])
+    assert not np.allclose(np.asarray(logits)[np.isfinite(logits)],
+                           np.asarray(shared(jnp.asarray(token_ids), jnp.asarray(hidden))[0])[np.isfinite(logits)])
+
+
+def test_save_round_trips_fc_norm_and_refuses_what_the_layout_cannot_say(tmp_path, target):
+    tensors, config = head_tensors(**HEAD, seed=6, fc_norm=True), head_config(**HEAD)
+    config["fc_norm"] = True
+    head = load_eagle3(write_head(tmp_path / "in", tensors, config), target, dtype="float32")
+    again = load_eagle3(save_eagle3(head, tmp_path / "out", dtype="float32"), target, dtype="float32")
+    taps = jnp.asarray(np.random.default_rng(5).standard_normal((1, 2, 48)), jnp.float32)
+    np.testing.assert_array_equal(again.combine(taps), head.combine(taps))
+    config = head_config(**HEAD, layout="speculators")
+    config["norm_output"] = True
+    speculators = load_eagle3(write_head(tmp_path / "spec", head_tensors(**HEAD, seed=6, layout="speculators"), config),
+                              target, dtype="float32")
+    with pytest.raises(ValueError, match="save_eagle3: a head with norm_output cannot be written"):
+        save_eagle3(speculators, tmp_path / "refused")
+
+
+def test_state_dict_metadata_of_a_module_state_dict_is_accepted(tmp_path, monkeypatch):
+    """nn.Module.state_dict() (what SafeAILab's trainer saves) is an OrderedDict carrying a _metadata
+    attribute, pickled as the dict's state: the reader accepts it. The file is written as torch.save
+    does, through stand-in torch modules (torch is not installed here)."""
+    torch, utils = types.ModuleType("torch"), types.ModuleType("torch._utils")
+
+    class HalfStorage:
+        pass
+
+    def _rebuild_tensor_v2(*args):
+        raise AssertionError("only pickled, never called")
+
+    HalfStorage.__module__, _rebuild_tensor_v2.__module__ = "torch", "torch._utils"
+    HalfStorage.__qualname__, _rebuild_tensor_v2.__qualname__ = "HalfStorage", "_rebuild_tensor_v2"
+    torch.HalfStorage, utils._rebuild_tensor_v2 = HalfStorage, _rebuild_tensor_v2
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch._utils", utils)
+    weights = {"fc.weight": np.arange(6, dtype=np.float16).reshape(2, 3), "norm.weight": np.ones(2, np.float16)}
+
+    class Tensor:
+        def __init__(self, key):
+            self.key = key
+
+        def __reduce__(self):
+            shape = weights[self.key].shape
+            return _rebuild_tensor_v2, (Storage(self.key), 0, shape, (shape[-1], 1)[-len(shape):], False, {})
+
+    class Storage:
+        def __init__(self, key):
+            self.key = key
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", HalfStorage, obj.key, "cpu", weights[obj.key].size) if isinstance(obj, Storage) else None
+
+    state = collections.OrderedDict((key, Tensor(key)) for key in weights)
+    state._metadata = collections.OrderedDict([("", {"version": 1}), ("midlayer", {"version": 1})])
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=2).dump(state)
+    file = tmp_path / "pytorch_model.bin"
+    with zipfile.ZipFile(file, "w") as archive:
+        archive.writestr("archive/data.pkl", buffer.getvalue())
+        for key, array in weights.items():
+            archive.writestr(f"archive/data/{key}", array.tobytes())
+    read = read_torch_state_dict(file)
+    assert sorted(read) == sorted(weights)
+    for key, array in weights.items():
+        np.testing.assert_array_equal(read[key], array)

@@ -20,6 +20,7 @@ from hypothesis import given, settings, strategies as st
 import scv_jax
 from scv_jax import DecoderConfig, SpeculativeDecoder
 from scv_jax.models import PackedTokens, StagedKV, Transformer, load_hf, load_tokenizer
+from scv_jax.models.hf import config_from_hf
 from tests.models.fixtures import commit_prefix, perturbed_copy
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "hf_fixtures"
@@ -310,6 +311,25 @@ def test_config_errors_name_the_field(tmp_path, name, changes, match):
     with pytest.raises(ValueError, match=match) as error:
         load_hf(_broken_copy(tmp_path, name, **changes), dtype="float32")
     assert "\n" not in str(error.value)
+
+
+def test_rope_parameters_of_transformers_5():
+    """A config written by transformers 5 keeps rope_theta and the scaling in rope_parameters, which
+    then wins over a top-level rope_theta; it reads as the older form does."""
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "num_attention_heads": 2,
+            "num_hidden_layers": 1, "intermediate_size": 32, "vocab_size": 24}
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    old = config_from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", **llama3}})
+    new = config_from_hf({**base, "rope_theta": 1.0,
+                          "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}})
+    assert new == old and new.rope_theta == 5e5 and new.rope_scaling is not None
+    plain = config_from_hf({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert (plain.rope_theta, plain.rope_scaling) == (1e6, None)
+    for parameters, match in (({"full_attention": {"rope_theta": 1e4}}, "rope_parameters must be an object with "
+                                                                        "rope_theta"),
+                              ({"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}, "type 'yarn' is not supported")):
+        with pytest.raises(ValueError, match=match):
+            config_from_hf({**base, "rope_parameters": parameters})
 
 
 def test_max_position_embeddings_is_read():

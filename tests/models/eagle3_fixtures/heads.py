@@ -15,16 +15,19 @@ LAYER_PREFIX = {"eagle3": "midlayer.", "speculators": "layers.0."}
 
 def head_tensors(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int, target_vocab: int,
                  draft_vocab: int, seed: int, *, layout: str = "eagle3", d2t: bool = True,
-                 dtype=np.float32) -> dict[str, np.ndarray]:
+                 dtype=np.float32, fc_norm: bool = False, norm_before_fc: bool = False,
+                 qk_norm: bool = False) -> dict[str, np.ndarray]:
     """{checkpoint tensor name: array} of a random head: projections ~ N(0, 1/fan_in), norm weights
-    in [0.5, 1.5], d2t mapping draft id i to a random sorted subset of the target ids (t2d its mask)."""
+    in [0.5, 1.5], d2t mapping draft id i to a random sorted subset of the target ids (t2d its mask);
+    with ``fc_norm`` three per-feature norms ``fc_norm.{i}.weight``, with ``norm_before_fc`` one
+    ``input_norm.weight`` [3 * hidden], with ``qk_norm`` the layer's ``self_attn.{q,k}_norm.weight``."""
     rng = np.random.default_rng(seed)
 
     def linear(fan_out: int, fan_in: int) -> np.ndarray:
         return (rng.standard_normal((fan_out, fan_in)) / np.sqrt(fan_in)).astype(dtype)
 
-    def norm() -> np.ndarray:
-        return rng.uniform(0.5, 1.5, hidden).astype(dtype)
+    def norm(size: int = hidden) -> np.ndarray:
+        return rng.uniform(0.5, 1.5, size).astype(dtype)
 
     p = LAYER_PREFIX[layout]
     tensors = {
@@ -42,6 +45,12 @@ def head_tensors(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int
         "norm.weight": norm(),
         "lm_head.weight": (3 * linear(draft_vocab, hidden)).astype(dtype),
     }
+    if fc_norm:
+        tensors.update({f"fc_norm.{i}.weight": norm() for i in range(3)})
+    if norm_before_fc:
+        tensors["input_norm.weight"] = norm(3 * hidden)
+    if qk_norm:
+        tensors.update({f"{p}self_attn.q_norm.weight": norm(head_dim), f"{p}self_attn.k_norm.weight": norm(head_dim)})
     if d2t:
         target_ids = np.sort(rng.choice(target_vocab, draft_vocab, replace=False))
         tensors["d2t"] = (target_ids - np.arange(draft_vocab)).astype(np.int64)
