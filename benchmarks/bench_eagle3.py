@@ -3,11 +3,14 @@ lookup and the target alone, on the demo target, greedy: held-out standard-libra
 (``scv_jax.demo.e2e.benchmark_prompts``), a batch of ``--prompts`` per round, new prompts each round
 (seed = round), every mode on the same prompts, after a warm-up that compiles what each uses.
 
-Modes: autoregressive; the draft model at k = 4; the head at k = 2, 4, 6; n-gram (``NgramDrafter(1, 3)``)
-at k = 4. Reported per mode: mean accepted length (tokens per request per decode step, mean over rounds)
-and tokens/s (median over rounds); greedy outputs are checked against the target's alone.
+Modes: autoregressive; the draft model, the head and n-gram (``NgramDrafter(1, 3)``) chains at
+k = ``--ks`` (default 2, 4, 6); the draft model's and the head's EAGLE-2 trees (``TreeConfig()``: depth
+4, 16 nodes). Reported per mode: mean accepted length (tokens per request per decode step, mean over
+rounds), acceptance per draft position, milliseconds per decode step (drafting and verification, the
+draft's cost beside the target's alone), tokens/s (median over rounds) and its ratio to autoregressive;
+greedy outputs are checked against the target's alone.
 
-    python benchmarks/bench_eagle3.py [--rounds 3] [--prompts 4] [--max-tokens 128] [--head DIR] [--append]
+    python benchmarks/bench_eagle3.py [--rounds 3] [--prompts 4] [--max-tokens 128] [--ks 2,4,6] [--head DIR] [--append]
 
 ``--dry-run``: one round, 2 prompts, 8 tokens (a check that the script runs; nothing appended).
 """
@@ -21,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scv_jax import DecoderConfig, NgramDrafter, SpeculativeDecoder  # noqa: E402
+from scv_jax import DecoderConfig, NgramDrafter, SpeculativeDecoder, TreeConfig  # noqa: E402
 from scv_jax.demo.e2e import benchmark_prompts  # noqa: E402
 from scv_jax.demo.report import append_markdown, results_header  # noqa: E402
 from scv_jax.models import load_demo, load_demo_head, load_eagle3  # noqa: E402
@@ -30,26 +33,29 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 PROMPT_LEN = 48
 
 
-def decoders(head_dir: str | None, max_len: int) -> dict[str, SpeculativeDecoder]:
+def decoders(head_dir: str | None, max_len: int, ks: list[int]) -> dict[str, SpeculativeDecoder]:
     """{mode name: decoder} over the demo target."""
     target, draft = load_demo()
     head = load_demo_head(target) if head_dir is None else load_eagle3(head_dir, target, dtype="float32")
 
-    def config(k: int) -> DecoderConfig:
-        return DecoderConfig(k=k, max_seq_len=max_len, num_blocks=256)
+    def config(k: int, tree: TreeConfig | None = None) -> DecoderConfig:
+        return DecoderConfig(k=k, max_seq_len=max_len, num_blocks=256, tree=tree)
 
-    return {"autoregressive": SpeculativeDecoder(target, None, config=config(0)),
-            "draft model, k=4": SpeculativeDecoder(target, draft, config=config(4)),
-            **{f"eagle3 head, k={k}": SpeculativeDecoder(target, head, config=config(k)) for k in (2, 4, 6)},
-            "n-gram, k=4": SpeculativeDecoder(target, NgramDrafter(1, 3), config=config(4))}
+    modes = {"autoregressive": SpeculativeDecoder(target, None, config=config(0))}
+    for name, drafter in (("draft model", draft), ("eagle3 head", head), ("n-gram", NgramDrafter(1, 3))):
+        modes |= {f"{name}, k={k}": SpeculativeDecoder(target, drafter, config=config(k)) for k in ks}
+        if name != "n-gram":
+            tree = TreeConfig()
+            modes[f"{name}, tree"] = SpeculativeDecoder(target, drafter, config=config(tree.max_depth, tree))
+    return modes
 
 
 def run(args: argparse.Namespace) -> str:
     """The markdown table of every mode over ``args.rounds`` rounds."""
-    modes = decoders(args.head, PROMPT_LEN + args.max_tokens)
+    modes = decoders(args.head, PROMPT_LEN + args.max_tokens, args.ks)
     for decoder in modes.values():
         decoder.generate(benchmark_prompts(args.prompts, PROMPT_LEN, seed=1000), args.max_tokens)     # warm-up
-    rows = {name: {"tps": [], "mal": []} for name in modes}
+    rows = {name: {"tps": [], "mal": [], "positions": [], "step_ms": []} for name in modes}
     for r in range(args.rounds):
         prompts = benchmark_prompts(args.prompts, PROMPT_LEN, seed=r)
         reference = None
@@ -58,13 +64,22 @@ def run(args: argparse.Namespace) -> str:
             reference = reference or out.tokens
             if out.tokens != reference:
                 raise SystemExit(f"bench_eagle3: {name}'s greedy output differs from the target's alone")
-            rows[name]["tps"].append(out.stats.tokens_per_second)
-            rows[name]["mal"].append(out.stats.mean_accepted_length)
-            print(f"round {r}: {name:20s} {out.stats.mean_accepted_length:5.2f} tokens/step "
-                  f"{out.stats.tokens_per_second:8.1f} tokens/s", file=sys.stderr, flush=True)
-    lines = ["| mode | mean accepted length | tokens/s (median) |", "|---|---:|---:|"]
-    lines += [f"| {name} | {statistics.mean(r['mal']):.2f} | {statistics.median(r['tps']):.1f} |"
-              for name, r in rows.items()]
+            stats = out.stats
+            rows[name]["tps"].append(stats.tokens_per_second)
+            rows[name]["mal"].append(stats.mean_accepted_length)
+            rows[name]["positions"].append(stats.acceptance_per_position)
+            rows[name]["step_ms"].append(1e3 * (stats.wall_seconds - stats.prefill_seconds) / max(stats.steps, 1))
+            print(f"round {r}: {name:20s} {stats.mean_accepted_length:5.2f} tokens/step "
+                  f"{stats.tokens_per_second:8.1f} tokens/s", file=sys.stderr, flush=True)
+    baseline = statistics.median(rows["autoregressive"]["tps"])
+    lines = ["| mode | mean accepted length | acceptance per position | ms per step | tokens/s (median) "
+             "| x autoregressive |", "|---|---:|---|---:|---:|---:|"]
+    for name, r in rows.items():
+        positions = [statistics.mean(column) for column in zip(*r["positions"])]
+        shown = " ".join(f"{a:.2f}" for a in positions) or "-"
+        tps = statistics.median(r["tps"])
+        lines.append(f"| {name} | {statistics.mean(r['mal']):.2f} | {shown} | {statistics.median(r['step_ms']):.1f} "
+                     f"| {tps:.1f} | {tps / baseline:.2f} |")
     return "\n".join(lines)
 
 
@@ -73,12 +88,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4, help="prompts per round (one batch)")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
+    parser.add_argument("--ks", type=lambda text: [int(k) for k in text.split(",")], default=[2, 4, 6],
+                        help="chain lengths, comma-separated")
     parser.add_argument("--head", help="an EAGLE-3 checkpoint for the demo target (default: the shipped head)")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--append", action="store_true")
     args = parser.parse_args()
     if args.dry_run:
-        args.rounds, args.prompts, args.max_tokens = 1, 2, 8
+        args.rounds, args.prompts, args.max_tokens, args.ks = 1, 2, 8, [2]
     table = run(args)
     print(table)
     if args.append and not args.dry_run:

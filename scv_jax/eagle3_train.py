@@ -77,9 +77,6 @@ def new_head(target: Transformer, *, draft_to_target: np.ndarray | None,
     aux = aux_layers if aux_layers is not None else (min(2, layers - 1), layers // 2, max(layers - 3, 0))
     if len(aux) != 3 or not all(0 <= i < layers for i in aux):
         raise ValueError(f"--aux-layers must be 3 layer ids in [0, {layers}), got {list(aux)}")
-    if aux[0] == 1:
-        raise ValueError("--aux-layers may not start at 1: EAGLE-3 configs read a first id of 1 as the output "
-                         "of layer 1 (SpecForge, SGLang), so the head could not be saved")
     config = dataclasses.replace(target.config, num_layers=1, tie_embeddings=False, qkv_bias=False,
                                  qk_norm=False, sliding_window=None)
     draft_vocab = config.vocab_size if draft_to_target is None else len(draft_to_target)

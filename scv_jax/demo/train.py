@@ -7,6 +7,10 @@ target's argmax, so that greedy drafts agree with the target often; half of its 
 target generated itself (greedy and sampled continuations of stdlib snippets), the text drafts meet at
 decoding time. ``--draft-only`` reuses the target in ``--out``. Prints progress; writes
 ``target.npz`` and ``draft.npz`` (float16) to ``scv_jax/demo/weights/``.
+
+``--head-data FILE`` writes the demo EAGLE-3 head's training text instead (``python -m
+scv_jax.eagle3_train --data FILE``; docs/eagle3.md): the shipped target's own continuations (half greedy,
+half sampled) of stdlib snippets, then as many bytes of the stdlib training split, as UTF-8.
 """
 
 from __future__ import annotations
@@ -105,6 +109,15 @@ def target_text(target: Transformer, data: np.ndarray, *, num_prompts: int = 256
     return np.frombuffer(b"".join(chunks), np.uint8)
 
 
+def head_data(target: Transformer, data: np.ndarray, *, seed: int = 7) -> str:
+    """The demo head's training text: 768 of the target's continuations (32-byte prompts, 224 new
+    bytes) and as many bytes of ``data`` from a random offset; bytes that are not UTF-8 dropped."""
+    generated = target_text(target, data, num_prompts=768, prompt_len=32, new_tokens=224, seed=seed)
+    start = np.random.default_rng(0).integers(0, len(data) - len(generated))
+    text = np.concatenate([generated, np.frombuffer(b"\n\n", np.uint8), data[start:start + len(generated)]])
+    return text.tobytes().decode("utf-8", "ignore")
+
+
 def mixed_windows(sources: list[np.ndarray], rng: np.random.Generator, batch: int, length: int) -> np.ndarray:
     """int32[batch, length] windows, an equal share from each source."""
     shares = np.array_split(np.arange(batch), len(sources))
@@ -148,9 +161,14 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=DEMO_WEIGHTS_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draft-only", action="store_true", help="train only the draft (target from --out)")
+    parser.add_argument("--head-data", type=pathlib.Path, help="write the demo head's training text here and exit")
     args = parser.parse_args(argv)
     data, holdout = split_corpus(stdlib_bytes(seed=args.seed))
     print(f"corpus: {len(data):,} training bytes, {len(holdout):,} held out", flush=True)
+    if args.head_data:
+        args.head_data.write_text(head_data(load_model(args.out / "target.npz"), data), encoding="utf-8")
+        print(f"wrote {args.head_data}", flush=True)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
 
     if args.draft_only:

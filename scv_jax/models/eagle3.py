@@ -224,22 +224,19 @@ def _flag(raw: dict, field: str, default: bool) -> bool:
     return value
 
 
-def _aux_layers(ids: Any, field: str, num_layers: int, *, output_convention: bool) -> tuple[int, int, int]:
-    """The three target layers whose inputs the head reads, from the config's ids. With
-    ``output_convention`` (SpecForge's ``eagle_config`` ids, SGLang's reading) ids whose first is 1 name
-    layer outputs, so each is the input of the next layer (+1); other ids name layer inputs as they are."""
+def _aux_layers(ids: Any, field: str, num_layers: int) -> tuple[int, int, int]:
+    """The three target layers whose inputs the head reads: the config's ids as they are (vLLM's
+    reading), else EAGLE-3's default (2, L // 2, L - 3)."""
     if ids is None:
         if num_layers < 5:
             raise ValueError(f"{field} is needed: the default (2, L // 2, L - 3) does not fit a target of "
                              f"{num_layers} layers")
         return 2, num_layers // 2, num_layers - 3
-    if not (isinstance(ids, list) and len(ids) == 3 and all(is_int(k, 0) for k in ids)):
-        raise ValueError(f"{field} must be 3 layer ids, got {ids!r}")
-    inputs = tuple(k + 1 for k in ids) if output_convention and ids[0] == 1 else tuple(ids)
-    if max(inputs) >= num_layers:
-        raise ValueError(f"{field} {ids!r} names the inputs of layers {list(inputs)}: they must be in "
-                         f"[0, {num_layers}) (the target's layers)")
-    return inputs
+    if not (isinstance(ids, (list, tuple)) and len(ids) == 3 and all(is_int(k, 0) for k in ids)):
+        raise ValueError(f"{field} must be 3 layer ids, got {list(ids) if isinstance(ids, tuple) else ids!r}")
+    if max(ids) >= num_layers:
+        raise ValueError(f"{field} {list(ids)} must name layers in [0, {num_layers}) (the target's layers)")
+    return tuple(ids)
 
 
 def _settings(raw: Any, target: TransformerConfig, dtype: str) -> _Settings:
@@ -259,7 +256,7 @@ def _settings(raw: Any, target: TransformerConfig, dtype: str) -> _Settings:
                              f"(supported: {sorted(SPECULATORS_LAYER_TYPES)})")
         architecture = SPECULATORS_LAYER_TYPES[model_type]
         aux = _aux_layers(raw.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids",
-                          target.num_layers, output_convention=False)
+                          target.num_layers)
         norm_output = _flag(raw, "norm_output", False)
     elif raw.get("architectures") in [[name] for name in EAGLE3_ARCHITECTURES]:
         fields, prefix, architecture = raw, "midlayer.", "LlamaForCausalLM"
@@ -270,11 +267,10 @@ def _settings(raw: Any, target: TransformerConfig, dtype: str) -> _Settings:
             raise ValueError("eagle_config.use_aux_hidden_state: false (a head without fc) is not supported")
         if eagle_config.get("eagle_aux_hidden_state_layer_ids") is not None:
             aux = _aux_layers(eagle_config["eagle_aux_hidden_state_layer_ids"],
-                              "eagle_config.eagle_aux_hidden_state_layer_ids", target.num_layers,
-                              output_convention=True)
+                              "eagle_config.eagle_aux_hidden_state_layer_ids", target.num_layers)
         else:
             aux = _aux_layers(raw.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids",
-                              target.num_layers, output_convention=False)
+                              target.num_layers)
         # SpecForge's norm_output (default true) normalises before lm_head, as every head does.
         if not _flag(raw, "norm_output", True):
             raise ValueError("norm_output: false (logits of the un-normalised output) is not supported")
@@ -370,7 +366,7 @@ def _checkpoint_name(path: str, layer_prefix: str) -> tuple[str, bool]:
 
 
 def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "bfloat16",
-                revision: str | None = None) -> Eagle3Head:
+                revision: str | None = None, aux_layers: tuple[int, int, int] | None = None) -> Eagle3Head:
     """An ``Eagle3Head`` with an EAGLE-3 checkpoint's config and weights, sharing ``target``'s embedding
     (unless the checkpoint's ``embed_tokens.weight`` differs from it: then the head keeps its own).
 
@@ -385,6 +381,9 @@ def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "
         vocabulary as the checkpoint's.
       dtype: parameter and activation dtype, "bfloat16" (default), "float16" or "float32".
       revision: a Hub id's branch, tag or commit hash (None: its default branch).
+      aux_layers: the three target layers whose inputs the head reads, instead of the config's ids
+        (``eagle_config.eagle_aux_hidden_state_layer_ids``, taken as they are, as vLLM does) or EAGLE-3's
+        default (2, L // 2, L - 3); e.g. each id + 1 to read a SpecForge head as SGLang does.
     Returns:
       The head; its logits are over the target's vocabulary.
     Raises:
@@ -403,6 +402,11 @@ def load_eagle3(path: str | pathlib.Path, target: Transformer, *, dtype: str = "
         s = _settings(raw, target.config, dtype)
     except ValueError as e:
         raise ValueError(f"load_eagle3: {config_file}: {e}") from None
+    if aux_layers is not None:
+        try:
+            s = dataclasses.replace(s, aux_layers=_aux_layers(aux_layers, "aux_layers", target.config.num_layers))
+        except ValueError as e:
+            raise ValueError(f"load_eagle3: {e}") from None
     file, tensors = _read_tensors(directory)
     draft_to_target = _draft_to_target(tensors, str(file), s.draft_vocab_size, target.config.vocab_size)
     own_embedding = _has_own_embedding(tensors, file, target.embed)
@@ -452,13 +456,12 @@ def save_eagle3(head: Eagle3Head, path: str | pathlib.Path, *, dtype: str = "flo
     int64[draft_vocab], ``t2d`` bool[target vocab]; ``fc_norm.*`` / ``input_norm.weight`` with their
     flags when the head has them; no embedding, not even a head's own). Weights in ``dtype``, "float16"
     (default) or "float32". Returns the directory (created). A head this layout cannot describe (q/k
-    norms, ``norm_output``, a first aux layer of 1, which readers take for a layer output) is a ValueError."""
+    norms, ``norm_output``) is a ValueError."""
     from safetensors.numpy import save_file
 
     if dtype not in ("float16", "float32"):
         raise ValueError(f"save_eagle3: dtype must be 'float16' or 'float32', got {dtype!r}")
-    for unsupported, what in ((head.config.qk_norm, "q/k norms (a Qwen3 layer)"), (head.norm_output, "norm_output"),
-                              (head.aux_layers[0] == 1, "aux_layers starting at 1 (read as the output of layer 1)")):
+    for unsupported, what in ((head.config.qk_norm, "q/k norms (a Qwen3 layer)"), (head.norm_output, "norm_output")):
         if unsupported:
             raise ValueError(f"save_eagle3: a head with {what} cannot be written in the EAGLE-3 layout")
     directory = pathlib.Path(path)

@@ -433,8 +433,8 @@ BAD = [
     ("two tap norms", _configure(fc_norm=True, norm_before_fc=True), "config.json", "fc_norm and norm_before_fc"),
     ("tied lm_head", _configure(tie_word_embeddings=True), "config.json", "tie_word_embeddings"),
     ("fc_norm without its tensors", _configure(fc_norm=True), "model.safetensors", "tensor fc_norm.0.weight is missing"),
-    ("aux id past the target", _configure(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 7]}), "config.json",
-     r"\[1, 2, 7\] names the inputs of layers \[2, 3, 8\]"),
+    ("aux id past the target", _configure(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 8]}), "config.json",
+     r"eagle_aux_hidden_state_layer_ids \[1, 2, 8\] must name layers in \[0, 8\)"),
 ]
 
 
@@ -503,12 +503,12 @@ def llama_of(config: dict) -> dict:
     return config.get("transformer_layer_config", config)
 
 
-# name -> the aux layers (target layer inputs) it must give on DEEP_TARGET: SpecForge writes the
-# outputs of layers 1, L // 2 - 1, L - 4 (the inputs of the next ones); the default is (2, L // 2, L - 3).
+# name -> the aux layers (target layer inputs) it must give on DEEP_TARGET: the config's ids as they
+# are (vLLM's reading); without ids, the default (2, L // 2, L - 3).
 LOADABLE = {**{name: None for name in published.SPECFORGE if name not in ("deepseek-v2-lite-eagle3.json",
                                                                            "qwen2-5-vl-7b-eagle3.json")},
-            "gpt-oss-20B-eagle3.json": (2, 12, 22), "deepseek-v3-671b-eagle3.json": (2, 30, 58),
-            "qwen3-235B-A22B-eagle3.json": (2, 47, 91), "SafeAILab traineagle3/config.json": None}
+            "gpt-oss-20B-eagle3.json": (1, 11, 21), "deepseek-v3-671b-eagle3.json": (1, 29, 57),
+            "qwen3-235B-A22B-eagle3.json": (1, 46, 90), "SafeAILab traineagle3/config.json": None}
 
 
 def published_config(name: str) -> dict:
@@ -592,19 +592,20 @@ def test_speculators_options_match_the_reference(tmp_path, deep_target, model_ty
     assert_matches(head.combine(jnp.asarray(taps)), reference_combine(tensors, config, taps))
 
 
-@pytest.mark.parametrize("where, ids, want", [
-    ("eagle_config", [1, 3, 5], (2, 4, 6)),         # SpecForge: layer outputs (SGLang adds 1)
-    ("eagle_config", [2, 3, 5], (2, 3, 5)),         # first id not 1: layer inputs (SGLang PR #25454)
-    ("eagle_config", [0, 0, 0], (0, 0, 0)),
-    ("top level", [1, 3, 5], (1, 3, 5)),            # vLLM's reading: layer inputs
-])
-def test_aux_layer_ids_conventions(tmp_path, target, where, ids, want):
+@pytest.mark.parametrize("where", ["eagle_config", "top level"])
+def test_aux_layer_ids_are_taken_as_given_unless_overridden(tmp_path, target, where):
+    """The config's ids name the target layers whose inputs the head reads, as they are (SpecForge's
+    [1, ...] too: vLLM's reading); ``aux_layers=`` overrides them (e.g. + 1, SGLang's reading)."""
     config = head_config(**HEAD)
     if where == "eagle_config":
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 5], "use_aux_hidden_state": True}
     else:
-        config["eagle_aux_hidden_state_layer_ids"] = ids
-    assert load_eagle3(write_head(tmp_path, head_tensors(**HEAD, seed=2), config), target).aux_layers == want
+        config["eagle_aux_hidden_state_layer_ids"] = [1, 3, 5]
+    directory = write_head(tmp_path, head_tensors(**HEAD, seed=2), config)
+    assert load_eagle3(directory, target).aux_layers == (1, 3, 5)
+    assert load_eagle3(directory, target, aux_layers=(2, 4, 6)).aux_layers == (2, 4, 6)
+    with pytest.raises(ValueError, match=r"^load_eagle3: aux_layers \[2, 4, 9\] must name layers in \[0, 8\)"):
+        load_eagle3(directory, target, aux_layers=(2, 4, 9))
 
 
 def test_known_extra_tensors_are_ignored_and_an_own_embedding_is_kept(tmp_path, target):
