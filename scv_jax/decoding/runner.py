@@ -46,6 +46,9 @@ from scv_jax.sampling_params import MAX_BAD_WORD_LEN
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
 BACKGROUND_NICE = 10             # background compile threads yield the cores to the thread that steps
 BACKGROUND_SWITCH_INTERVAL = 5e-4    # ... and the interpreter lock (``Compiler.switch_interval``)
+# Platforms whose executables ``start_warmup`` runs once on zeros after compiling (``Compiler.prime``):
+# XLA:CPU's first run of a demo step costs 100-200 ms more than later ones (benchmarks/RESULTS.md).
+PRIMED_PLATFORMS = ("cpu",)
 
 # the decode step's dynamic arguments that every call gives
 _DECODE_ALWAYS = ("target_params", "target_cache", "block_tables", "rows", "sampling")
@@ -423,13 +426,15 @@ class StepRunner:
                      workers: int | None = None) -> Compiler:
         """``warmup``'s executables, the largest bucket of each kind of step first (waited for: with them
         every step of these sizes can run, padded to them) and the others in the background (on the
-        returned ``Compiler``'s threads, logged): a step whose bucket is not compiled yet runs padded to a
+        returned ``Compiler``'s threads, logged; on ``PRIMED_PLATFORMS`` each also runs once on zeros
+        before a step uses it): a step whose bucket is not compiled yet runs padded to a
         compiled larger one (``ExecutableCache.ready_plan``), so nothing compiles on the thread that steps.
         Call ``stop()`` on the compiler at shutdown."""
         jobs = self.warmup_jobs(batch_sizes, max_len, temperatures=temperatures, logprobs=logprobs,
                                 structured_output=structured_output, progress=progress)
         first, rest = largest_first(jobs)
-        compiler = Compiler(workers, on_compiled=_progress_printer("warm-up", len(first)) if progress else None)
+        compiler = Compiler(workers, prime=jax.default_backend() in PRIMED_PLATFORMS,
+                            on_compiled=_progress_printer("warm-up", len(first)) if progress else None)
         self._compile_controls()
         compiler.submit(first + rest)
         try:

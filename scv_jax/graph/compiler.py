@@ -77,16 +77,21 @@ class Compiler:
     it back within this interval (0.5 ms: stalls of a served stream 0.23 -> 0.04 s while the
     background compile loads from a warm cache; benchmarks/RESULTS.md, "Start-up").
 
+    ``prime``: each executable compiled also runs once, on zeros, before calls may use it
+    (``ExecutableCache.compile_job``): its first run costs more than later ones (on XLA:CPU 100-200 ms of
+    a demo decode step), which a served stream would otherwise wait for at a new shape.
+
     ``on_compiled(job, compiles, seconds, done, total)`` is called on a worker thread after each job
     (progress lines, logs). Thread-safe."""
 
     def __init__(self, max_workers: int | None = None, *, name: str = "scv-jax-compile", nice: int = 0,
-                 switch_interval: float | None = None,
+                 switch_interval: float | None = None, prime: bool = False,
                  on_compiled: Callable[[CompileJob, int, float, int, int], None] | None = None):
         self.max_workers = default_workers() if max_workers is None else max_workers
         if not isinstance(self.max_workers, int) or self.max_workers < 1:
             raise ValueError(f"Compiler: max_workers must be an int >= 1, got {max_workers!r}")
         self.name, self.nice, self.switch_interval, self.on_compiled = name, nice, switch_interval, on_compiled
+        self.prime = prime
         self._saved_interval: float | None = None      # the switch interval before this compiler set it
         self._queue: list[CompileJob] = []
         self._futures: dict[tuple[int, tuple], concurrent.futures.Future] = {}
@@ -203,7 +208,7 @@ class Compiler:
             start = time.perf_counter()
             compiles = 0
             try:
-                compiles = job.cache.compile_job(job.key, job.example)
+                compiles = job.cache.compile_job(job.key, job.example, prime=self.prime)
             except BaseException as error:  # noqa: BLE001 - recorded; wait() and a waiting call raise it
                 self.error = self.error or error
             seconds = time.perf_counter() - start

@@ -22,6 +22,7 @@ import functools
 import inspect
 import itertools
 import logging
+import math
 import re
 import sys
 import threading
@@ -172,6 +173,7 @@ def enable_persistent_cache(cache_dir: str, *, min_compile_time_secs: float = 0.
 _COPY_CHECK_BYTES = 1 << 12   # donated arrays smaller than this are not checked for copies
 _HLO_COPY = re.compile(r"= ([a-z0-9]+)\[([0-9,]*)\](?:\{[^}]*\})? copy\(")
 _NONE = object()               # no stand-in
+PRIME_MAX_BYTES = 1 << 30      # a primed executable's zero arguments (caches included) are at most this
 
 
 def _copied_arrays(hlo_text: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -671,16 +673,20 @@ class ExecutableCache:
         """Buckets a ``Compiler`` is still to compile."""
         return len(self._scheduled)
 
-    def compile_job(self, key: BucketKey, example: dict[str, Any]) -> int:
+    def compile_job(self, key: BucketKey, example: dict[str, Any], *, prime: bool = False) -> int:
         """Compiles bucket ``key`` from bound example arguments (a ``CompileJob``'s), completes its
         schedule, and logs it when it was scheduled in the background (after a warm-up); returns the
-        XLA compiles (0: compiled already)."""
+        XLA compiles (0: compiled already). ``prime``: the executable also runs once on zero arguments
+        (``prime``) before a call can use it."""
         future, _ = self._scheduled.get(key, (None, None))
         if key in self._entries:
             return 0
         start = time.perf_counter()
         try:
-            entry, compiles = self._compile_one(key, self._abstract_args(example, key))
+            abstract = self._abstract_args(example, key)
+            entry, compiles = self._compile_one(key, abstract)
+            if prime:
+                self._prime(key, entry, abstract)
         except BaseException as error:
             with self._lock:
                 self._scheduled.pop(key, None)
@@ -695,6 +701,29 @@ class ExecutableCache:
         logger.info("[%s] compiled (%s) in %.2fs on %s", self.name, self.describe(key), time.perf_counter() - start,
                     threading.current_thread().name)
         return compiles
+
+    def _prime(self, key: BucketKey, entry: _Entry, abstract: dict[str, Any]) -> None:
+        """Runs ``entry``'s executable once on zeros of its abstract arguments (at most
+        ``PRIME_MAX_BYTES``; donated ones are fresh zeros, and the outputs are dropped), so that a call's
+        first run costs what later ones do; marks it run. A failure is logged, never raised."""
+        def zeros(leaf: Any) -> Any:
+            if not isinstance(leaf, jax.ShapeDtypeStruct):
+                return leaf
+            value = np.zeros(leaf.shape, leaf.dtype)
+            return jax.device_put(value, leaf.sharding) if leaf.sharding is not None else jax.device_put(value)
+
+        start, values = time.perf_counter(), self._dynamic_values(abstract)
+        try:
+            if sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(values)
+                   if isinstance(leaf, jax.ShapeDtypeStruct)) > PRIME_MAX_BYTES:
+                return
+            jax.block_until_ready(entry.executable(*jax.tree.map(zeros, values)))
+        except Exception as error:  # noqa: BLE001 - priming is an optimisation: the first call runs it instead
+            logger.warning("%s: priming bucket (%s) failed, its first call runs it: %s", self.name,
+                           self.describe(key), _error_lines(error))
+            return
+        entry.ran = True
+        logger.info("[%s] primed (%s) in %.2fs", self.name, self.describe(key), time.perf_counter() - start)
 
     def can_run(self, key: BucketKey, call: BucketKey) -> bool:
         """Whether bucket ``key``'s executable can run a call planned as ``call``: the same arguments

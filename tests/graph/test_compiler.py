@@ -210,3 +210,37 @@ def test_a_compiler_sets_the_switch_interval_while_it_runs_and_restores_it(no_pe
     compiler = Compiler(1, switch_interval=before / 4, on_compiled=lambda *_: seen.append(sys.getswitchinterval()))
     compiler.run(make_cache().jobs(*_example(), k=2)[:2])
     assert seen == [before / 4] * 2 and sys.getswitchinterval() == before
+
+
+def test_a_priming_compiler_runs_each_executable_once_before_a_call_uses_it(no_persistent_cache, caplog):
+    """``Compiler(prime=True)``: each compiled executable runs once on zeros (its donated arguments
+    fresh) and is marked run, so the first call is not its first run; a plain compiler runs nothing;
+    arguments over ``PRIME_MAX_BYTES`` are not primed."""
+    from scv_jax.graph import executable_cache
+    from scv_jax.graph.buckets import Pad
+    from scv_jax.graph.executable_cache import ExecutableCache
+
+    for prime, max_bytes, want_runs in ((True, executable_cache.PRIME_MAX_BYTES, 2), (False, None, 0), (True, 4, 0)):
+        runs = []
+
+        def counted(x):
+            """x + 1, counting its runs in ``runs`` (a host callback runs at every execution)."""
+            jax.debug.callback(lambda: runs.append(1))
+            return x + 1
+
+        cache = ExecutableCache(counted, dims={"n": (2, 4)}, pads={"x": Pad("n")},
+                                donate_argnames=("x",))
+        original, executable_cache.PRIME_MAX_BYTES = executable_cache.PRIME_MAX_BYTES, max_bytes or 0
+        try:
+            with caplog.at_level(logging.INFO, logger="scv_jax.graph.executable_cache"):
+                Compiler(1, prime=prime).run(cache.jobs(jnp.zeros(4, jnp.float32)) + cache.jobs(jnp.zeros(2, jnp.float32)))
+        finally:
+            executable_cache.PRIME_MAX_BYTES = original
+        jax.effects_barrier()
+        assert len(runs) == want_runs, (prime, max_bytes, runs)
+        out = cache(jnp.arange(3, dtype=jnp.float32))
+        np.testing.assert_array_equal(np.asarray(out)[:3], [1, 2, 3])
+        jax.effects_barrier()
+        assert len(runs) == want_runs + 1
+        assert cache.last_call_first_run == (want_runs == 0)
+    assert "primed (n=2)" in caplog.text
