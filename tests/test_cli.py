@@ -249,7 +249,7 @@ HEAD_CONFIG = {"method": "eagle3", "model": "HEAD"}
     (["--eagle3", "HEAD", "--draft", FIXTURE], "argument --draft: not allowed with argument --eagle3"),
     (["--ngram", "--eagle3", "HEAD"], "argument --eagle3: not allowed with argument --ngram"),
     (["--eagle3", "HEAD", "--packed-verify"], "error: --packed-verify does not apply to an EAGLE-3 head (--eagle3): "
-                                             "it drafts dense chains on one device"),
+                                             "it drafts dense chains"),
     (["--eagle3-revision", "v1"], "error: --eagle3-revision needs --eagle3"),
     (["--eagle3", "HEAD", "--eagle3-revision", "v1"], "error: --eagle3 HEAD is a local directory: a revision ('v1') "
                                                      "applies to Hub ids only"),
@@ -306,10 +306,23 @@ def test_eagle3_mistakes_are_one_line_errors_before_loading_weights(command, arg
                            message.replace("HEAD", str(eagle3_head)).format(cache=cache), capsys)
 
 
-def test_serve_refuses_a_head_on_a_mesh(monkeypatch, eagle3_head, capsys):
-    monkeypatch.setattr("scv_jax.models.load_hf", lambda *args, **kwargs: pytest.fail("weights loaded"))
-    _assert_one_line_error(["serve", "--model", FIXTURE, "--eagle3", str(eagle3_head), "--mesh", "1,1"],
-                           "error: --mesh does not apply to an EAGLE-3 head (--eagle3)", capsys)
+def test_serve_takes_a_head_on_a_mesh(monkeypatch, eagle3_head):
+    """``serve --eagle3 ... --mesh`` builds the engine on the mesh with the head as its drafter (decoding
+    with a head on meshes: tests/decoding/test_mesh.py)."""
+    from scv_jax import launch
+    from scv_jax.decoding.caches import HeadCache
+    from scv_jax.decoding.placement import OnMesh
+    from scv_jax.models.eagle3 import Eagle3Head
+    from scv_jax.serving import server
+
+    parsed = []
+    monkeypatch.setattr(server, "serve", lambda args: parsed.append(args) or 0)
+    assert cli.main(["serve", "--model", FIXTURE, "--eagle3", str(eagle3_head), "--mesh", "1,1", "--dtype",
+                     "float32"]) == 0
+    runner = server.make_engine(parsed[0], launch.checkpoints(parsed[0])).engine.runner
+    assert isinstance(runner.placement, OnMesh) and runner.placement.mesh.shape == {"data": 1, "model": 1}
+    assert isinstance(runner.draft.merge(runner.draft_params), Eagle3Head)
+    assert isinstance(runner.caches.take()[1], HeadCache)
 
 
 def _recording_generate(monkeypatch, capsys):

@@ -11,9 +11,6 @@ import jax.numpy as jnp
 
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 
-# (role "target" or "draft", num_layers, num_blocks, block_size, kv_heads, head_dim, dtype) -> a zero cache
-CacheFactory = Callable[[str, int, int, int, int, int, str], PagedKVCache]
-
 
 def single_device_cache(role: str, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
                         head_dim: int, dtype: str) -> PagedKVCache:
@@ -46,36 +43,41 @@ class HeadCache(NamedTuple):
                    jnp.zeros((num_blocks, block_size), jnp.int32))
 
 
+# (role "target" or "draft", num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, features) -> a zero
+# cache (features: an EAGLE head's (d_model, dtype), its cache then a ``HeadCache``; else None)
+CacheFactory = Callable[[str, int, int, int, int, int, str, tuple[int, object] | None], PagedKVCache | HeadCache]
+
+
 class ModelCaches:
     """Holds both caches between steps; a call that failed after donating them leaves none, and the
     next ``take`` then starts from empty caches (the requests in flight were lost with them).
 
-    ``factory`` creates each cache (``single_device_cache``, or sharded over a mesh).
+    ``factory`` creates each cache (on one device, or sharded over a mesh: ``placement``);
+    ``draft_features``: an EAGLE head's (d_model, dtype), its cache then a ``HeadCache``.
     """
 
     def __init__(self, num_blocks: int, block_size: int, cache_dtype: str,
                  target_dims: tuple[int, int, int], draft_dims: tuple[int, int, int] | None, *,
-                 factory: CacheFactory = single_device_cache, draft_features: tuple[int, object] | None = None):
+                 factory: CacheFactory, draft_features: tuple[int, object] | None = None):
         self._geometry = (num_blocks, block_size, cache_dtype)
         self._dims = (target_dims, draft_dims)
         self._factory = factory
         self._draft_features = draft_features      # an EAGLE head's (d_model, dtype): its cache a HeadCache
         self._caches: tuple[PagedKVCache, PagedKVCache | None] | None = None
 
-    def _new(self, role: str, dims: tuple[int, int, int]) -> PagedKVCache:
+    def _new(self, role: str, dims: tuple[int, int, int], features: tuple[int, object] | None = None
+             ) -> PagedKVCache | HeadCache:
         num_layers, kv_heads, head_dim = dims
         num_blocks, block_size, dtype = self._geometry
-        return self._factory(role, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
+        return self._factory(role, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype, features)
 
     def take(self) -> tuple[PagedKVCache, PagedKVCache | HeadCache | None]:
         """(target, draft) caches for one donating call; give the results back with ``put``."""
         caches, self._caches = self._caches, None
         if caches is None:
             target_dims, draft_dims = self._dims
-            caches = (self._new("target", target_dims), None if draft_dims is None else self._new("draft", draft_dims))
-            if self._draft_features is not None:
-                num_blocks, block_size, _ = self._geometry
-                caches = (caches[0], HeadCache.wrap(caches[1], num_blocks, block_size, *self._draft_features))
+            caches = (self._new("target", target_dims),
+                      None if draft_dims is None else self._new("draft", draft_dims, self._draft_features))
         return caches
 
     def put(self, target: PagedKVCache, draft: PagedKVCache | HeadCache | None) -> None:

@@ -64,7 +64,8 @@ class SpeculativeDecoder:
 
     ``mesh``: a ``jax.sharding.Mesh`` with axes ("data", "model") (e.g. ``scv_jax.decoder_mesh(2, 4)``)
     to run on: the target tensor-parallel over "model", requests and their cache blocks split over
-    "data" (``scv_jax.decoding.placement``; both models must then be ``scv_jax.models.Transformer`` instances).
+    "data" (``scv_jax.decoding.placement``; both models must then be ``scv_jax.models.Transformer`` instances,
+    or the draft an EAGLE-3 head, replicated).
     ``sharding``: a ``ShardingConfig`` (draft placement, vocabulary-parallel embeddings) for the mesh.
     """
 

@@ -25,7 +25,7 @@ Nothing of a rejected draft reaches any cache.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,20 +36,38 @@ from scv_jax.decoding.verifiers import (ChainScored, ChainVerifier, TreeScored, 
                                         drafts_before_stop, grow_tree, score, score_tree)
 from scv_jax.models.protocol import StagedKV
 from scv_jax.ops.commit.api import slots_from_block_table
+from scv_jax.sharding.mesh import REQUESTS, active_mesh, per_shard
 
 
-def _slots(cache: HeadCache, block_tables: jax.Array, positions: jax.Array) -> jax.Array:
-    """int32[B, T] flat slots of ``positions`` in the head cache's feature and token pages (-1: none)."""
-    return slots_from_block_table(block_tables, positions, cache.tokens.shape[1])
+def _per_data_shard(fn: Callable[..., Any], *arrays: jax.Array) -> Any:
+    """``fn(*arrays)``, per data shard on the active mesh (each array's leading axis split over "data":
+    the head cache's pages, and the batch's rows, whose block ids are local to their shard's blocks)."""
+    if active_mesh() is None:
+        return fn(*arrays)
+    return per_shard(fn, in_specs=(REQUESTS,) * len(arrays), out_specs=REQUESTS)(*arrays)
 
 
 def read_rows(cache: HeadCache, block_tables: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(features [B, T, d_model], tokens int32[B, T]) stored at int32[B, T] ``positions`` (zeros where none)."""
-    slots = _slots(cache, block_tables, positions)
-    flat = jnp.maximum(slots, 0)
-    features = cache.features.reshape(-1, cache.features.shape[-1])[flat]
-    tokens = cache.tokens.reshape(-1)[flat]
-    return jnp.where((slots >= 0)[..., None], features, 0).astype(features.dtype), jnp.where(slots >= 0, tokens, 0)
+    def read(features, tokens, block_tables, positions):
+        slots = slots_from_block_table(block_tables, positions, tokens.shape[1])
+        flat, found = jnp.maximum(slots, 0), slots >= 0
+        rows = features.reshape(-1, features.shape[-1])[flat]
+        return jnp.where(found[..., None], rows, 0).astype(rows.dtype), jnp.where(found, tokens.reshape(-1)[flat], 0)
+
+    return _per_data_shard(read, cache.features, cache.tokens, block_tables, positions)
+
+
+def _write(pages: jax.Array, block_tables: jax.Array, positions: jax.Array, mask: jax.Array,
+           values: jax.Array) -> jax.Array:
+    """``pages`` [num_blocks, block_size, ...] with ``values`` [B, T, ...] at int32[B, T] ``positions``
+    where bool[B, T] ``mask`` and the position has a block."""
+    slots = slots_from_block_table(block_tables, positions, pages.shape[1])
+    total = pages.shape[0] * pages.shape[1]
+    where = jnp.where(mask & (slots >= 0), slots, total).reshape(-1)        # total: dropped
+    rows = pages.shape[2:]
+    flat = pages.reshape(total, *rows).at[where].set(values.reshape(-1, *rows).astype(pages.dtype), mode="drop")
+    return flat.reshape(pages.shape)
 
 
 def write_rows(cache: HeadCache, block_tables: jax.Array, positions: jax.Array, mask: jax.Array, *,
@@ -60,16 +78,11 @@ def write_rows(cache: HeadCache, block_tables: jax.Array, positions: jax.Array, 
     place (as ``device_step.commit_positions``)."""
     (pages, mask), _ = jax.lax.optimization_barrier((((cache.features, cache.tokens), mask), after))
     cache = cache._replace(features=pages[0], tokens=pages[1])
-    slots = _slots(cache, block_tables, positions)
-    total = cache.tokens.size
-    where = jnp.where(mask & (slots >= 0), slots, total).reshape(-1)        # total: dropped
     if features is not None:
-        flat = cache.features.reshape(total, -1).at[where].set(
-            features.reshape(-1, features.shape[-1]).astype(cache.features.dtype), mode="drop")
-        cache = cache._replace(features=flat.reshape(cache.features.shape))
+        cache = cache._replace(features=_per_data_shard(_write, cache.features, block_tables, positions, mask,
+                                                        features))
     if tokens is not None:
-        flat = cache.tokens.reshape(-1).at[where].set(tokens.reshape(-1).astype(jnp.int32), mode="drop")
-        cache = cache._replace(tokens=flat.reshape(cache.tokens.shape))
+        cache = cache._replace(tokens=_per_data_shard(_write, cache.tokens, block_tables, positions, mask, tokens))
     return cache
 
 

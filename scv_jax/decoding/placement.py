@@ -4,9 +4,11 @@
 On a mesh:
   * the target is tensor-parallel over "model" (``scv_jax.sharding.params``); the draft too with
     ``ShardingConfig(draft="model")``, else (the default) it is replicated: every "model" shard runs
-    the whole draft, which needs no communication in its k sequential forwards;
+    the whole draft, which needs no communication in its k sequential forwards. An EAGLE head is
+    replicated (``place_head``: all but the target's embedding it shares, split like the target's);
   * both paged caches split their blocks over "data" (one ``BlockPool`` per data shard, block ids
-    local to it) and their K/V heads over "model" (a replicated draft's cache: over "data" only);
+    local to it) and their K/V heads over "model" (a replicated draft's cache: over "data" only; an
+    EAGLE head's ``HeadCache``: its K/V as a replicated draft's, its features and tokens over "data");
   * a batch's requests are assigned to data shards when they arrive (their blocks stay there) and
     each step lays the batch out shard by shard (``BatchRows``); everything is replicated over
     "model" but the heads;
@@ -27,14 +29,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from scv_jax.decoding.block_pool import BlockPool
-from scv_jax.decoding.caches import single_device_cache
+from scv_jax.decoding.caches import HeadCache, single_device_cache
 from scv_jax.decoding.config import DecoderConfig
 from scv_jax.graph.executable_cache import ExecutableCache
+from scv_jax.models.eagle3 import Eagle3Head
 from scv_jax.models.transformer import Transformer
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.sampling.api import TokenLogprobs
 from scv_jax.sharding.mesh import DATA, MODEL, cache_shardings, check_mesh, replicated_heads, tracing_on
-from scv_jax.sharding.params import place_transformer, tensor_parallel_config
+from scv_jax.sharding.params import place_head, place_transformer, tensor_parallel_config
 from scv_jax.verify.summary import HostStepResult, StepSummary
 
 DRAFT_PLACEMENTS = ("replicated", "model")
@@ -159,8 +162,11 @@ class SingleDevice:
                                              model.config.head_dim))
 
     def new_cache(self, role: str, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                  head_dim: int, dtype: str) -> PagedKVCache:
-        return single_device_cache(role, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
+                  head_dim: int, dtype: str, features: tuple[int, Any] | None = None) -> PagedKVCache | HeadCache:
+        """A zero cache (``caches.CacheFactory``; with ``features``, an EAGLE head's (d_model, dtype), a
+        ``HeadCache``)."""
+        cache = single_device_cache(role, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
+        return cache if features is None else HeadCache.wrap(cache, num_blocks, block_size, *features)
 
     def batch_buckets(self, sizes: Sequence[int]) -> tuple[int, ...]:
         return tuple(sorted(set(sizes)))
@@ -202,9 +208,16 @@ class OnMesh(SingleDevice):
         """The model's parameters placed on the mesh (tensor-parallel or replicated)."""
         if model is None:
             return PlacedModel(None, None, None)
+        if role == "draft" and isinstance(model, Eagle3Head):
+            if self.sharding.draft != "replicated":
+                raise ValueError(f"SpeculativeDecoder: an EAGLE-3 head runs replicated over the mesh's model axis: "
+                                 f"ShardingConfig.draft must be 'replicated', got {self.sharding.draft!r}")
+            graphdef, state = place_head(model, self.mesh, vocab_parallel=self.sharding.vocab_parallel)
+            return PlacedModel(graphdef, state, (1, model.config.num_kv_heads, model.config.head_dim))
         if not isinstance(model, Transformer):
             raise TypeError(f"SpeculativeDecoder: on a mesh the {role} must be a scv_jax.models.Transformer "
-                            f"(its attention runs per shard), got {type(model).__name__}")
+                            f"{'or an Eagle3Head ' if role == 'draft' else ''}(its attention runs per shard), "
+                            f"got {type(model).__name__}")
         split = self._tensor_parallel(role)
         who = f"SpeculativeDecoder: the {role} on the mesh"
         graphdef, state = place_transformer(model, self.mesh, tensor_parallel=split,
@@ -213,14 +226,16 @@ class OnMesh(SingleDevice):
         return PlacedModel(graphdef, state, (config.num_layers, config.num_kv_heads, config.head_dim))
 
     def new_cache(self, role: str, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                  head_dim: int, dtype: str) -> PagedKVCache:
+                  head_dim: int, dtype: str, features: tuple[int, Any] | None = None) -> PagedKVCache | HeadCache:
         """A zero cache created in place on the mesh: blocks over "data", heads over "model" (a
-        replicated draft's cache: a ``ReplicatedHeadsCache``, over "data" only)."""
-        def create() -> PagedKVCache:
+        replicated draft's cache: a ``ReplicatedHeadsCache``, over "data" only; with ``features`` a
+        ``HeadCache`` of one, its features and tokens over "data")."""
+        def create() -> PagedKVCache | HeadCache:
             cache = single_device_cache(role, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype)
-            return cache if self._tensor_parallel(role) else replicated_heads(cache)
+            cache = cache if self._tensor_parallel(role) else replicated_heads(cache)
+            return cache if features is None else HeadCache.wrap(cache, num_blocks, block_size, *features)
 
-        return jax.jit(create, out_shardings=cache_shardings(jax.eval_shape(create), self.mesh))()
+        return jax.jit(create, out_shardings=any_cache_shardings(jax.eval_shape(create), self.mesh))()
 
     def batch_buckets(self, sizes: Sequence[int]) -> tuple[int, ...]:
         """Batch sizes rounded up to multiples of the data axis (every data shard gets the same rows)."""
@@ -233,7 +248,8 @@ class OnMesh(SingleDevice):
         def on_mesh(*args, **kwargs):
             with tracing_on(mesh):
                 target_cache, draft_cache, *outputs = fn(*args, **kwargs)
-            caches = [None if cache is None else jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+            caches = [None if cache is None
+                      else jax.lax.with_sharding_constraint(cache, any_cache_shardings(cache, mesh))
                       for cache in (target_cache, draft_cache)]
             return (*caches, *jax.lax.with_sharding_constraint(outputs, NamedSharding(mesh, P())))
 
@@ -241,6 +257,15 @@ class OnMesh(SingleDevice):
 
     def rows(self, shards: Sequence[int], executable: ExecutableCache) -> BatchRows:
         return shard_major_rows(shards, self.data, lambda size: executable.bucket("batch", size))
+
+
+def any_cache_shardings(cache: PagedKVCache | HeadCache, mesh: Any) -> PagedKVCache | HeadCache:
+    """``cache_shardings`` of a paged cache or of a ``HeadCache`` (its pages' leading axis, the blocks,
+    over "data")."""
+    if not isinstance(cache, HeadCache):
+        return cache_shardings(cache, mesh)
+    blocks = NamedSharding(mesh, P(DATA))
+    return HeadCache(cache_shardings(cache.kv, mesh), blocks, blocks)
 
 
 def shard_major_rows(shards: Sequence[int], num_shards: int, bucket: Callable[[int], int | None]) -> BatchRows:

@@ -16,6 +16,7 @@ with ``tensor_parallel_config``'s head counts; its outputs are those of the orig
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
 import numpy as np
@@ -132,18 +133,37 @@ def tensor_parallel_split(model: Transformer, model_size: int, who: str) -> tupl
 def place_transformer(model: Transformer, mesh: Mesh, *, tensor_parallel: bool, vocab_parallel: bool,
                       who: str) -> tuple[nnx.GraphDef, nnx.State]:
     """``nnx.split`` of ``model`` with its parameters on ``mesh``: tensor-parallel over "model"
-    (``tensor_parallel_split``, ``parameter_spec``) or replicated, and replicated over "data".
-
-    Each parameter is read to the host once and each device receives only its shard
-    (``jax.make_array_from_callback``, which also works across processes).
+    (``tensor_parallel_split``, ``parameter_spec``) or replicated, and replicated over "data"
+    (``place_state``).
     """
     model_size = mesh.shape[MODEL] if tensor_parallel else 1
     graphdef, state = tensor_parallel_split(model, model_size, who)
     config = tensor_parallel_config(model.config, model_size, who)
-    for path, variable in nnx.to_flat_state(state):
-        host = variable.get_value()
-        spec = (parameter_spec("/".join(map(str, path)), config, model_size, vocab_parallel=vocab_parallel)
+    place_state(state, mesh, lambda name: parameter_spec(name, config, model_size, vocab_parallel=vocab_parallel)
                 if tensor_parallel else P())
-        variable.set_value(jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
-                                                        lambda index, host=host: host[index]))
     return graphdef, state
+
+
+def place_head(head: nnx.Module, mesh: Mesh, *, vocab_parallel: bool) -> tuple[nnx.GraphDef, nnx.State]:
+    """``nnx.split`` of an EAGLE head (``scv_jax.models.Eagle3Head``) with its parameters on ``mesh``:
+    replicated (every shard runs the whole one-layer head, as a replicated draft model), but for the
+    target's embedding it shares, split over "model" by vocabulary as the target's is
+    (``parameter_spec``)."""
+    graphdef, state = nnx.split(head)
+    model_size = mesh.shape[MODEL]
+
+    def spec_of(name: str) -> P:
+        return (parameter_spec(name, head.config, model_size, vocab_parallel=vocab_parallel)
+                if name == "embed/embedding" else P())
+
+    place_state(state, mesh, spec_of)
+    return graphdef, state
+
+
+def place_state(state: nnx.State, mesh: Mesh, spec_of: Callable[[str], P]) -> None:
+    """Puts every variable of ``state`` on ``mesh`` with the ``PartitionSpec`` ``spec_of(path)`` (path:
+    "blocks/attn/q/kernel"). Each value is read to the host once and each device receives only its shard
+    (``jax.make_array_from_callback``, which also works across processes)."""
+    for path, variable in nnx.to_flat_state(state):
+        host, sharding = np.asarray(variable.get_value()), NamedSharding(mesh, spec_of("/".join(map(str, path))))
+        variable.set_value(jax.make_array_from_callback(host.shape, sharding, lambda index, host=host: host[index]))

@@ -1,13 +1,15 @@
 """Runs the decoder on a mesh of CPU devices and reports what ``test_mesh.py`` asserts (one JSON line).
 
     python -m tests.decoding.mesh_worker --pair qwen --meshes 1,8 2,4:model 8,1 [--sample] [--extras]
-        [--devices 4 --process-id 0 --num-processes 2 --coordinator 127.0.0.1:PORT]
+        [--head 2,4] [--devices 4 --process-id 0 --num-processes 2 --coordinator 127.0.0.1:PORT]
 
 It must start its own interpreter: the CPU device count (and, for several processes,
 ``jax.distributed.initialize``) is fixed before JAX initialises. It decodes the same prompts with the
 model pair on one device and on each mesh ("data,model", ":model" places the draft on the mesh too),
 greedy (all at once and two at a time) and (``--sample``) sampled, after a warm-up, and records the
-tokens, the compiles after warm-up, the donations and the bytes each device holds.
+tokens, the compiles after warm-up, the donations and the bytes each device holds. With ``--head`` (the
+demo pair) it also decodes greedily with the demo EAGLE-3 head on those meshes and checks the head
+cache's sharded row reads and writes against one device.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--coordinator", default=None)
     parser.add_argument("--extras", action="store_true",
                         help="also report the mesh errors and check the sharded commit's Pallas kernel")
+    parser.add_argument("--head", nargs="*", default=(), help="data,model meshes to run the demo EAGLE-3 head on")
     return parser.parse_args()
 
 
@@ -46,11 +49,14 @@ if ARGS.num_processes > 1:
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import scv_jax  # noqa: E402
 from scv_jax import DecoderConfig, ShardingConfig, SpeculativeDecoder  # noqa: E402
 from scv_jax.graph.compile_counter import CompileCounter  # noqa: E402
-from scv_jax.models import TransformerConfig, load_demo  # noqa: E402
+from scv_jax.decoding import head_step  # noqa: E402
+from scv_jax.decoding.caches import HeadCache  # noqa: E402
+from scv_jax.models import TransformerConfig, load_demo, load_demo_head  # noqa: E402
 from scv_jax.ops.commit.sharded import sharded_commit_draft_kv  # noqa: E402
 from scv_jax.sharding.mesh import cache_shardings, tracing_on  # noqa: E402
 from tests.models.fixtures import perturbed_copy, tiny_model  # noqa: E402
@@ -168,6 +174,52 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
         mesh_processes=[[device.process_index for device in row] for row in mesh.devices])
 
 
+def _head_on_mesh(target, prompts: list[list[int]], spec: str) -> dict:
+    """Greedy tokens with the demo EAGLE-3 head on mesh ``spec`` (all at once and two at a time: requests
+    arriving mid-flight), its donations, and the bytes each device holds of its state and cache."""
+    mesh = scv_jax.decoder_mesh(*(int(x) for x in spec.split(",")))
+    decoder = SpeculativeDecoder(target, load_demo_head(target), config=CONFIG, mesh=mesh)
+    greedy = decoder.generate(prompts, MAX_NEW)
+    streamed = decoder.generate(prompts, MAX_NEW, max_num_seqs=2)
+    target_cache, head_cache = decoder.runner.caches.take()
+    decoder.runner.caches.put(target_cache, head_cache)
+    return dict(tokens={"greedy": greedy.tokens, "streamed": streamed.tokens}, acceptance=greedy.stats.acceptance_rate,
+                graph={k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)
+                       for k, s in decoder.graph_stats.items()},
+                head_state=_layout(decoder.runner.draft.state(decoder.runner.draft_params)),
+                head_cache=_layout(head_cache._asdict()), free_blocks=decoder.pool.num_free)
+
+
+def _head_rows(mesh) -> bool:
+    """The head cache's ``write_rows`` then ``read_rows`` on ``mesh`` (rows of data shard s carry block ids
+    local to its blocks) against one device (the same rows with global block ids)."""
+    blocks, block_size, width, rows, data = 8, 4, 8, 4, mesh.shape["data"]
+    rng = np.random.default_rng(0)
+    cache = HeadCache.wrap(None, blocks, block_size, width, jnp.float32)
+    local = np.stack([rng.permutation(blocks // data)[:2] for _ in range(rows)]).astype(np.int32)
+    local[1, 1] = -1
+    shard = np.arange(rows) // (rows // data)
+    global_tables = np.where(local < 0, -1, local + shard[:, None] * (blocks // data))
+    positions = rng.integers(0, 2 * block_size, (rows, 3)).astype(np.int32)
+    mask = rng.random((rows, 3)) < 0.8
+    features = jnp.asarray(rng.normal(size=(rows, 3, width)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(1, 100, (rows, 3)), jnp.int32)
+
+    def write_read(cache, tables):
+        cache = head_step.write_rows(cache, tables, positions, mask, after=(), features=features, tokens=tokens)
+        return cache, head_step.read_rows(cache, tables, positions)
+
+    def on_mesh(cache, tables):
+        with tracing_on(mesh):
+            return write_read(cache, tables)
+
+    expected = jax.jit(write_read)(cache, global_tables)
+    placed = jax.device_put(cache, HeadCache(None, *[NamedSharding(mesh, PartitionSpec("data"))] * 2))
+    got = jax.jit(on_mesh)(placed, local)
+    return all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(got),
+                                                                           jax.tree.leaves(expected)))
+
+
 def _errors(mesh) -> dict[str, str]:
     """The one-line errors of bad meshes and models."""
     target = tiny_model(QWEN_TINY, seed=0)
@@ -235,6 +287,16 @@ def main() -> None:
     if ARGS.extras:
         mesh = scv_jax.decoder_mesh(2, len(jax.devices()) // 2)
         result.update(errors=_errors(mesh), sharded_commit=_sharded_commit(mesh))
+    if ARGS.head:
+        mesh = scv_jax.decoder_mesh(2, len(jax.devices()) // 2)
+        result.update(head={spec: _head_on_mesh(target, prompts, spec) for spec in ARGS.head},
+                      head_rows=_head_rows(mesh))
+        try:
+            SpeculativeDecoder(target, load_demo_head(target), config=CONFIG, mesh=mesh,
+                               sharding=ShardingConfig(draft="model"))
+            result["head_error"] = ""
+        except ValueError as error:
+            result["head_error"] = str(error)
     print(json.dumps(result), flush=True)
 
 

@@ -71,11 +71,26 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
 
 def test_demo_pair_on_meshes_decodes_as_on_one_device():
     """The demo target has 6 query and 2 KV heads: on a model axis of 8 (or 4) each KV head is
-    replicated 4 (2) times and each query group padded to 4 heads; on (8, 1) it is data parallel only."""
-    result = _result(_start("--pair", "demo", "--meshes", "1,8", "2,4", "8,1"))
+    replicated 4 (2) times and each query group padded to 4 heads; on (8, 1) it is data parallel only.
+    The demo EAGLE-3 head on (2, 4): the target's tokens, the head replicated but for the embedding it
+    shares (vocabulary-split like the target's), its cache over "data" only."""
+    result = _result(_start("--pair", "demo", "--meshes", "1,8", "2,4", "8,1", "--head", "2,4"))
     for spec in ("1,8", "2,4", "8,1"):
         _check_mesh_run(result, spec, kv_heads=(2, 1))
     assert 0.3 < result["meshes"]["2,4"]["acceptance"] < 1.0
+    head = result["head"]["2,4"]
+    assert head["tokens"] == {"greedy": result["expected"]["greedy"], "streamed": result["expected"]["greedy"]}
+    assert 0.3 < head["acceptance"] < 1.0 and head["free_blocks"] == 64
+    assert all(v == 0 for stats in head["graph"].values() for v in stats.values()), head["graph"]
+    for name, array in head["head_state"].items():
+        share = 4 if name == "embed/embedding" else 1
+        assert array["device_bytes"] == [array["nbytes"] // share] * 8, (name, array)
+    assert set(head["head_cache"]) == {"kv/k_pages", "kv/v_pages", "features", "tokens"}
+    for name, pages in head["head_cache"].items():
+        assert pages["device_bytes"] == [pages["nbytes"] // 2] * 8, (name, pages)
+    assert result["head_rows"]      # the head cache's rows, read and written per data shard, as on one device
+    assert result["head_error"] == ("SpeculativeDecoder: an EAGLE-3 head runs replicated over the mesh's model "
+                                    "axis: ShardingConfig.draft must be 'replicated', got 'model'")
 
 
 def test_qwen_style_pair_on_meshes_greedy_and_sampled():
