@@ -3,7 +3,10 @@ decodes; at step 4 of each repetition four short requests arrive; the wall time 
 printed (ms), the arriving step's at index 4. The demo pair exported by ``scv_jax.demo.hf_export`` (as
 ``bench_startup.py`` does), every executable of ``warmup(16, 512, temperatures=(0.0,))`` compiled first.
 
-    python benchmarks/bench_arrival.py [--checkpoints /tmp/scv_jax_demo_ckpt]
+    python benchmarks/bench_arrival.py [--checkpoints /tmp/scv_jax_demo_ckpt] [--start-warmup]
+
+``--start-warmup``: ``Engine.start_warmup`` (what ``serve`` runs: on CPU each executable also runs once
+on zeros after compiling, ``Compiler.prime``), waited for to the end, instead of ``warmup``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--checkpoints", default=os.path.join(tempfile.gettempdir(), "scv_jax_demo_ckpt"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--start-warmup", action="store_true", help="serve's warm-up (primed on CPU)")
     args = parser.parse_args()
     import scv_jax
     from scv_jax.models import load_hf
@@ -30,7 +34,12 @@ def main() -> None:
     target_dir, draft_dir = export_demo(args.checkpoints)
     engine = scv_jax.Engine(load_hf(target_dir), load_hf(draft_dir), config=scv_jax.DecoderConfig(
         k=4, batch_buckets=(1, 2, 4, 8, 16), max_seq_len=512, num_blocks=512))
-    engine.warmup(16, 512, temperatures=(0.0,))
+    if args.start_warmup:
+        compiler = engine.start_warmup(16, 512, temperatures=(0.0,))
+        compiler.wait()
+        compiler.stop()
+    else:
+        engine.warmup(16, 512, temperatures=(0.0,))
     prompt = list(b"def fibonacci(n):\n    ")
     engine.add_request(prompt, scv_jax.SamplingParams(max_tokens=400, ignore_eos=True))
     for _ in range(5):
