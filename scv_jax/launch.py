@@ -88,12 +88,9 @@ def host_drafter(args: argparse.Namespace) -> HostDrafter | None:
 
 
 def _check_head_flags(args: argparse.Namespace) -> None:
-    """An EAGLE-3 head drafts dense chains on one device: ``--packed-verify`` and ``--mesh`` (``serve``)
-    are refused."""
-    for flag, given in (("--packed-verify", args.packed_verify), ("--mesh", getattr(args, "mesh", None))):
-        if given:
-            raise ValueError(f"{flag} does not apply to an EAGLE-3 head (--eagle3): it drafts dense chains "
-                             "on one device")
+    """An EAGLE-3 head drafts on one device: ``--mesh`` (``serve``) is refused."""
+    if getattr(args, "mesh", None):
+        raise ValueError("--mesh does not apply to an EAGLE-3 head (--eagle3): it drafts on one device")
 
 
 def load_models(args: argparse.Namespace, dirs: Checkpoints) -> Models:
