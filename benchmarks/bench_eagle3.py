@@ -5,12 +5,14 @@ lookup and the target alone, on the demo target, greedy: held-out standard-libra
 
 Modes: autoregressive; the draft model, the head and n-gram (``NgramDrafter(1, 3)``) chains at
 k = ``--ks`` (default 2, 4, 6); the draft model's and the head's EAGLE-2 trees (``TreeConfig()``: depth
-4, 16 nodes). Reported per mode: mean accepted length (tokens per request per decode step, mean over
-rounds), acceptance per draft position, milliseconds per decode step (drafting and verification, the
-prefill spread over the steps, compiles excluded: the draft's cost beside the target's alone), tokens/s (median over rounds) and its ratio to autoregressive;
-greedy outputs are checked against the target's alone.
+4, 16 nodes). ``--packed``: autoregressive and the head's chains dense and with packed verification
+(``DecoderConfig.packed_verify``) instead. Reported per mode: mean accepted length (tokens per request
+per decode step, mean over rounds), acceptance per draft position, the tokens the target scored per
+step (padding rows included), milliseconds per decode step (drafting and verification, the prefill
+spread over the steps, compiles excluded: the draft's cost beside the target's alone), tokens/s (median
+over rounds) and its ratio to autoregressive; greedy outputs are checked against the target's alone.
 
-    python benchmarks/bench_eagle3.py [--rounds 3] [--prompts 4] [--max-tokens 128] [--ks 2,4,6] [--head DIR] [--append]
+    python benchmarks/bench_eagle3.py [--rounds 3] [--prompts 4] [--max-tokens 128] [--ks 2,4,6] [--head DIR] [--packed] [--append]
 
 ``--dry-run``: one round, 2 prompts, 8 tokens (a check that the script runs; nothing appended).
 """
@@ -33,15 +35,18 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 PROMPT_LEN = 48
 
 
-def decoders(head_dir: str | None, max_len: int, ks: list[int]) -> dict[str, SpeculativeDecoder]:
-    """{mode name: decoder} over the demo target."""
+def decoders(head_dir: str | None, max_len: int, ks: list[int], packed: bool = False) -> dict[str, SpeculativeDecoder]:
+    """{mode name: decoder} over the demo target (``packed``: the head's chains dense and packed)."""
     target, draft = load_demo()
     head = load_demo_head(target) if head_dir is None else load_eagle3(head_dir, target, dtype="float32")
 
-    def config(k: int, tree: TreeConfig | None = None) -> DecoderConfig:
-        return DecoderConfig(k=k, max_seq_len=max_len, num_blocks=256, tree=tree)
+    def config(k: int, tree: TreeConfig | None = None, packed_verify: bool = False) -> DecoderConfig:
+        return DecoderConfig(k=k, max_seq_len=max_len, num_blocks=256, tree=tree, packed_verify=packed_verify)
 
     modes = {"autoregressive": SpeculativeDecoder(target, None, config=config(0))}
+    if packed:
+        return modes | {f"eagle3 head, k={k}{' packed' if p else ''}": SpeculativeDecoder(
+            target, head, config=config(k, packed_verify=p)) for k in ks for p in (False, True)}
     for name, drafter in (("draft model", draft), ("eagle3 head", head), ("n-gram", NgramDrafter(1, 3))):
         modes |= {f"{name}, k={k}": SpeculativeDecoder(target, drafter, config=config(k)) for k in ks}
         if name != "n-gram":
@@ -52,10 +57,10 @@ def decoders(head_dir: str | None, max_len: int, ks: list[int]) -> dict[str, Spe
 
 def run(args: argparse.Namespace) -> str:
     """The markdown table of every mode over ``args.rounds`` rounds."""
-    modes = decoders(args.head, PROMPT_LEN + args.max_tokens, args.ks)
+    modes = decoders(args.head, PROMPT_LEN + args.max_tokens, args.ks, args.packed)
     for decoder in modes.values():
         decoder.generate(benchmark_prompts(args.prompts, PROMPT_LEN, seed=1000), args.max_tokens)     # warm-up
-    rows = {name: {"tps": [], "mal": [], "positions": [], "step_ms": []} for name in modes}
+    rows = {name: {"tps": [], "mal": [], "positions": [], "scored": [], "step_ms": []} for name in modes}
     for r in range(args.rounds):
         prompts = benchmark_prompts(args.prompts, PROMPT_LEN, seed=r)
         reference = None
@@ -68,18 +73,19 @@ def run(args: argparse.Namespace) -> str:
             rows[name]["tps"].append(stats.tokens_per_second)
             rows[name]["mal"].append(stats.mean_accepted_length)
             rows[name]["positions"].append(stats.acceptance_per_position)
+            rows[name]["scored"].append(stats.scored_tokens / max(stats.steps, 1))
             rows[name]["step_ms"].append(1e3 * (stats.wall_seconds - stats.compile_seconds) / max(stats.steps, 1))
             print(f"round {r}: {name:20s} {stats.mean_accepted_length:5.2f} tokens/step "
                   f"{stats.tokens_per_second:8.1f} tokens/s", file=sys.stderr, flush=True)
     baseline = statistics.median(rows["autoregressive"]["tps"])
-    lines = ["| mode | mean accepted length | acceptance per position | ms per step | tokens/s (median) "
-             "| x autoregressive |", "|---|---:|---|---:|---:|---:|"]
+    lines = ["| mode | mean accepted length | acceptance per position | target tokens scored per step | ms per step "
+             "| tokens/s (median) | x autoregressive |", "|---|---:|---|---:|---:|---:|---:|"]
     for name, r in rows.items():
         positions = [statistics.mean(column) for column in zip(*r["positions"])]
         shown = " ".join(f"{a:.2f}" for a in positions) or "-"
         tps = statistics.median(r["tps"])
-        lines.append(f"| {name} | {statistics.mean(r['mal']):.2f} | {shown} | {statistics.median(r['step_ms']):.1f} "
-                     f"| {tps:.1f} | {tps / baseline:.2f} |")
+        lines.append(f"| {name} | {statistics.mean(r['mal']):.2f} | {shown} | {statistics.mean(r['scored']):.1f} "
+                     f"| {statistics.median(r['step_ms']):.1f} | {tps:.1f} | {tps / baseline:.2f} |")
     return "\n".join(lines)
 
 
@@ -91,6 +97,8 @@ def main() -> None:
     parser.add_argument("--ks", type=lambda text: [int(k) for k in text.split(",")], default=[2, 4, 6],
                         help="chain lengths, comma-separated")
     parser.add_argument("--head", help="an EAGLE-3 checkpoint for the demo target (default: the shipped head)")
+    parser.add_argument("--packed", action="store_true",
+                        help="autoregressive and the head's modes, dense and packed (packed_verify)")
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--append", action="store_true")
     args = parser.parse_args()
@@ -101,8 +109,9 @@ def main() -> None:
     if args.append and not args.dry_run:
         command = "python benchmarks/bench_eagle3.py " + " ".join(sys.argv[1:])
         details = f"{args.rounds} rounds of {args.prompts} prompts x {args.max_tokens} new tokens, greedy. "
-        append_markdown(RESULTS, results_header("EAGLE-3 demo head vs the demo draft model", command, details)
-                        + table + "\n")
+        title = ("EAGLE-3 demo head, dense vs packed verification" if args.packed
+                 else "EAGLE-3 demo head vs the demo draft model")
+        append_markdown(RESULTS, results_header(title, command, details) + table + "\n")
 
 
 if __name__ == "__main__":

@@ -202,7 +202,7 @@ def _add_models(parser: argparse.ArgumentParser, *, ngram_help: str, suffix_help
                          help="a draft model (same vocabulary): a directory or a Hugging Face Hub id")
     drafter.add_argument("--eagle3", metavar="DIR|ID",
                          help="an EAGLE-3 draft head trained for --model (docs/eagle3.md), in --dtype: a directory "
-                              "or a Hugging Face Hub id; it drafts chains (not with --packed-verify)")
+                              "or a Hugging Face Hub id")
     drafter.add_argument("--ngram", action="store_true", help=ngram_help)
     drafter.add_argument("--suffix", action="store_true", help=suffix_help)
     drafter.add_argument("--speculative-config", metavar="JSON", type=_speculative_config,

@@ -87,12 +87,6 @@ def host_drafter(args: argparse.Namespace) -> HostDrafter | None:
     return None
 
 
-def _check_head_flags(args: argparse.Namespace) -> None:
-    """An EAGLE-3 head drafts dense chains: ``--packed-verify`` is refused."""
-    if args.packed_verify:
-        raise ValueError("--packed-verify does not apply to an EAGLE-3 head (--eagle3): it drafts dense chains")
-
-
 def load_models(args: argparse.Namespace, dirs: Checkpoints) -> Models:
     """The target of ``--model`` and the drafter of ``--draft`` / ``--eagle3`` / ``--ngram`` / ``--suffix``
     (the models from ``dirs``), in ``--dtype``; the drafter's settings are checked before any weights
@@ -101,7 +95,6 @@ def load_models(args: argparse.Namespace, dirs: Checkpoints) -> Models:
 
     host = host_drafter(args)
     if dirs.eagle3 is not None:
-        _check_head_flags(args)
     target = load_hf(dirs.model, dtype=args.dtype)
     if dirs.eagle3 is not None:
         head = load_eagle3(dirs.eagle3, target, dtype=args.dtype)

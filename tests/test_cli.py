@@ -199,7 +199,8 @@ def _text_and_drafting(out: str) -> tuple[str, list[str]]:
 
 def test_generate_with_an_eagle3_head(capsys, monkeypatch, tmp_path, eagle3_head):
     """--eagle3 DIR drafts with the head and prints the target's greedy text (--compare: the target
-    alone), in --dtype; the head as a Hub id at a revision, named by --speculative-config, does the same."""
+    alone), in --dtype, with --packed-verify too; the head as a Hub id at a revision, named by
+    --speculative-config, does the same."""
     from scv_jax.models import load_eagle3
 
     heads = []
@@ -208,12 +209,15 @@ def test_generate_with_an_eagle3_head(capsys, monkeypatch, tmp_path, eagle3_head
     assert cli.main(["generate", "--model", FIXTURE, "--eagle3", str(eagle3_head), *GREEDY, "--compare"]) == 0
     out = capsys.readouterr().out
     assert "speculative (k=3, EAGLE-3 head)" in out and "greedy outputs identical  yes" in out and "per position: 0" in out, out
+    # with --packed-verify it prints the same
+    assert cli.main(["generate", "--model", FIXTURE, "--eagle3", str(eagle3_head), *GREEDY, "--packed-verify"]) == 0
+    assert _text_and_drafting(capsys.readouterr().out) == _text_and_drafting(out)
     cache = offline_hub(monkeypatch, tmp_path / "hub")
     cache_repo(cache, "org/head", eagle3_head, refs=("v1",))        # no main: the revision is needed
     config = {"method": "eagle3", "model": "org/head", "revision": "v1", "num_speculative_tokens": 3}
     assert cli.main(["generate", "--model", FIXTURE, "--speculative-config", json.dumps(config), *GREEDY[:-2]]) == 0
     assert _text_and_drafting(capsys.readouterr().out) == _text_and_drafting(out)
-    assert [head.config.dtype for head in heads] == ["float32", "float32"]
+    assert [head.config.dtype for head in heads] == ["float32"] * 3
 
 
 @pytest.mark.parametrize("config, flags", [
@@ -248,8 +252,6 @@ HEAD_CONFIG = {"method": "eagle3", "model": "HEAD"}
 @pytest.mark.parametrize("argv, message", [
     (["--eagle3", "HEAD", "--draft", FIXTURE], "argument --draft: not allowed with argument --eagle3"),
     (["--ngram", "--eagle3", "HEAD"], "argument --eagle3: not allowed with argument --ngram"),
-    (["--eagle3", "HEAD", "--packed-verify"], "error: --packed-verify does not apply to an EAGLE-3 head (--eagle3): "
-                                             "it drafts dense chains"),
     (["--eagle3-revision", "v1"], "error: --eagle3-revision needs --eagle3"),
     (["--eagle3", "HEAD", "--eagle3-revision", "v1"], "error: --eagle3 HEAD is a local directory: a revision ('v1') "
                                                      "applies to Hub ids only"),
@@ -288,8 +290,6 @@ HEAD_CONFIG = {"method": "eagle3", "model": "HEAD"}
      "error: --adaptive: not allowed with --speculative-config's num_speculative_tokens"),
     (["--speculative-config", HEAD_CONFIG, "--eagle3-revision", "v1"],
      'error: --eagle3-revision: not allowed with --speculative-config (give its "revision")'),
-    (["--speculative-config", HEAD_CONFIG, "--packed-verify"], "error: --packed-verify does not apply to an "
-                                                              "EAGLE-3 head"),
 ])
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_eagle3_mistakes_are_one_line_errors_before_loading_weights(command, argv, message, monkeypatch, tmp_path,

@@ -35,7 +35,7 @@ from scv_jax.decoding.grammar import Grammars
 from scv_jax.decoding.outputs import RequestOutput
 from scv_jax.decoding.placement import ShardingConfig
 from scv_jax.decoding.plan import SamplingColumn
-from scv_jax.decoding.proposers.factory import draft_model_of, is_head, make_proposer
+from scv_jax.decoding.proposers.factory import draft_model_of, make_proposer
 from scv_jax.decoding.requests import RequestBatch, check_eos, check_prompt
 from scv_jax.decoding.runner import StepRunner
 from scv_jax.decoding.scheduler import Request, Scheduler
@@ -92,8 +92,6 @@ def build_runner(target, draft=None, *, config: DecoderConfig | None = None, mes
     if config.tree is not None and draft_model is not None and config.tree.branching > vocab_size:
         raise ValueError(f"SpeculativeDecoder: TreeConfig.branching {config.tree.branching} exceeds vocab_size "
                          f"{vocab_size} (a node's children are distinct tokens)")
-    if config.packed_verify and is_head(draft_model):
-        raise ValueError("SpeculativeDecoder: an EAGLE head verifies dense chains: use DecoderConfig(packed_verify=False)")
     try:
         proposer = make_proposer(draft, config.allowed_k, config.tree, vocab_size)
     except ValueError as error:

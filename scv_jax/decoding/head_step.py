@@ -12,11 +12,13 @@ token) and, for every verified position, its feature and accepted draft. Each st
    hidden state, not committed), then k - 1 one-row forwards, each feeding the head its own
    ``hidden_out`` and its last draft (``verifiers.draft_chain``). A request at position 0 (a one-token
    prompt: no feature yet) proposes nothing that step.
-2. ``score``: the chain verifier's dense target forward, asking for the taps of every scored token.
+2. ``score``: the chain verifier's target forward, dense or packed (``verifiers.score_chain``), asking for
+   the taps of every token it scores.
 3. ``accept``: the chain verifier's.
 4. ``commit_draft``: the catch-up rows' K/V (rows from the head's own hidden states are never
    committed: the next catch-up recomputes accepted ones from the target's features, as EAGLE does),
-   the features of the pending token and the accepted drafts, and the accepted drafts' tokens. The new
+   the features of the pending token and the accepted drafts (a packed step's taken by request and
+   offset from its packed tokens, ``ChainScored.grid``), and the accepted drafts' tokens. The new
    lag is the emitted count, ``num_accepted + 1`` (``proposers.draft_model.HeadChain``).
 
 Nothing of a rejected draft reaches any cache.
@@ -32,8 +34,8 @@ import jax.numpy as jnp
 
 from scv_jax.decoding.caches import HeadCache
 from scv_jax.decoding.device_step import SplitModel, commit_positions
-from scv_jax.decoding.verifiers import (ChainScored, ChainVerifier, TreeScored, TreeVerifier, draft_chain,
-                                        drafts_before_stop, grow_tree, score, score_tree)
+from scv_jax.decoding.verifiers import (ChainScored, ChainVerifier, TreeScored, TreeVerifier, draft_chain, grow_tree,
+                                        score_chain, score_tree)
 from scv_jax.models.protocol import StagedKV
 from scv_jax.ops.commit.api import slots_from_block_table
 from scv_jax.sharding.mesh import REQUESTS, active_mesh, per_shard
@@ -162,11 +164,6 @@ class HeadChainVerifier(ChainVerifier):
     width: int = 1
     every_step = True
 
-    def check(self, *, k: int, logprobs: bool, packed_k: int) -> None:
-        super().check(k=k, logprobs=logprobs, packed_k=packed_k)
-        if packed_k:
-            raise ValueError(f"decode_step: an EAGLE head's steps verify dense chains (packed_k 0), got {packed_k}")
-
     def stages(self, k: int) -> "HeadChainVerifier":
         return self
 
@@ -190,17 +187,15 @@ class HeadChainVerifier(ChainVerifier):
 
     def score(self, target, target_cache, block_tables, inputs, proposal: HeadProposal, *, k, packed_k, backend
               ) -> ChainScored:
-        num_drafts = jnp.where(proposal.ran.valid, inputs.num_drafts, 0)
-        if k:
-            num_drafts = drafts_before_stop(proposal.tokens, num_drafts, inputs.stop_ids)
-        out = score(target, target_cache, block_tables, inputs.pending, proposal.tokens, inputs.context_lens,
-                    backend=backend, aux_layers=self.aux_layers)
-        return ChainScored(out._replace(taps=proposal.ran.head.combine(out.taps)), num_drafts, None)
+        scored = score_chain(target, target_cache, block_tables, inputs, proposal.tokens,
+                             jnp.where(proposal.ran.valid, inputs.num_drafts, 0), k=k, packed_k=packed_k,
+                             backend=backend, aux_layers=self.aux_layers)
+        return scored._replace(output=scored.output._replace(taps=proposal.ran.head.combine(scored.output.taps)))
 
     def commit_draft(self, cache: HeadCache, proposal: HeadProposal, scored: ChainScored, result, block_tables,
                      inputs, *, block_size, backend) -> HeadCache:
-        return commit(cache, proposal.ran, scored.output.taps, proposal.tokens, result.num_accepted, block_tables,
-                      inputs, block_size=block_size, backend=backend, after=result.summary.packed)
+        return commit(cache, proposal.ran, scored.grid(scored.output.taps), proposal.tokens, result.num_accepted,
+                      block_tables, inputs, block_size=block_size, backend=backend, after=result.summary.packed)
 
 
 class HeadTreeProposal(NamedTuple):

@@ -219,12 +219,22 @@ def fitting_drafts(num_drafts: jax.Array, capacity: int) -> jax.Array:
 
 def score_packed(target, target_cache: PagedKVCache, block_tables: jax.Array, pending: jax.Array,
                  drafts: jax.Array, packed: PackedTokens, context_lens: jax.Array, *,
-                 backend: str) -> PagedForwardOutput:
+                 backend: str, aux_layers: tuple[int, ...] | None = None) -> PagedForwardOutput:
     """Stage 2, packed: the target's ``forward_packed`` over each request's [pending, its drafts] laid out
-    by ``packed``; logits [N, V], K/V [layers, N, kv_heads, head_dim]."""
+    by ``packed``; logits [N, V], K/V [layers, N, kv_heads, head_dim] (with the taps [N, ...] of
+    ``aux_layers``, when given, for an EAGLE head)."""
     grid = jnp.concatenate([pending[:, None], drafts], axis=1)
     tokens = grid[packed.rows, jnp.minimum(packed.offsets, grid.shape[1] - 1)]
-    return target.forward_packed(tokens, packed, target_cache, block_tables, context_lens, backend=backend)
+    taps = {} if aux_layers is None else dict(aux_layers=aux_layers)
+    return target.forward_packed(tokens, packed, target_cache, block_tables, context_lens, backend=backend, **taps)
+
+
+def packed_grid(x: jax.Array, num_drafts: jax.Array, width: int) -> jax.Array:
+    """[N, ...] values of a packed step's tokens (``packed_layout(num_drafts, N, width)``) -> [B, width, ...]:
+    request b's at offset t (its last token's, offset ``num_drafts[b]``, past its drafts)."""
+    start = jnp.cumsum(num_drafts + 1, dtype=jnp.int32) - (num_drafts + 1)
+    t = jnp.arange(width, dtype=jnp.int32)[None, :]
+    return x[start[:, None] + jnp.minimum(t, num_drafts[:, None])]
 
 
 def ragged_slots(num_drafts: jax.Array, k: int, shards: int = 1,
@@ -338,6 +348,31 @@ class ChainScored(NamedTuple):
     num_drafts: jax.Array
     packed: PackedTokens | None
 
+    def grid(self, x: jax.Array) -> jax.Array:
+        """[B, k + 1, ...] per-token values of ``output`` (its [B, k + 1, ...] as they are; a packed step's
+        [N, ...] by request and offset, ``packed_grid``)."""
+        return x if self.packed is None else packed_grid(x, self.num_drafts, self.packed.width)
+
+
+def score_chain(target, target_cache: PagedKVCache, block_tables: jax.Array, inputs: StepInputs, drafts: jax.Array,
+                num_drafts: jax.Array, *, k: int, packed_k: int, backend: str,
+                aux_layers: tuple[int, ...] | None = None) -> ChainScored:
+    """Stage 2 of a chain step: ``num_drafts`` int32[B] cut after a stop id (and, packed, to fit), then the
+    target over [pending, ``drafts``] dense (``score``) or, with ``packed_k``, packed (``score_packed``);
+    with the taps of ``aux_layers`` when given."""
+    packed, batch = None, num_drafts.shape[0]
+    if k:
+        num_drafts = drafts_before_stop(drafts, num_drafts, inputs.stop_ids)
+    if packed_k:
+        num_drafts = fitting_drafts(jnp.clip(num_drafts, 0, k), batch * packed_k)
+        packed = packed_layout(num_drafts, batch * (packed_k + 1), k + 1)
+        out = score_packed(target, target_cache, block_tables, inputs.pending, drafts, packed, inputs.context_lens,
+                           backend=backend, aux_layers=aux_layers)
+    else:
+        out = score(target, target_cache, block_tables, inputs.pending, drafts, inputs.context_lens,
+                    backend=backend, aux_layers=aux_layers)
+    return ChainScored(out, num_drafts, packed)
+
 
 @dataclasses.dataclass(frozen=True)
 class ChainVerifier:
@@ -367,18 +402,8 @@ class ChainVerifier:
                        inputs.keys, sampling, k=k, greedy=greedy, backend=backend, controls=inputs.controls)
 
     def score(self, target, target_cache, block_tables, inputs, proposal, *, k, packed_k, backend) -> ChainScored:
-        num_drafts, packed, batch = inputs.num_drafts, None, inputs.lag.shape[0]
-        if k:
-            num_drafts = drafts_before_stop(proposal.tokens, num_drafts, inputs.stop_ids)
-        if packed_k:
-            num_drafts = fitting_drafts(jnp.clip(num_drafts, 0, k), batch * packed_k)
-            packed = packed_layout(num_drafts, batch * (packed_k + 1), k + 1)
-            out = score_packed(target, target_cache, block_tables, inputs.pending, proposal.tokens, packed,
-                               inputs.context_lens, backend=backend)
-        else:
-            out = score(target, target_cache, block_tables, inputs.pending, proposal.tokens, inputs.context_lens,
-                        backend=backend)
-        return ChainScored(out, num_drafts, packed)
+        return score_chain(target, target_cache, block_tables, inputs, proposal.tokens, inputs.num_drafts, k=k,
+                           packed_k=packed_k, backend=backend)
 
     def accept(self, target_cache, scored, proposal, inputs, sampling, block_tables, *, block_size, greedy,
                backend) -> tuple[PagedKVCache, StepSummary, Any]:

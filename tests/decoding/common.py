@@ -17,3 +17,9 @@ def prompts(seed: int, batch: int, alphabet: int = TINY.vocab_size) -> list[list
     """``batch`` random prompts of 1 to 19 tokens from the first ``alphabet`` token ids."""
     rng = np.random.default_rng(seed)
     return [rng.integers(0, alphabet, rng.integers(1, 20)).tolist() for _ in range(batch)]
+
+
+def ran_packed_steps(decoder) -> bool:
+    """Whether a ``SpeculativeDecoder`` or ``Engine`` compiled (so ran) a packed verify step (``packed_k`` > 0)."""
+    executable = decoder.runner.decode_executable
+    return any("packed_k=0" not in executable.describe(key) for key in executable.compiled_keys)

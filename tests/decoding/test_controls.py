@@ -13,7 +13,7 @@ import pytest
 
 from scv_jax import DecoderConfig, Engine, NgramDrafter, SamplingParams, SpeculativeDecoder
 from scv_jax.graph.compile_counter import CompileCounter
-from tests.decoding.common import SMALL, prompts
+from tests.decoding.common import SMALL, prompts, ran_packed_steps
 from tests.decoding.test_engine import run, target_logits, tokens  # noqa: F401 (a fixture)
 from tests.decoding.test_tree_decoding import TREE_CONFIG
 from tests.models.fixtures import TINY
@@ -38,12 +38,6 @@ def decoders(target, partial_draft):
             "tree": SpeculativeDecoder(target, NgramDrafter(1, 2), config=TREE_CONFIG),
             "tree-model": SpeculativeDecoder(target, partial_draft, config=TREE_CONFIG),
             "packed": SpeculativeDecoder(target, NgramDrafter(1, 3), config=PACKED)}
-
-
-def _ran_packed_steps(decoder: SpeculativeDecoder) -> bool:
-    """Whether the decoder compiled (so ran) a packed verify step (``packed_k`` > 0)."""
-    executable = decoder.runner.decode_executable
-    return any("packed_k=0" not in executable.describe(key) for key in executable.compiled_keys)
 
 
 def oracle_greedy(target_logits, prompt: list[int], params: SamplingParams, stops=()) -> list[int]:  # noqa: F811
@@ -104,7 +98,7 @@ def test_greedy_with_controls_equals_autoregressive(decoders, autoregressive, dr
             assert out.tokens == autoregressive.generate(batch + batch[:1], sampling=rows, eos_token_id=EOS).tokens
             assert out.stats.acceptance_rate > 0
     assert decoder.pool.num_free == SMALL.num_blocks
-    assert drafter != "packed" or _ran_packed_steps(decoder)
+    assert drafter != "packed" or ran_packed_steps(decoder)
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "tree", "tree-model", "packed"])
@@ -121,7 +115,7 @@ def test_bad_words_of_several_tokens_under_speculation_equal_autoregressive(deco
     want = autoregressive.generate(batch, sampling=params).tokens
     out = decoders[drafter].generate(batch, sampling=params)
     assert out.tokens == want and want[0] != plain[0] and out.stats.acceptance_rate > 0
-    assert drafter != "packed" or _ran_packed_steps(decoders[drafter])
+    assert drafter != "packed" or ran_packed_steps(decoders[drafter])
 
 
 def _distribution(target_logits, prompt, output, params: SamplingParams) -> np.ndarray:  # noqa: F811

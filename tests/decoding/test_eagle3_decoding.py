@@ -1,7 +1,7 @@
 """An EAGLE-3 head drafting in the engine: greedy output equals the target's alone (chains, adaptive k,
-requests arriving mid-flight, chunked prompts, one-token prompts), sampled tokens keep the filtered
-target distribution, nothing of a rejected draft reaches the head's cache, and a head fitted to the
-target's continuations sees its drafts accepted."""
+packed verification, requests arriving mid-flight, chunked prompts, one-token prompts), sampled tokens
+keep the filtered target distribution, nothing of a rejected draft reaches the head's cache, and a head
+fitted to the target's continuations sees its drafts accepted."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, T
 from scv_jax.eagle3_train import train_head
 from scv_jax.models import load_eagle3
 from scv_jax.graph.compile_counter import CompileCounter
-from tests.decoding.common import MAX_NEW, SMALL, prompts
+from tests.decoding.common import MAX_NEW, SMALL, prompts, ran_packed_steps
 from tests.decoding.test_controls import CONTROLS, EOS, MASKS
 from tests.decoding.test_engine import FILTERS, first_two_tokens_follow_the_target, run, target_logits, tokens  # noqa: F401
+from tests.decoding.test_packed_verify import PACKED, PACKED_ADAPTIVE
 from tests.models.eagle3_fixtures.heads import head_config, head_tensors
 from tests.models.fixtures import TINY
 from tests.models.test_eagle3 import write_head
@@ -60,7 +61,8 @@ def fitted(target, autoregressive, tmp_path_factory):
 FIT_PROMPTS = [p[:6] + [0] * (6 - len(p[:6])) for p in prompts(40, 8)]
 
 
-@pytest.mark.parametrize("config", [CHAIN, ADAPTIVE, TREE], ids=["chain", "adaptive", "tree"])
+@pytest.mark.parametrize("config", [CHAIN, ADAPTIVE, TREE, PACKED_ADAPTIVE],
+                         ids=["chain", "adaptive", "tree", "adaptive-packed"])
 def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregressive, fitted, config):
     engine = Engine(target, fitted[0], config=config, eos_token_id=None)
     batch = FIT_PROMPTS[:2] + prompts(31, 2) + [[5]]     # 1 to 19 tokens (prefill chunks of 16), and one
@@ -70,16 +72,19 @@ def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregres
                            2: [(batch[1], params, "1"), (batch[2], params, "2")], 5: [(batch[3], params, "3")]})
     assert [tokens(outputs, str(i)) for i in range(5)] == free
     assert sum(outputs[str(i)][-1].num_accepted_tokens for i in range(5)) > 0
+    assert ran_packed_steps(engine) == config.packed_verify
 
 
-@pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 4}), TREE], ids=["chain", "tree"])
+@pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 4}), TREE,
+                                    DecoderConfig(**{**vars(SMALL), "k": 4, "packed_verify": True})],
+                         ids=["chain", "tree", "packed"])
 def test_the_head_cache_holds_verified_rows_only(target, fitted, config):
     """One request with accepted and rejected drafts, alone in a fresh engine (its blocks are the pool's first,
     in order, so position p is slot p): the head's cache holds the target's combined taps of each
     position it verified, the accepted drafts' tokens at their positions, and one K/V row per position
     but the last lag (at most k + 1) ones, which the prefix cache's top-up at the end adds (the last row
     pairs the last verified position with the last token): nothing of a rejected draft, nothing past
-    the text."""
+    the text. Packed (one request in a batch of 4: packed steps), the taps come from the packed tokens."""
     head = fitted[0]
     engine = Engine(target, head, config=config, eos_token_id=None)
     prompt = FIT_PROMPTS[0][:3]            # the start of a learned text: some drafts accepted, some not
@@ -98,6 +103,7 @@ def test_the_head_cache_holds_verified_rows_only(target, fitted, config):
     kv_rows = np.any(np.asarray(cache.kv.k_pages) != 0, axis=(0, -2, -1)).reshape(-1)
     committed = int(kv_rows.sum())
     assert committed == len(sequence) - 1 and kv_rows[:committed].all()
+    assert ran_packed_steps(engine) == config.packed_verify
 
 
 @pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 2}), TREE], ids=["chain", "tree"])
@@ -111,9 +117,18 @@ def test_sampled_tokens_follow_the_filtered_target(target, target_logits, head, 
     first_two_tokens_follow_the_target(sampled, prompt, params, target_logits)
 
 
-def test_packed_verification_is_refused(target, head):
-    with pytest.raises(ValueError, match="packed_verify"):
-        SpeculativeDecoder(target, head, config=DecoderConfig(**{**vars(SMALL), "packed_verify": True}))
+def test_packed_verification_is_the_dense_steps(target, autoregressive, fitted):
+    """A head's chains verified packed (its next catch-up reads the taps of the packed tokens): greedy
+    output is the target's alone, and every step and acceptance is the dense steps' for fewer scored
+    tokens."""
+    batch = [FIT_PROMPTS[1], [5]]     # a learned text, a token: 2 rows of 4, every step packed (m = 2 of k = 3)
+    packed = SpeculativeDecoder(target, fitted[0], config=PACKED)
+    out = packed.generate(batch, MAX_NEW)
+    baseline = SpeculativeDecoder(target, fitted[0], config=CHAIN).generate(batch, MAX_NEW)
+    assert out.tokens == baseline.tokens == autoregressive.generate(batch, MAX_NEW).tokens and ran_packed_steps(packed)
+    assert out.stats.steps == baseline.stats.steps and out.stats.acceptance_rate > 0
+    assert out.stats.acceptance_per_position == baseline.stats.acceptance_per_position
+    assert out.stats.scored_tokens < baseline.stats.scored_tokens
 
 
 
