@@ -94,7 +94,6 @@ def load_models(args: argparse.Namespace, dirs: Checkpoints) -> Models:
     from scv_jax.models import load_eagle3, load_hf
 
     host = host_drafter(args)
-    if dirs.eagle3 is not None:
     target = load_hf(dirs.model, dtype=args.dtype)
     if dirs.eagle3 is not None:
         head = load_eagle3(dirs.eagle3, target, dtype=args.dtype)
