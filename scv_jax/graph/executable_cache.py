@@ -677,7 +677,7 @@ class ExecutableCache:
         """Compiles bucket ``key`` from bound example arguments (a ``CompileJob``'s), completes its
         schedule, and logs it when it was scheduled in the background (after a warm-up); returns the
         XLA compiles (0: compiled already). ``prime``: the executable also runs once on zero arguments
-        (``prime``) before a call can use it."""
+        (``_prime``) before a call can use it."""
         future, _ = self._scheduled.get(key, (None, None))
         if key in self._entries:
             return 0
@@ -706,11 +706,10 @@ class ExecutableCache:
         """Runs ``entry``'s executable once on zeros of its abstract arguments (at most
         ``PRIME_MAX_BYTES``; donated ones are fresh zeros, and the outputs are dropped), so that a call's
         first run costs what later ones do; marks it run. A failure is logged, never raised."""
-        def zeros(leaf: Any) -> Any:
+        def zeros(leaf: Any) -> Any:      # on the leaf's sharding (None: the default device)
             if not isinstance(leaf, jax.ShapeDtypeStruct):
                 return leaf
-            value = np.zeros(leaf.shape, leaf.dtype)
-            return jax.device_put(value, leaf.sharding) if leaf.sharding is not None else jax.device_put(value)
+            return jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
 
         start, values = time.perf_counter(), self._dynamic_values(abstract)
         try:

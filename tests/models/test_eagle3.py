@@ -153,6 +153,20 @@ def assert_matches(got: np.ndarray, want: np.ndarray, tol: float = 2e-4):
     np.testing.assert_allclose(got[finite], want[finite], atol=tol, rtol=tol)
 
 
+def assert_forward_and_fc_match(head, tensors: dict, config: dict, target, rng: np.random.Generator,
+                                shape: tuple[int, int]):
+    """The head's logits and hidden_out over random tokens and features of ``shape`` [B, T] (on ``target``'s
+    24-token vocabulary and 16 wide), and its fc over random taps, equal the numpy reference."""
+    token_ids = rng.integers(0, 24, shape)
+    hidden = rng.standard_normal((*shape, 16)).astype(np.float32)
+    logits, hidden_out = head(jnp.asarray(token_ids), jnp.asarray(hidden))
+    want_logits, want_hidden = reference(tensors, config, np.asarray(target.embed.embedding[...]), token_ids, hidden)
+    assert_matches(hidden_out, want_hidden)
+    assert_matches(logits, want_logits)
+    taps = rng.standard_normal((*shape, 48)).astype(np.float32)
+    assert_matches(head.combine(jnp.asarray(taps)), reference_combine(tensors, config, taps))
+
+
 # ------------------------------------------------------------------------------ dense forward
 HEAD_SHAPES = [dict(heads=4, kv_heads=2, head_dim=8, ffn=24), dict(heads=2, kv_heads=2, head_dim=16, ffn=40),
                dict(heads=4, kv_heads=1, head_dim=4, ffn=16)]
@@ -528,15 +542,7 @@ def test_published_config_loads_and_matches_the_reference(tmp_path, deep_target,
     assert head.config.norm_eps == original["rms_norm_eps"] and head.config.max_position_embeddings is None
     assert head.aux_layers == (LOADABLE[name] or (2, 48, 93))
     assert (head.fc_norm is not None, head.norm_output) == (bool(original.get("fc_norm")), False)
-    rng = np.random.default_rng(0)
-    token_ids = rng.integers(0, 24, (1, 5))
-    hidden = rng.standard_normal((1, 5, 16)).astype(np.float32)
-    logits, hidden_out = head(jnp.asarray(token_ids), jnp.asarray(hidden))
-    want_logits, want_hidden = reference(tensors, config, np.asarray(deep_target.embed.embedding[...]), token_ids, hidden)
-    assert_matches(hidden_out, want_hidden)
-    assert_matches(logits, want_logits)
-    taps = rng.standard_normal((1, 5, 48)).astype(np.float32)
-    assert_matches(head.combine(jnp.asarray(taps)), reference_combine(tensors, config, taps))
+    assert_forward_and_fc_match(head, tensors, config, deep_target, np.random.default_rng(0), (1, 5))
 
 
 @pytest.mark.parametrize("config, match", [
@@ -582,14 +588,7 @@ def test_speculators_options_match_the_reference(tmp_path, deep_target, model_ty
     head = load_eagle3(write_head(tmp_path, tensors, config), deep_target, dtype="float32")
     assert head.aux_layers == (1, 46, 91) and head.config.rope_theta == 5e6 and head.config.qk_norm == (model_type == "qwen3")
     assert head.norm_output == flags["norm_output"] and head.norm_before_residual
-    rng = np.random.default_rng(1)
-    token_ids, hidden = rng.integers(0, 24, (2, 4)), rng.standard_normal((2, 4, 16)).astype(np.float32)
-    logits, hidden_out = head(jnp.asarray(token_ids), jnp.asarray(hidden))
-    want_logits, want_hidden = reference(tensors, config, np.asarray(deep_target.embed.embedding[...]), token_ids, hidden)
-    assert_matches(hidden_out, want_hidden)
-    assert_matches(logits, want_logits)
-    taps = rng.standard_normal((2, 4, 48)).astype(np.float32)
-    assert_matches(head.combine(jnp.asarray(taps)), reference_combine(tensors, config, taps))
+    assert_forward_and_fc_match(head, tensors, config, deep_target, np.random.default_rng(1), (2, 4))
 
 
 @pytest.mark.parametrize("where", ["eagle_config", "top level"])
