@@ -136,10 +136,10 @@ def test_stop_ends_the_threads_and_unschedules_what_was_queued(no_persistent_cac
     assert compiled < 6                                   # the queue was dropped
     # a dropped bucket compiles where it is called, logged
     missing = next(job for job in queued if job.key not in cache.compiled_keys)
-    batch = missing.key[0][0]
-    ids, cu, weights = random_batch(np.random.default_rng(2), batch, 2)
+    (batch, _), (k, _), _ = missing.key                   # its own k: a compiled bucket's k must not serve it
+    ids, cu, weights = random_batch(np.random.default_rng(2), batch, k)
     with caplog.at_level(logging.WARNING):
-        cache(jnp.zeros(KV_SIZE, jnp.float32), ids, cu, weights, k=2)
+        cache(jnp.zeros(KV_SIZE, jnp.float32), ids, cu, weights, k=k)
     assert any("on the calling thread" in r.getMessage() for r in caplog.records)
 
 
