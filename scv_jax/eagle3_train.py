@@ -2,13 +2,14 @@
 
     python -m scv_jax.eagle3_train --target demo --data corpus.txt --out /tmp/head \\
         [--steps 300 --batch 8 --seq-len 128 --lr 3e-3 --ttt-steps 3 --draft-vocab-size V \\
-         --seed 0 --aux-layers i,j,l]
+         --seed 0 --aux-layers i,j,l --init DIR]
 
 ``--target``: a ``load_hf`` directory (or Hub id) or ``demo`` (the shipped byte-level demo target).
 ``--data``: a UTF-8 text file, or a ``.jsonl`` file of ``{"text": ...}`` objects (the documents are
 concatenated), tokenized with the checkpoint's tokenizer (the demo target: bytes). Writes an EAGLE-3
 checkpoint (``config.json`` + ``model.safetensors``, what ``load_eagle3``, vLLM and SGLang read) to
-``--out``. Guide: docs/eagle3.md, "Training a head".
+``--out``. ``--init DIR`` continues from an EAGLE-3 checkpoint of this target (its vocabulary and aux
+layers kept), e.g. to fine-tune with more ``--ttt-steps``. Guide: docs/eagle3.md, "Training a head".
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import optax
 from flax import nnx
 
 from scv_jax.arguments import OneLineParser
-from scv_jax.models import Eagle3Head, Transformer, load_demo, load_hf, load_tokenizer, save_eagle3
+from scv_jax.models import Eagle3Head, Transformer, load_demo, load_eagle3, load_hf, load_tokenizer, save_eagle3
 from scv_jax.models.attention import grouped_query_attention
 
 STEP_WEIGHT = 0.8      # SafeAILab's weight of TTT step j's loss: STEP_WEIGHT ** j
@@ -82,6 +83,22 @@ def new_head(target: Transformer, *, draft_to_target: np.ndarray | None,
     draft_vocab = config.vocab_size if draft_to_target is None else len(draft_to_target)
     return Eagle3Head(config, target.embed, draft_vocab_size=draft_vocab, draft_to_target=draft_to_target,
                       aux_layers=tuple(aux), norm_before_residual=False, rngs=nnx.Rngs(seed))
+
+
+def initial_head(path: str | pathlib.Path, target: Transformer, *, draft_vocab_size: int | None = None,
+                 aux_layers: tuple[int, int, int] | None = None) -> Eagle3Head:
+    """The float32 head of the EAGLE-3 checkpoint at ``path`` to continue training from (``--init``);
+    ``draft_vocab_size`` / ``aux_layers``, when given, must be the checkpoint's (ValueError naming the flag)."""
+    try:
+        head = load_eagle3(path, target, dtype="float32")
+    except (ValueError, OSError) as error:
+        raise type(error)(f"--init: {error}") from None
+    size = head.lm_head.out_features
+    if draft_vocab_size is not None and draft_vocab_size != size:
+        raise ValueError(f"--draft-vocab-size {draft_vocab_size} differs from --init {path}'s {size}")
+    if aux_layers is not None and tuple(aux_layers) != head.aux_layers:
+        raise ValueError(f"--aux-layers {list(aux_layers)} differ from --init {path}'s {list(head.aux_layers)}")
+    return head
 
 
 def _ttt_attention(keys: list[jax.Array], values: list[jax.Array]) -> Callable:
@@ -235,6 +252,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=_int_at_least(0), default=0, help="initialisation and batch seed")
     parser.add_argument("--aux-layers", type=_aux_layers, help="the 3 tapped layers (default 2, L//2, L-3)")
     parser.add_argument("--dtype", choices=("float16", "float32"), default="float16", help="saved weights")
+    parser.add_argument("--init", type=pathlib.Path,
+                        help="an EAGLE-3 checkpoint of this target to continue from (its vocabulary and aux layers)")
     parser.add_argument("--log-every", type=_int_at_least(1), default=10, help="progress line every N steps")
     return parser
 
@@ -253,10 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         vocab = target.config.vocab_size
         if tokens.size and tokens.max() >= vocab:
             raise ValueError(f"--data has token id {tokens.max()} outside the target's vocabulary {vocab}")
-        size = args.draft_vocab_size or vocab
-        d2t, _ = draft_vocabulary(tokens, vocab, size)
-        head = new_head(target, draft_to_target=None if size == vocab else np.arange(size) + d2t,
-                        aux_layers=args.aux_layers, seed=args.seed)
+        if args.init is not None:
+            head = initial_head(args.init, target, draft_vocab_size=args.draft_vocab_size,
+                                aux_layers=args.aux_layers)
+            size = head.lm_head.out_features
+        else:
+            size = args.draft_vocab_size or vocab
+            d2t, _ = draft_vocabulary(tokens, vocab, size)
+            head = new_head(target, draft_to_target=None if size == vocab else np.arange(size) + d2t,
+                            aux_layers=args.aux_layers, seed=args.seed)
         batches = random_batches(tokens, steps=args.steps, batch=args.batch, seq_len=args.seq_len, seed=args.seed)
     except (ValueError, OSError) as error:
         print(f"python -m scv_jax.eagle3_train: error: {error}", file=sys.stderr)

@@ -93,7 +93,8 @@ class CatchUp(NamedTuple):
 
     Attributes:
       out: the head's ``Eagle3Output`` over the rows [B, W] (request b's first ``lag[b]`` valid, at
-        positions ``start + row``); its K/V are the step's staged entries.
+        positions ``start + row``): its K/V, the step's staged entries, of every row; its logits [B, 1, V]
+        and hidden [B, 1, d_model] of row lag - 1 alone (the first draft's).
       lag, start: int32[B]; valid: bool[B] the request has a feature to draft from (a real request past
         position 0).
       read: (features, tokens) the rows read of the head cache (later writes are ordered after them).
@@ -118,13 +119,8 @@ def catch_up(head, cache: HeadCache, block_tables: jax.Array, inputs, width: int
     features, _ = read_rows(cache, block_tables, start[:, None] + rows)
     _, tokens = read_rows(cache, block_tables, start[:, None] + rows + 1)
     tokens = jnp.where(rows == (lag - 1)[:, None], inputs.pending[:, None], tokens)
-    out = head.forward_paged(tokens, features, cache.kv, block_tables, start, backend=backend)
+    out = head.forward_paged(tokens, features, cache.kv, block_tables, start, out_rows=lag - 1, backend=backend)
     return CatchUp(out, lag, start, (head_lens >= 0) & inputs.request_mask, (features, tokens), head)
-
-
-def last_hidden(ran: CatchUp) -> jax.Array:
-    """[B, d_model] the catch-up's ``hidden_out`` at each request's last row (its first draft's input)."""
-    return jnp.take_along_axis(ran.out.hidden, (ran.lag - 1)[:, None, None], axis=1)[:, 0]
 
 
 def commit(cache: HeadCache, ran: CatchUp, features: jax.Array, drafts: jax.Array, num_accepted: jax.Array,
@@ -181,8 +177,8 @@ class HeadChainVerifier(ChainVerifier):
                                    backend=backend)
             return o.logits[:, 0], o.keys, o.values, o.hidden[:, 0]
 
-        chain = draft_chain(ran.out, ran.lag, forward, last_hidden(ran), inputs.keys, sampling, k=k, greedy=greedy,
-                            controls=inputs.controls)
+        chain = draft_chain(ran.out, ran.out.logits[:, 0], ran.lag, forward, ran.out.hidden[:, 0], inputs.keys,
+                            sampling, k=k, greedy=greedy, controls=inputs.controls)
         return HeadProposal(chain.tokens, chain.probs, ran)
 
     def score(self, target, target_cache, block_tables, inputs, proposal: HeadProposal, *, k, packed_k, backend
@@ -232,7 +228,8 @@ class HeadTreeVerifier(TreeVerifier):
                                    backend=backend)
             return o.logits, o.hidden, o
 
-        tree = grow_tree(ran.out, ran.lag, expand, last_hidden(ran), tree=self.tree, controls=inputs.controls)
+        tree = grow_tree(ran.out, ran.out.logits[:, 0], ran.lag, expand, ran.out.hidden[:, 0], tree=self.tree,
+                         controls=inputs.controls)
         return HeadTreeProposal(tree.tokens, tree.parents, ran)
 
     def score(self, target, target_cache, block_tables, inputs, proposal: HeadTreeProposal, *, k, packed_k, backend
@@ -276,7 +273,9 @@ def make_head_prefill_step(target: SplitModel, head: SplitModel, block_size: int
             target_cache = commit_positions(target_cache, out.keys, out.values, block_tables, start, count,
                                             block_size, backend, after=out.logits)
             features = model.combine(out.taps)                                       # [B, C, d_model]
-        o = model.forward_paged(tokens[:, 1:], features, draft_cache.kv, block_tables, start, backend=backend)
+        # only the rows' K/V are kept: one row per request computes an output (orders the commit after the reads)
+        o = model.forward_paged(tokens[:, 1:], features, draft_cache.kv, block_tables, start,
+                                out_rows=jnp.zeros_like(start), backend=backend)
         head_cache = draft_cache._replace(kv=commit_positions(draft_cache.kv, o.keys, o.values, block_tables, start,
                                                               count, block_size, backend, after=o.hidden))
         if target_params is not None:

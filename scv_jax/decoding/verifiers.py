@@ -144,14 +144,21 @@ def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, b
         o = draft.forward_paged(token[:, None], draft_cache, block_tables, draft_lens, staged, backend=backend)
         return o.logits[:, 0], o.keys, o.values, carry
 
-    return draft_chain(out, lag, forward, None, keys, sampling, k=k, greedy=greedy, controls=controls)
+    return draft_chain(out, row_at(out.logits, lag - 1), lag, forward, None, keys, sampling, k=k, greedy=greedy,
+                       controls=controls)
 
 
-def draft_chain(catch_up: PagedForwardOutput, lag: jax.Array, forward, carry, keys: jax.Array, sampling: jax.Array,
-                *, k: int, greedy: bool, controls: LogitControls | None = None) -> ChainProposal:
+def row_at(values: jax.Array, rows: jax.Array) -> jax.Array:
+    """[B, ...] request b's row ``rows[b]`` (int32[B]) of ``values`` [B, W, ...]."""
+    return jnp.take_along_axis(values, rows.reshape(-1, *(1,) * (values.ndim - 1)), axis=1)[:, 0]
+
+
+def draft_chain(catch_up: PagedForwardOutput, first_logits: jax.Array, lag: jax.Array, forward, carry,
+                keys: jax.Array, sampling: jax.Array, *, k: int, greedy: bool,
+                controls: LogitControls | None = None) -> ChainProposal:
     """k > 0 drafts per request after a catch-up forward over each request's ``lag`` missing tokens (its
     K/V [layers, B, W, kv_heads, head_dim] staged first, request b's first ``lag[b]`` rows valid): the
-    first from the catch-up's logits at row lag - 1, each next from ``forward(token int32[B], staged,
+    first from ``first_logits`` [B, V] (the catch-up's at row lag - 1), each next from ``forward(token int32[B], staged,
     carry) -> (logits [B, V], keys, values [layers, B, 1, ...], carry)`` over the staged K/V (a scan);
     ``carry`` is the drafter's own running value (an EAGLE head's hidden state; None for a draft model).
     The drafts' logits take the requests' ``controls`` as the target's do (draft j's history holds the
@@ -160,7 +167,7 @@ def draft_chain(catch_up: PagedForwardOutput, lag: jax.Array, forward, carry, ke
     stage_shape = (catch_up.keys.shape[0], batch, width + k - 1, *catch_up.keys.shape[3:])
     stage_k = jnp.zeros(stage_shape, catch_up.keys.dtype).at[:, :, :width].set(catch_up.keys)
     stage_v = jnp.zeros(stage_shape, catch_up.values.dtype).at[:, :, :width].set(catch_up.values)
-    logits = controlled(controls, jnp.take_along_axis(catch_up.logits, (lag - 1)[:, None, None], axis=1)[:, 0])
+    logits = controlled(controls, first_logits)
     first, first_probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG), sampling, greedy)
     slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
     vocab_size = logits.shape[-1]
@@ -461,13 +468,13 @@ def draft_tree(draft, draft_cache: PagedKVCache, block_tables: jax.Array, lag_to
                                    backend=backend)
         return last.logits, carry, last
 
-    return grow_tree(out, lag, expand, None, tree=tree, controls=controls)
+    return grow_tree(out, row_at(out.logits, lag - 1), lag, expand, None, tree=tree, controls=controls)
 
 
-def grow_tree(catch_up, lag: jax.Array, expand, root_carry, *, tree: TreeConfig,
+def grow_tree(catch_up, root_logits: jax.Array, lag: jax.Array, expand, root_carry, *, tree: TreeConfig,
               controls: LogitControls | None = None) -> TreeProposal:
-    """EAGLE-2's dynamic tree: after the catch-up forward (``catch_up.logits`` [B, W, V], request b's
-    root at row lag[b] - 1) the root's top ``branching`` children; then per level the ``branching``
+    """EAGLE-2's dynamic tree: after the catch-up forward (``root_logits`` [B, V]: its logits at request
+    b's root, row lag[b] - 1) the root's top ``branching`` children; then per level the ``branching``
     frontier nodes with the best cumulative draft log-probability expand their top ``branching`` children
     (``expand(tokens int32[B, E], tree_parents int32[B, E], carry) -> (logits [B, E, V], carry_out, out)``:
     one draft forward of every expanded node so far, tree attention, over the staged catch-up tokens;
@@ -477,7 +484,7 @@ def grow_tree(catch_up, lag: jax.Array, expand, root_carry, *, tree: TreeConfig,
     the draft's top-k: deterministic. With ``controls`` every node's logits take them over the committed
     history (not the node's path: the target's verification alone decides what is accepted)."""
     width, batch = tree.branching, lag.shape[0]
-    root = controlled(controls, jnp.take_along_axis(catch_up.logits, (lag - 1)[:, None, None], axis=1))   # [B, 1, V]
+    root = controlled(controls, root_logits[:, None])                                                # [B, 1, V]
     tokens, scores = _top_children(root, jnp.zeros((batch, 1), jnp.float32), width)
     pool_tokens, pool_scores = [tokens[:, 0]], [scores[:, 0]]
     pool_parents = [jnp.full((batch, width), -1, jnp.int32)]

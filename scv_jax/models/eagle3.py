@@ -159,18 +159,26 @@ class Eagle3Head(nnx.Module):
         return full.at[..., self.draft_to_target[...]].set(draft)
 
     def forward_rows(self, token_ids: jax.Array, hidden: jax.Array, positions: jax.Array,
-                     attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
-                     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                     attend: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+                     out_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """The layer over rows (token_ids[B, T], hidden[B, T, d_model]) at positions int32[B, T], the
         rows' queries, keys and values handed to ``attend(q [B, T, heads, D], keys, values [B, T,
         kv_heads, D]) -> [B, T, heads, D]`` (which may attend to other keys as well, as training-time
-        test does): (logits, hidden_out, keys, values [B, T, kv_heads, D])."""
+        test does): (logits, hidden_out, keys, values [B, T, kv_heads, D]).
+
+        ``out_rows`` int32[B]: only request b's row ``out_rows[b]`` queries and gets an output (logits
+        [B, 1, V], hidden_out [B, 1, d_model]; ``attend`` gets q [B, 1, heads, D]); every row's keys and
+        values are still computed (a catch-up or a prefill, whose other rows only fill the cache)."""
         dtype = self.config.jnp_dtype
         hidden = hidden.astype(dtype)
         normed = self.hidden_norm(hidden)
         x = jnp.concatenate([self.input_norm(self.embed(token_ids).astype(dtype)), normed], axis=-1)
-        attn_out, keys, values = self.attn(x, positions, attend)
-        x = (normed if self.norm_before_residual else hidden) + attn_out
+        rows = None if out_rows is None else out_rows[:, None]
+        attn_out, keys, values = self.attn(x, positions, attend, rows)
+        residual = normed if self.norm_before_residual else hidden
+        if rows is not None:
+            residual = jnp.take_along_axis(residual, rows[:, :, None], axis=1)
+        x = residual + attn_out
         x = x + self.mlp(self.mlp_norm(x))
         normed = self.norm(x)
         return self._logits(normed), normed if self.norm_output else x, keys, values
@@ -189,21 +197,36 @@ class Eagle3Head(nnx.Module):
 
     def forward_paged(self, token_ids: jax.Array, hidden: jax.Array, cache: PagedKVCache,
                       block_tables: jax.Array, context_lens: jax.Array, staged: StagedKV | None = None, *,
-                      tree_parents: jax.Array | None = None, backend: str = "auto") -> Eagle3Output:
+                      tree_parents: jax.Array | None = None, out_rows: jax.Array | None = None,
+                      backend: str = "auto") -> Eagle3Output:
         """``__call__``'s rows at positions ``context_lens + staged.lengths + t`` (tree depth for t with
         ``tree_parents``), attending over a one-layer paged ``cache`` (read, never written), the
-        ``staged`` K/V ([1, B, S, kv_heads, D]) and the new rows, as ``PagedModel.forward_paged``."""
+        ``staged`` K/V ([1, B, S, kv_heads, D]) and the new rows, as ``PagedModel.forward_paged``.
+
+        ``out_rows`` int32[B] (without ``staged`` or ``tree_parents``): the output of request b's row
+        ``out_rows[b]`` alone (``forward_rows``), that row attending to the rows before it as staged K/V:
+        logits [B, 1, V] and hidden [B, 1, d_model]; keys and values of every row."""
         context_lens, staged_lens, positions = paged_positions(token_ids.shape[1], context_lens, staged,
                                                                tree_parents)
+        if out_rows is not None:
+            if staged is not None or tree_parents is not None:
+                raise ValueError("Eagle3Head.forward_paged: out_rows takes neither staged nor tree_parents")
 
-        def attend(q, k, v):
-            return sharded_paged_attention(
-                q, cache, 0, block_tables, context_lens, staged_keys=None if staged is None else staged.keys,
-                staged_values=None if staged is None else staged.values,
-                staged_lens=None if staged is None else staged_lens, new_keys=k, new_values=v,
-                new_token_parents=tree_parents, backend=backend)
+            def attend(q, k, v):
+                def row(a):
+                    return jnp.take_along_axis(a, out_rows[:, None, None, None], axis=1)
+                return sharded_paged_attention(
+                    q, cache, 0, block_tables, context_lens, staged_keys=k[None], staged_values=v[None],
+                    staged_lens=out_rows, new_keys=row(k), new_values=row(v), backend=backend)
+        else:
+            def attend(q, k, v):
+                return sharded_paged_attention(
+                    q, cache, 0, block_tables, context_lens, staged_keys=None if staged is None else staged.keys,
+                    staged_values=None if staged is None else staged.values,
+                    staged_lens=None if staged is None else staged_lens, new_keys=k, new_values=v,
+                    new_token_parents=tree_parents, backend=backend)
 
-        logits, hidden_out, keys, values = self.forward_rows(token_ids, hidden, positions, attend)
+        logits, hidden_out, keys, values = self.forward_rows(token_ids, hidden, positions, attend, out_rows)
         return Eagle3Output(logits, hidden_out, keys[None], values[None])
 
 

@@ -69,19 +69,27 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.jnp_dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.jnp_dtype) if c.qk_norm else None
 
-    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend):
+    def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, query_rows: jax.Array | None = None):
         """x: [B, T, in_features] at positions int32[B, T]. Returns the output [B, T, d_model] and the new
-        tokens' keys (normed when ``qk_norm``, RoPE applied), values [B, T, kv_heads, D]."""
+        tokens' keys (normed when ``qk_norm``, RoPE applied), values [B, T, kv_heads, D].
+
+        ``query_rows`` int32[B, Q]: only those rows query (``attend`` gets q [B, Q, heads, D] and every
+        row's keys and values) and the output is theirs, [B, Q, d_model]."""
         c = self.config
         batch, num_tokens, _ = x.shape
         inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
-        q = self.q(x).reshape(batch, num_tokens, c.num_heads, c.head_dim)
+        if query_rows is None:
+            query_x, query_positions = x, positions
+        else:
+            query_x = jnp.take_along_axis(x, query_rows[:, :, None], axis=1)
+            query_positions = jnp.take_along_axis(positions, query_rows, axis=1)
+        q = self.q(query_x).reshape(batch, query_x.shape[1], c.num_heads, c.head_dim)
         k = self.k(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(q, query_positions, inv_freq), apply_rope(k, positions, inv_freq)
         v = self.v(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
-        return self.o(attend(q, k, v).reshape(batch, num_tokens, -1)), k, v
+        return self.o(attend(q, k, v).reshape(batch, query_x.shape[1], -1)), k, v
 
 
 class Block(nnx.Module):

@@ -284,8 +284,8 @@ def paged_head(target, tmp_path_factory):
     head = load_eagle3(write_head(directory, head_tensors(**HEAD, seed=8),
                                   head_config(**HEAD, norm_before_residual=True)), target, dtype="float32")
     graphdef, state = nnx.split(head)
-    paged = jax.jit(lambda state, *args, tree_parents=None: nnx.merge(graphdef, state).forward_paged(
-        *args, tree_parents=tree_parents))
+    paged = jax.jit(lambda state, *args, tree_parents=None, out_rows=None: nnx.merge(graphdef, state).forward_paged(
+        *args, tree_parents=tree_parents, out_rows=out_rows))
     dense = jax.jit(lambda state, tokens, hidden: nnx.merge(graphdef, state)(tokens, hidden))
     return head, (lambda *args: dense(state, *args)), (lambda *args, **kw: paged(state, *args, **kw))
 
@@ -337,6 +337,16 @@ def test_paged_chunks_equal_one_dense_pass(paged_head, lengths, seed):
         for out, start, count in ((first, 0, c), (out_staged, c, s), (out_new, c + s, n)):
             assert_matches(out.logits[b, :count], want_logits[b, start:start + count])
             assert_matches(out.hidden[b, :count], want_hidden[b, start:start + count])
+    # out_rows: one row per request (a catch-up's last) computes an output; every row's K/V as before
+    picked = rng.integers(0, STAGED + NEW, 2).astype(np.int32)
+    one = paged(*rows(committed, 0, STAGED + NEW), cache, tables, jnp.asarray(committed), out_rows=jnp.asarray(picked))
+    every = paged(*rows(committed, 0, STAGED + NEW), cache, tables, jnp.asarray(committed))
+    assert one.logits.shape == (2, 1, TARGET.vocab_size) and one.hidden.shape == (2, 1, TARGET.d_model)
+    np.testing.assert_array_equal(one.keys, every.keys)
+    np.testing.assert_array_equal(one.values, every.values)
+    for b, (c, r) in enumerate(zip(committed, picked)):
+        assert_matches(one.logits[b, 0], want_logits[b, c + r])
+        assert_matches(one.hidden[b, 0], want_hidden[b, c + r])
 
 
 def test_paged_tree_rows_see_their_ancestors_only(paged_head):
@@ -352,6 +362,15 @@ def test_paged_tree_rows_see_their_ancestors_only(paged_head):
     assert_matches(tree.logits[0, 2], np.asarray(chain.logits[0, 1]))
     assert_matches(tree.logits[0, :2], np.asarray(paged(tokens[:, :2], hidden[:, :2], empty_cache(), tables,
                                                         jnp.zeros(1, jnp.int32)).logits[0]))
+
+
+def test_out_rows_takes_neither_staged_nor_tree_parents(paged_head):
+    head = paged_head[0]
+    tokens, hidden = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2, TARGET.d_model), jnp.float32)
+    tables, zeros = jnp.arange(MAX_BLOCKS, dtype=jnp.int32)[None], jnp.zeros(1, jnp.int32)
+    with pytest.raises(ValueError, match="out_rows takes neither staged nor tree_parents"):
+        head.forward_paged(tokens, hidden, empty_cache(), tables, zeros, tree_parents=jnp.array([[-1, 0]], jnp.int32),
+                           out_rows=zeros)
 
 
 # ------------------------------------------------------------------------------ pytorch_model.bin

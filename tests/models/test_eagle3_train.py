@@ -13,8 +13,8 @@ import optax
 import pytest
 
 from scv_jax import DecoderConfig, SpeculativeDecoder, cli
-from scv_jax.eagle3_train import (STEP_WEIGHT, draft_vocabulary, main, new_head, read_tokens, train_head,
-                                  ttt_loss)
+from scv_jax.eagle3_train import (STEP_WEIGHT, draft_vocabulary, initial_head, main, new_head, read_tokens,
+                                  train_head, ttt_loss)
 from scv_jax.models import load_demo, load_demo_head, load_eagle3, save_eagle3
 from tests.models.fixtures import TINY, tiny_model
 from tests.test_cli import BYTE_TARGET
@@ -76,6 +76,13 @@ def test_training_lowers_the_loss_and_the_checkpoint_round_trips(target, tokens,
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 10
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    # --init continues from it: the same head, its vocabulary and aux layers kept
+    resumed = initial_head(tmp_path / "head", target, draft_vocab_size=10, aux_layers=AUX)
+    np.testing.assert_allclose(resumed(tokens, hidden)[0], head(tokens, hidden)[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"--draft-vocab-size 12 differs from --init .*head's 10"):
+        initial_head(tmp_path / "head", target, draft_vocab_size=12)
+    with pytest.raises(ValueError, match=r"--aux-layers \[0, 0, 1\] differ from --init .*head's \[0, 1, 1\]"):
+        initial_head(tmp_path / "head", target, aux_layers=(0, 0, 1))
 
 
 def test_the_draft_vocabulary_is_the_most_frequent_ids():
@@ -106,6 +113,7 @@ def test_data_files(tmp_path):
     (["--aux-layers", "1,2,9"], "--aux-layers must be 3 layer ids in [0, 6), got [1, 2, 9]"),
     (["--draft-vocab-size", "300"], "--draft-vocab-size must be in [1, 256]"),
     (["--seq-len", "100"], "--seq-len 100 needs more than the data's 5 tokens"),
+    (["--init", "no-such-dir"], "--init: "),
 ])
 def test_command_mistakes_are_one_line(tmp_path, capsys, flags, message):
     (tmp_path / "data.txt").write_text("hello")
