@@ -453,7 +453,7 @@ def engine_run(decoder: SpeculativeDecoder, prompts: list[list[int]], params: li
 
 def _engine_configs(sizes: EngineSizes) -> list[tuple[str, str | None, DecoderConfig]]:
     """(name, drafter: None / "model" / "ngram" / "eagle3", config) per decoder, the reference (no drafter)
-    first."""
+    first, n-gram last (host drafting, the rows a spent section budget skips first)."""
     max_len = sizes.prompt_len + sizes.max_tokens
     blocks = -(-(max_len + 2 * max(sizes.k, sizes.tree.max_depth)) // sizes.block_size)
     geometry = dict(block_size=sizes.block_size, max_seq_len=blocks * sizes.block_size,
@@ -464,10 +464,10 @@ def _engine_configs(sizes: EngineSizes) -> list[tuple[str, str | None, DecoderCo
     t = sizes.tree
     return [("autoregressive", None, chain), (f"draft-model chain k={sizes.k}", "model", chain),
             (f"draft-model tree ({t.max_depth} deep, {t.branching} wide, {t.max_nodes} nodes)", "model", tree),
-            (f"n-gram chain k={sizes.k}", "ngram", chain),
-            (f"n-gram trie ({t.max_depth} deep, {t.max_nodes} nodes)", "ngram", tree),
             (f"EAGLE-3 head chain k={sizes.k}", "eagle3", chain),
-            (f"EAGLE-3 head tree ({t.max_depth} deep, {t.branching} wide, {t.max_nodes} nodes)", "eagle3", tree)]
+            (f"EAGLE-3 head tree ({t.max_depth} deep, {t.branching} wide, {t.max_nodes} nodes)", "eagle3", tree),
+            (f"n-gram chain k={sizes.k}", "ngram", chain),
+            (f"n-gram trie ({t.max_depth} deep, {t.max_nodes} nodes)", "ngram", tree)]
 
 
 def random_head(target: Transformer, seed: int) -> Eagle3Head:

@@ -17,7 +17,7 @@ from scv_jax.graph.compile_counter import CompileCounter
 from tests.decoding.common import MAX_NEW, SMALL, prompts, ran_packed_steps
 from tests.decoding.test_controls import CONTROLS, EOS, MASKS
 from tests.decoding.test_engine import FILTERS, first_two_tokens_follow_the_target, run, target_logits, tokens  # noqa: F401
-from tests.decoding.test_packed_verify import PACKED, PACKED_ADAPTIVE
+from tests.decoding.test_packed_verify import PACKED
 from tests.models.eagle3_fixtures.heads import head_config, head_tensors
 from tests.models.fixtures import TINY
 from tests.models.test_eagle3 import write_head
@@ -61,8 +61,7 @@ def fitted(target, autoregressive, tmp_path_factory):
 FIT_PROMPTS = [p[:6] + [0] * (6 - len(p[:6])) for p in prompts(40, 8)]
 
 
-@pytest.mark.parametrize("config", [CHAIN, ADAPTIVE, TREE, PACKED_ADAPTIVE],
-                         ids=["chain", "adaptive", "tree", "adaptive-packed"])
+@pytest.mark.parametrize("config", [CHAIN, ADAPTIVE, TREE, PACKED], ids=["chain", "adaptive", "tree", "packed"])
 def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregressive, fitted, config):
     engine = Engine(target, fitted[0], config=config, eos_token_id=None)
     batch = FIT_PROMPTS[:2] + prompts(31, 2) + [[5]]     # 1 to 19 tokens (prefill chunks of 16), and one
