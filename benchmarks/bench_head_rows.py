@@ -31,13 +31,11 @@ WIDTHS = {"catch-up, k=2": 3, "catch-up, k=4": 5, "catch-up, k=6": 7, "prefill c
 CONTEXT, BLOCK_SIZE = 64, 16
 
 
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+def call_ms(fn) -> float:
+    """Milliseconds of one call of ``fn`` to its result."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return 1e3 * (time.perf_counter() - start)
 
 
 def run(args: argparse.Namespace) -> str:
@@ -60,13 +58,11 @@ def run(args: argparse.Namespace) -> str:
         tokens = jax.random.randint(key, (batch, width), 0, c.vocab_size, jnp.int32)
         hidden = jax.random.normal(key, (batch, width, c.d_model), jnp.float32)
         rows = jnp.full((batch,), width - 1, jnp.int32)
-        one, all_rows = (lambda: forward(state, tokens, hidden, rows)), (lambda: every(state, tokens, hidden))
-        median_ms(one, 2), median_ms(all_rows, 2)                                     # compile, first runs
-        timed = {one: [], all_rows: []}
-        for _ in range(args.repeats):
-            for fn, out in timed.items():
-                out.append(median_ms(fn, 1))
-        a, b = statistics.median(timed[one]), statistics.median(timed[all_rows])
+        calls = (lambda: forward(state, tokens, hidden, rows)), (lambda: every(state, tokens, hidden))
+        for fn in calls * 2:                                                          # compile, first runs
+            call_ms(fn)
+        a, b = (statistics.median(column) for column in zip(*([call_ms(fn) for fn in calls]
+                                                               for _ in range(args.repeats))))
         lines.append(f"| {name} | {width} | {a:.3f} | {b:.3f} | {1 - a / b:.0%} |")
     return "\n".join(lines)
 

@@ -508,11 +508,10 @@ def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, band
                 launch_floor_us=ceilings["launch_floor_us"], backend=sizes.backend)
     rows, skipped, reference = [], [], None
     for name, drafter, config in _engine_configs(sizes):
-        why = ("a drafter these sizes leave out" if drafter not in sizes.drafters else
-               f"section budget {sizes.budget_s:.0f} s spent" if time.perf_counter() - start > sizes.budget_s else None)
-        if why:
+        if drafter not in sizes.drafters or time.perf_counter() - start > sizes.budget_s:
             skipped.append(name)
-            progress(f"engine: skip {name} ({why})")
+            why = "left out at these sizes" if drafter not in sizes.drafters else "section budget spent"
+            progress(f"engine: skip {name} ({why}; budget {sizes.budget_s:.0f} s)")
             continue
         try:
             drafting = {None: None, "model": draft, "ngram": NgramDrafter(), "eagle3": head}[drafter]

@@ -306,7 +306,7 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
         draft_logits = lambda: compact_drafts(scored.logits[:, :k], source)  # noqa: E731
         target_probs = lambda: compact_drafts(  # noqa: E731
             filtered_probs(scored.logits[:, :k], *sampling_filters(sampling), backend="xla"), source)
-        after_last = jnp.take_along_axis(scored.logits, num_drafts[:, None, None], axis=1)[:, 0]
+        after_last = row_at(scored.logits, num_drafts)
         new_keys, new_values, slots, kv_layout = (flatten_rows(scored.keys), flatten_rows(scored.values),
                                                   slots.reshape(-1), "grid")
     else:   # draft slot s of request b is token s + b (after b requests' pending tokens)

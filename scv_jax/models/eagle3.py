@@ -208,23 +208,20 @@ class Eagle3Head(nnx.Module):
         logits [B, 1, V] and hidden [B, 1, d_model]; keys and values of every row."""
         context_lens, staged_lens, positions = paged_positions(token_ids.shape[1], context_lens, staged,
                                                                tree_parents)
-        if out_rows is not None:
-            if staged is not None or tree_parents is not None:
-                raise ValueError("Eagle3Head.forward_paged: out_rows takes neither staged nor tree_parents")
+        if out_rows is not None and (staged is not None or tree_parents is not None):
+            raise ValueError("Eagle3Head.forward_paged: out_rows takes neither staged nor tree_parents")
 
-            def attend(q, k, v):
-                def row(a):
-                    return jnp.take_along_axis(a, out_rows[:, None, None, None], axis=1)
-                return sharded_paged_attention(
-                    q, cache, 0, block_tables, context_lens, staged_keys=k[None], staged_values=v[None],
-                    staged_lens=out_rows, new_keys=row(k), new_values=row(v), backend=backend)
-        else:
-            def attend(q, k, v):
-                return sharded_paged_attention(
-                    q, cache, 0, block_tables, context_lens, staged_keys=None if staged is None else staged.keys,
-                    staged_values=None if staged is None else staged.values,
-                    staged_lens=None if staged is None else staged_lens, new_keys=k, new_values=v,
-                    new_token_parents=tree_parents, backend=backend)
+        def attend(q, k, v):
+            if out_rows is not None:      # the rows before each request's query row read as its staged K/V
+                row = out_rows[:, None, None, None]
+                before = dict(staged_keys=k[None], staged_values=v[None], staged_lens=out_rows)
+                k, v = jnp.take_along_axis(k, row, axis=1), jnp.take_along_axis(v, row, axis=1)
+            elif staged is not None:
+                before = dict(staged_keys=staged.keys, staged_values=staged.values, staged_lens=staged_lens)
+            else:
+                before = {}
+            return sharded_paged_attention(q, cache, 0, block_tables, context_lens, **before, new_keys=k,
+                                           new_values=v, new_token_parents=tree_parents, backend=backend)
 
         logits, hidden_out, keys, values = self.forward_rows(token_ids, hidden, positions, attend, out_rows)
         return Eagle3Output(logits, hidden_out, keys[None], values[None])
