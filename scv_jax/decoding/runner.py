@@ -44,8 +44,7 @@ from scv_jax.ops.registry import cuda_available
 from scv_jax.sampling_params import MAX_BAD_WORD_LEN
 
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
-BACKGROUND_NICE = 10             # background compile threads yield the cores to the thread that steps
-BACKGROUND_SWITCH_INTERVAL = 5e-4    # ... and the interpreter lock (``Compiler.switch_interval``)
+BACKGROUND_SWITCH_INTERVAL = 5e-4   # background compiles yield the interpreter lock (``Compiler.switch_interval``)
 # Platforms whose executables ``start_warmup`` runs once on zeros after compiling (``Compiler.prime``):
 # XLA:CPU's first run of a demo step costs 100-200 ms more than later ones (benchmarks/RESULTS.md).
 PRIMED_PLATFORMS = ("cpu",)
@@ -442,7 +441,7 @@ class StepRunner:
         except BaseException:
             compiler.stop()
             raise
-        compiler.nice, compiler.switch_interval = BACKGROUND_NICE, BACKGROUND_SWITCH_INTERVAL
+        compiler.background, compiler.switch_interval = True, BACKGROUND_SWITCH_INTERVAL
         if progress:
             print(f"warm-up: the {len(first)} largest buckets are compiled; {compiler.pending} more compile in the "
                   f"background ({compiler.max_workers} threads), steps meanwhile run padded to a compiled bucket",

@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Any, Callable, NamedTuple, Sequence
 
+from scv_jax.graph import idle_priority
+
 
 class CompileJob(NamedTuple):
     """One bucket to compile: ``cache`` (an ``ExecutableCache``), its ``key`` and the bound example
@@ -69,8 +71,10 @@ def default_workers() -> int:
 
 class Compiler:
     """A pool of ``max_workers`` threads (default: ``default_workers()``) compiling ``CompileJob``s in order.
-    ``nice`` > 0 (settable while it runs; from the next job on) lowers the threads' scheduling priority
-    (Linux) so that a thread running steps meanwhile keeps its core. ``switch_interval`` (seconds;
+    ``background`` (settable while it runs; from the next job on) puts the threads and XLA's compile
+    helper threads at idle scheduling priority (``idle_priority``: Linux ``SCHED_IDLE``) so that a thread
+    running steps meanwhile keeps the cores; the helpers get their priority back when the queue drains or
+    at ``stop``. ``switch_interval`` (seconds;
     settable likewise) sets the interpreter's switch interval (``sys.setswitchinterval``, 5 ms by
     default) while the threads run and restores it when the last one ends: tracing and lowering hold
     the interpreter lock, and a thread running steps that waits for the lock at every device call gets
@@ -84,15 +88,17 @@ class Compiler:
     ``on_compiled(job, compiles, seconds, done, total)`` is called on a worker thread after each job
     (progress lines, logs). Thread-safe."""
 
-    def __init__(self, max_workers: int | None = None, *, name: str = "scv-jax-compile", nice: int = 0,
+    def __init__(self, max_workers: int | None = None, *, name: str = "scv-jax-compile",
+                 background: bool = False,
                  switch_interval: float | None = None, prime: bool = False,
                  on_compiled: Callable[[CompileJob, int, float, int, int], None] | None = None):
         self.max_workers = default_workers() if max_workers is None else max_workers
         if not isinstance(self.max_workers, int) or self.max_workers < 1:
             raise ValueError(f"Compiler: max_workers must be an int >= 1, got {max_workers!r}")
-        self.name, self.nice, self.switch_interval, self.on_compiled = name, nice, switch_interval, on_compiled
-        self.prime = prime
+        self.name, self.background, self.switch_interval = name, background, switch_interval
+        self.on_compiled, self.prime = on_compiled, prime
         self._saved_interval: float | None = None      # the switch interval before this compiler set it
+        self._lowered_helpers = False                  # XLA's compile threads lowered for this compiler
         self._queue: list[CompileJob] = []
         self._futures: dict[tuple[int, tuple], concurrent.futures.Future] = {}
         self._cond = threading.Condition()
@@ -183,15 +189,23 @@ class Compiler:
         return not any(thread.is_alive() for thread in threads)
 
     # ------------------------------------------------------------------ workers
+    def _end_settings(self) -> None:
+        """The last thread's exit (under the lock): the switch interval and the helpers' priority back."""
+        if self._saved_interval is not None:
+            sys.setswitchinterval(self._saved_interval)
+            self._saved_interval = None
+        if self._lowered_helpers:
+            idle_priority.restore_xla_compile_threads()
+            self._lowered_helpers = False
+
     def _work(self) -> None:
-        applied = 0
+        idle = False
         while True:
             with self._cond:
                 if self._stopping or not self._queue:
                     self._threads.remove(threading.current_thread())
-                    if not self._threads and self._saved_interval is not None:
-                        sys.setswitchinterval(self._saved_interval)
-                        self._saved_interval = None
+                    if not self._threads:
+                        self._end_settings()
                     self._cond.notify_all()
                     return
                 job = self._queue.pop(0)
@@ -199,12 +213,12 @@ class Compiler:
                 if self.switch_interval is not None and self._saved_interval is None:
                     self._saved_interval = sys.getswitchinterval()
                     sys.setswitchinterval(self.switch_interval)
-            if self.nice != applied:
-                applied = self.nice
-                try:    # Linux: this thread's priority (threads XLA starts for the compile inherit it)
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), applied)
-                except (AttributeError, OSError):
-                    pass
+                lower_helpers = self.background and not self._lowered_helpers
+                self._lowered_helpers = self._lowered_helpers or lower_helpers
+            if lower_helpers:
+                idle_priority.lower_xla_compile_threads()
+            if self.background and not idle:
+                idle = idle_priority.set_thread_idle()
             start = time.perf_counter()
             compiles = 0
             try:

@@ -1,0 +1,86 @@
+"""Idle scheduling priority of background compiles (``graph.idle_priority``, ``Compiler(background=True)``):
+the compile thread and XLA's compile helper threads run under ``SCHED_IDLE`` while a background compiler
+has work, the helpers get their policy back when it ends (nested holders share one lowering), and the
+helpers found are XLA's own threads, never a Python thread or an execution pool's."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import jax.numpy as jnp
+import pytest
+
+from scv_jax.graph import idle_priority
+from scv_jax.graph.compiler import Compiler
+from tests.graph.test_compiler import _example
+from tests.graph.test_executable_cache import make_cache
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not idle_priority._may_restore(),
+                                reason="needs Linux SCHED_IDLE and the right to restore a thread's policy")
+
+
+def _policies(tids):
+    policies = {}
+    for tid in tids:
+        try:
+            policies[tid] = os.sched_getscheduler(tid)
+        except OSError:     # ended meanwhile
+            pass
+    return policies
+
+
+def _helper_policies_after_exits() -> set[int]:
+    """The helpers' policies once the compile threads that just ended are gone (a Python thread's OS
+    thread outlives ``join`` for a moment and, unnamed, looks like a helper meanwhile)."""
+    for _ in range(100):
+        policies = set(_policies(idle_priority.xla_compile_threads()).values())
+        if policies == {os.SCHED_OTHER}:
+            break
+        time.sleep(0.02)
+    return policies
+
+
+def test_xla_compile_threads_are_xla_helpers_never_python_or_execution_threads():
+    jnp.ones(3).block_until_ready()         # the backend and its pools started
+    found = idle_priority.xla_compile_threads()
+    assert found, "XLA:CPU's compile pool was not found: its threads are no longer unnamed?"
+    python = {thread.native_id for thread in threading.enumerate()}
+    process_name = open("/proc/self/comm").read().strip()
+    for tid in found:
+        name = open(f"/proc/self/task/{tid}/comm").read().strip()
+        assert tid not in python and (name == process_name or name.startswith("llvm-worker")), name
+    named = [int(tid) for tid in os.listdir("/proc/self/task")
+             if open(f"/proc/self/task/{tid}/comm").read().startswith("tf_XLA")]
+    assert named and not set(named) & set(found)
+
+
+def test_a_background_compiler_idles_its_threads_and_xla_helpers_then_restores_the_helpers(no_persistent_cache):
+    helpers = idle_priority.xla_compile_threads()
+    assert set(_policies(helpers).values()) == {os.SCHED_OTHER}
+    seen = []
+
+    def on_compiled(*_):
+        seen.append((os.sched_getscheduler(threading.get_native_id()), set(_policies(helpers).values())))
+
+    Compiler(1, background=True, on_compiled=on_compiled).run(make_cache().jobs(*_example(), k=2)[:2])
+    assert seen == [(os.SCHED_IDLE, {os.SCHED_IDLE})] * 2
+    # those lowered and those an idle compile started meanwhile (they inherit its policy) are back
+    assert _helper_policies_after_exits() == {os.SCHED_OTHER}
+
+    seen.clear()                            # a foreground compiler changes nothing
+    Compiler(1, on_compiled=on_compiled).run(make_cache().jobs(*_example(), k=4)[:1])
+    assert seen == [(os.SCHED_OTHER, {os.SCHED_OTHER})]
+
+
+def test_nested_holders_share_one_lowering():
+    helpers = idle_priority.xla_compile_threads()
+    idle_priority.lower_xla_compile_threads()
+    idle_priority.lower_xla_compile_threads()
+    try:
+        idle_priority.restore_xla_compile_threads()
+        assert set(_policies(helpers).values()) == {os.SCHED_IDLE}
+    finally:
+        idle_priority.restore_xla_compile_threads()
+    assert set(_policies(helpers).values()) == {os.SCHED_OTHER}
