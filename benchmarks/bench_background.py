@@ -1,8 +1,10 @@
-"""Served steps while ``start_warmup``'s background compiles run, by the compiles' scheduling priority:
-the compile thread at nice 10 with XLA's compile helper threads at normal priority (before), and both
-at idle priority (``scv_jax.graph.idle_priority``, the default); the floor is the same padded steps with
-no compile running. Groups of ``--arrivals`` requests arrive together and decode ``--max-tokens``
-tokens each, again and again for ``--seconds``; until their buckets compile, steps run padded to the
+"""Served steps while ``start_warmup``'s background compiles run, before and after two changes: the
+compiles' scheduling priority (the compile thread at nice 10 with XLA's compile helper threads at
+normal priority, against both at idle priority: ``scv_jax.graph.idle_priority``) and the prefill's
+first bucket (the largest batch, every arrival's rows padded to it, against batch 1 with an arrival's
+rows split over calls of it: ``ExecutableCache.split_dims``). The floor is the largest buckets with no
+compile running. Groups of ``--arrivals`` requests arrive together and decode ``--max-tokens`` tokens
+each, again and again for ``--seconds``; until their buckets compile, decode steps run padded to the
 largest (batch 8, 32 blocks). Reports decode steps (p50 / p90 / max), the steps that admit a group
 (their prefill and a decode: the stall a running stream sees when requests arrive) and how many
 background compiles finished. Demo pair, draft model k = 4; each mode in a fresh engine from an empty
@@ -36,11 +38,10 @@ from scv_jax.models import load_demo  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 MAX_BATCH, MAX_LEN = 8, 512
 NICE_BEFORE = 10        # the compile thread's priority before idle_priority
-PRIORITY_CALLS = ("set_thread_idle", "lower_xla_compile_threads", "restore_xla_compile_threads")
 
 
 def run_mode(mode: str, target, draft, args) -> dict[str, float]:
-    """One mode's figures: ``before`` / ``idle`` compile in the background; ``floor`` has only the
+    """One mode's figures: ``before`` / ``padded`` / ``idle`` compile in the background; ``floor`` has only the
     largest buckets, compiled before the timed steps."""
     enable_persistent_cache(tempfile.mkdtemp(prefix="scv_jax_bench_background_"))
     jax.clear_caches()
@@ -49,10 +50,11 @@ def run_mode(mode: str, target, draft, args) -> dict[str, float]:
                            context_buckets=(MAX_LEN // 16,) if floor else None, max_seq_len=MAX_LEN,
                            num_blocks=MAX_BATCH * MAX_LEN // 16)
     engine = Engine(target, draft, config=config)
-    saved = {name: getattr(idle_priority, name) for name in PRIORITY_CALLS}
+    may_restore = idle_priority.may_restore
     if mode == "before":        # no idle priority: the compile thread reniced below instead
-        for name in PRIORITY_CALLS:
-            setattr(idle_priority, name, lambda: False)
+        idle_priority.may_restore = lambda: False
+    if mode in ("before", "padded", "floor"):   # the largest prefill first, a prefill's rows padded to it
+        engine.runner.prefill_executable.split_dims = ()
     try:
         compiler = engine.start_warmup(MAX_BATCH, MAX_LEN)
         if floor:
@@ -62,8 +64,7 @@ def run_mode(mode: str, target, draft, args) -> dict[str, float]:
                 os.setpriority(os.PRIO_PROCESS, thread.native_id, NICE_BEFORE)
         figures = time_steps(engine, compiler, args)
     finally:
-        for name, call in saved.items():
-            setattr(idle_priority, name, call)
+        idle_priority.may_restore = may_restore
     return figures
 
 
@@ -101,11 +102,12 @@ def main() -> None:
     if args.dry_run:
         args.seconds, args.max_tokens = 3.0, 16
     target, draft = load_demo()
-    names = {"before": "compile thread at nice 10, XLA's helpers normal (before)",
-             "idle": "compile thread and XLA's helpers at idle priority",
-             "floor": "floor: the same padded buckets, no compile running"}
+    names = {"before": "compile thread at nice 10, XLA's helpers normal, prefill rows padded (before)",
+             "padded": "compile thread and XLA's helpers at idle priority, prefill rows padded",
+             "idle": "idle priority, prefill rows split over the compiled batch-1 bucket (now)",
+             "floor": "floor: the largest buckets only, no compile running (prefill rows padded)"}
     rows = []
-    for mode in ("before", "idle", "floor"):
+    for mode in ("before", "padded", "idle", "floor"):
         figures = run_mode(mode, target, draft, args)
         print(f"{mode}: {figures}", file=sys.stderr, flush=True)
         done = "-" if mode == "floor" else f"{figures['compiled']} of {figures['pending']}"

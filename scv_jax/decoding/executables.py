@@ -33,7 +33,8 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
     prefill = ExecutableCache(
         placement.step(verifier.prefill_step(target, draft, config.block_size)),
         pads={"block_tables": _TABLE_PADS, "tokens": Pad("batch"), "start": Pad("batch"), "count": Pad("batch")},
-        static_argnames=("backend",), name="prefill_step", donate_argnames=("target_cache", "draft_cache"), **common)
+        static_argnames=("backend",), name="prefill_step", donate_argnames=("target_cache", "draft_cache"),
+        split_dims=placement.prefill_split_dims, **common)
     decode = ExecutableCache(
         placement.step(make_decode_step(target, draft, config.block_size, verifier)),
         pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch"),

@@ -146,6 +146,9 @@ class BatchRows(NamedTuple):
 class SingleDevice:
     """Everything on the default device: the decoder as it runs without a mesh."""
 
+    # a prefill call's rows may be split over calls of a smaller compiled bucket (``ExecutableCache.split_dims``)
+    prefill_split_dims: tuple[str, ...] = ("batch",)
+
     def __init__(self, config: DecoderConfig):
         self.pool = ShardedBlockPool(config.num_blocks, 1)
 
@@ -183,6 +186,8 @@ class SingleDevice:
 
 class OnMesh(SingleDevice):
     """The decoder on ``mesh`` (axes "data", "model"): see the module docstring."""
+
+    prefill_split_dims = ()     # a batch is laid out per data shard: its prefill calls pad instead
 
     def __init__(self, mesh: Any, config: DecoderConfig, sharding: ShardingConfig | None):
         self.mesh = check_mesh(mesh)

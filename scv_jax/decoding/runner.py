@@ -222,8 +222,12 @@ class StepRunner:
         rows, begin, count = work.rows, work.begin, work.count
         longest = int(count.max(initial=0))
         start = reported = time.perf_counter()
+        # while prefill buckets compile in the background, rows split over calls of a compiled smaller
+        # bucket rather than padding each to prefill_chunk tokens in a larger one
+        split = "batch" in self.prefill_executable.split_dims
+        max_rows = self.prefill_executable.split_size("batch", len(rows)) if split else None
         for done, sub, inputs in prefill_chunks(batch, rows, begin, count, self.config.prefill_chunk,
-                                                self.proposer.lookahead):
+                                                self.proposer.lookahead, max_rows):
             layout = self.placement.rows(batch.shards[sub], self.prefill_executable)
             self._call(self.prefill_executable, stats, use_target=not work.draft_only,
                        use_draft=self.draft is not None, **layout.arrange(self.prefill_executable, **inputs))

@@ -54,20 +54,23 @@ def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, 
 
 
 def prefill_chunks(state: RequestBatch, rows: np.ndarray, begin: np.ndarray, count: np.ndarray,
-                   chunk: int, lookahead: int = 0) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
+                   chunk: int, lookahead: int = 0,
+                   max_rows: int | None = None) -> Iterator[tuple[int, np.ndarray, dict[str, np.ndarray]]]:
     """Prefill-step inputs committing tokens [begin[b], begin[b] + count[b]) of each request in ``rows``,
     ``chunk`` tokens a call (``tokens`` int32[n, chunk + lookahead]: each call's chunk and the
-    ``lookahead`` tokens after it, an EAGLE head's next token): yields (tokens committed so far, the
-    call's rows, its inputs, one row per request in order)."""
+    ``lookahead`` tokens after it, an EAGLE head's next token) and at most ``max_rows`` requests a call
+    (None: all): yields (tokens committed so far, the call's rows, its inputs, one row per request in
+    order)."""
     columns = np.arange(chunk + lookahead)
     for offset in range(0, int(count.max(initial=0)), chunk):
-        live = count > offset
-        sub = rows[live]
-        start = begin[live] + offset
-        take = np.minimum(count[live] - offset, chunk)
-        positions = np.minimum(start[:, None] + columns, state.tokens.shape[1] - 1)
-        tokens = np.where(columns < take[:, None] + lookahead, state.tokens[sub[:, None], positions], 0)
-        tokens = tokens.astype(np.int32)
-        width = int(state.num_blocks[sub].max())
-        yield offset + chunk, sub, dict(block_tables=state.blocks[sub, :width], tokens=tokens,
-                                        start=start.astype(np.int32), count=take.astype(np.int32))
+        live = np.flatnonzero(count > offset)
+        per_call = max_rows or max(live.size, 1)
+        for group in (live[i:i + per_call] for i in range(0, live.size, per_call)):
+            sub = rows[group]
+            start = begin[group] + offset
+            take = np.minimum(count[group] - offset, chunk)
+            positions = np.minimum(start[:, None] + columns, state.tokens.shape[1] - 1)
+            tokens = np.where(columns < take[:, None] + lookahead, state.tokens[sub[:, None], positions], 0)
+            width = int(state.num_blocks[sub].max())
+            yield offset + chunk, sub, dict(block_tables=state.blocks[sub, :width], tokens=tokens.astype(np.int32),
+                                            start=start.astype(np.int32), count=take.astype(np.int32))

@@ -16,12 +16,13 @@ warm-up); ``submit`` returns at once and compiles in the background until done o
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import os
 import sys
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 from scv_jax.graph import idle_priority
 
@@ -40,11 +41,16 @@ def largest_first(jobs: Sequence[CompileJob]) -> tuple[list[CompileJob], list[Co
     up). A kind is one cache's static values and given arguments; its largest bucket is the one of the
     largest dim sizes, which a call of any smaller sizes of that kind can run padded to
     (``ExecutableCache.ready_plan``); a kind whose largest bucket another kind's can run
-    (``ExecutableCache.can_run``: its statics' stand-ins) needs none of its own first."""
+    (``ExecutableCache.can_run``: its statics' stand-ins) needs none of its own first. Along a cache's
+    ``split_dims`` the smallest bucket is taken instead: its caller splits a larger call over it."""
+    def size(job: CompileJob) -> tuple[int, ...]:
+        split = {tuple(job.cache.dims).index(dim) for dim in job.cache.split_dims}
+        return tuple(-s if i in split else s for i, s in enumerate(job.key[0]))
+
     largest: dict[tuple, CompileJob] = {}
     for job in jobs:
         kind = (id(job.cache), job.key[1], job.key[2])
-        if kind not in largest or job.key[0] > largest[kind].key[0]:
+        if kind not in largest or size(job) > size(largest[kind]):
             largest[kind] = job
     first = [job for job in largest.values()
              if not any(other is not job and other.cache is job.cache and other.cache.can_run(other.key, job.key)
@@ -71,10 +77,11 @@ def default_workers() -> int:
 
 class Compiler:
     """A pool of ``max_workers`` threads (default: ``default_workers()``) compiling ``CompileJob``s in order.
-    ``background`` (settable while it runs; from the next job on) puts the threads and XLA's compile
-    helper threads at idle scheduling priority (``idle_priority``: Linux ``SCHED_IDLE``) so that a thread
-    running steps meanwhile keeps the cores; the helpers get their priority back when the queue drains or
-    at ``stop``. ``switch_interval`` (seconds;
+    ``background`` (settable while it runs) puts the threads and XLA's compile helper threads at idle
+    scheduling priority (``idle_priority``: Linux ``SCHED_IDLE``, where the process may restore it) so
+    that a thread running steps meanwhile keeps the cores, as long as no caller waits for the compiler
+    (``waited_on``: ``wait``, ``stop`` and a call waiting for its scheduled bucket): idle threads starve while
+    other work keeps the cores busy. ``switch_interval`` (seconds;
     settable likewise) sets the interpreter's switch interval (``sys.setswitchinterval``, 5 ms by
     default) while the threads run and restores it when the last one ends: tracing and lowering hold
     the interpreter lock, and a thread running steps that waits for the lock at every device call gets
@@ -95,10 +102,14 @@ class Compiler:
         self.max_workers = default_workers() if max_workers is None else max_workers
         if not isinstance(self.max_workers, int) or self.max_workers < 1:
             raise ValueError(f"Compiler: max_workers must be an int >= 1, got {max_workers!r}")
-        self.name, self.background, self.switch_interval = name, background, switch_interval
+        self.name, self.switch_interval = name, switch_interval
         self.on_compiled, self.prime = on_compiled, prime
         self._saved_interval: float | None = None      # the switch interval before this compiler set it
-        self._lowered_helpers = False                  # XLA's compile threads lowered for this compiler
+        self._background = background
+        self._may_idle = idle_priority.may_restore()
+        self._idle = False                             # whether its threads and XLA's helpers are lowered now
+        self._waiters = 0                              # callers waiting for its work (``waited_on``)
+        self._native_ids: list[int] = []
         self._queue: list[CompileJob] = []
         self._futures: dict[tuple[int, tuple], concurrent.futures.Future] = {}
         self._cond = threading.Condition()
@@ -107,6 +118,41 @@ class Compiler:
         self._running = 0
         self.done = self.total = self.compiles = 0
         self.error: BaseException | None = None      # the first job that raised (the others go on)
+
+    # ------------------------------------------------------------------ priority
+    @property
+    def background(self) -> bool:
+        return self._background
+
+    @background.setter
+    def background(self, value: bool) -> None:
+        with self._cond:
+            self._background = value
+            self._apply_priority()
+
+    @contextlib.contextmanager
+    def waited_on(self) -> Iterator[None]:
+        """While open, the threads (and XLA's helpers) run at normal priority: a caller waits for them."""
+        with self._cond:
+            self._waiters += 1
+            self._apply_priority()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._waiters -= 1
+                self._apply_priority()
+
+    def _apply_priority(self) -> None:
+        """Lowers or restores the threads and XLA's helpers as the state asks (under the lock)."""
+        idle = self._may_idle and self._background and not self._waiters and bool(self._threads)
+        if idle != self._idle:
+            self._idle = idle
+            idle_priority.set_threads_idle(self._native_ids, idle)
+            if idle:
+                idle_priority.lower_xla_compile_threads()
+            else:
+                idle_priority.restore_xla_compile_threads()
 
     # ------------------------------------------------------------------ queue
     def submit(self, jobs: Sequence[CompileJob]) -> list[CompileJob]:
@@ -148,16 +194,17 @@ class Compiler:
         """Waits until ``jobs`` (default: every job submitted) are compiled; False on timeout. Raises the
         first job's error, if one raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if jobs is None:
-            with self._cond:
-                while (self._queue or self._running) and not self._stopping:
-                    if not self._cond.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
-                        return False
-        else:
-            futures = [self._futures.get((id(job.cache), job.key)) for job in jobs]
-            _, not_done = concurrent.futures.wait([f for f in futures if f is not None], timeout)
-            if not_done:
-                return False
+        with self.waited_on():
+            if jobs is None:
+                with self._cond:
+                    while (self._queue or self._running) and not self._stopping:
+                        if not self._cond.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                            return False
+            else:
+                futures = [self._futures.get((id(job.cache), job.key)) for job in jobs]
+                _, not_done = concurrent.futures.wait([f for f in futures if f is not None], timeout)
+                if not_done:
+                    return False
         if self.error is not None:
             raise self.error
         return True
@@ -184,8 +231,9 @@ class Compiler:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             threads = list(self._threads)
-        for thread in threads:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self.waited_on():
+            for thread in threads:
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in threads)
 
     # ------------------------------------------------------------------ workers
@@ -194,16 +242,19 @@ class Compiler:
         if self._saved_interval is not None:
             sys.setswitchinterval(self._saved_interval)
             self._saved_interval = None
-        if self._lowered_helpers:
-            idle_priority.restore_xla_compile_threads()
-            self._lowered_helpers = False
+        self._apply_priority()
 
     def _work(self) -> None:
-        idle = False
+        with self._cond:
+            self._native_ids.append(threading.get_native_id())
+            if self._idle:
+                idle_priority.set_threads_idle(self._native_ids[-1:], True)
+            self._apply_priority()
         while True:
             with self._cond:
                 if self._stopping or not self._queue:
                     self._threads.remove(threading.current_thread())
+                    self._native_ids.remove(threading.get_native_id())
                     if not self._threads:
                         self._end_settings()
                     self._cond.notify_all()
@@ -213,12 +264,6 @@ class Compiler:
                 if self.switch_interval is not None and self._saved_interval is None:
                     self._saved_interval = sys.getswitchinterval()
                     sys.setswitchinterval(self.switch_interval)
-                lower_helpers = self.background and not self._lowered_helpers
-                self._lowered_helpers = self._lowered_helpers or lower_helpers
-            if lower_helpers:
-                idle_priority.lower_xla_compile_threads()
-            if self.background and not idle:
-                idle = idle_priority.set_thread_idle()
             start = time.perf_counter()
             compiles = 0
             try:

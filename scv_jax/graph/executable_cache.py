@@ -240,6 +240,9 @@ class ExecutableCache:
         while buckets compile in the background, a call may run on such an executable (``can_run``,
         ``ready_plan``), which must compute what the call's own would (its outputs may hold more).
       name: a label for progress lines and logs.
+      split_dims: grid dims along which the caller splits a call instead of padding it while buckets
+        compile in the background (``split_size``); ``compiler.largest_first`` compiles such a dim's
+        smallest bucket first.
     """
 
     def __init__(self, fn: Callable, *,
@@ -250,7 +253,8 @@ class ExecutableCache:
                  masks: Mapping[str, str] | None = None,
                  fallback: Callable | Mapping[str, Any] | None = None,
                  cache_dir: str | None = None, keep: Callable[[dict[str, int]], bool] | None = None,
-                 stand_ins: Mapping[str, Mapping[Any, Any]] | None = None, name: str | None = None):
+                 stand_ins: Mapping[str, Mapping[Any, Any]] | None = None, name: str | None = None,
+                 split_dims: Sequence[str] = ()):
         self.name = name or getattr(fn, "__name__", "step")
         parameters = inspect.signature(fn).parameters
         self._params = tuple(parameters)
@@ -258,6 +262,11 @@ class ExecutableCache:
                           if p.default is not inspect.Parameter.empty}
         self.dims = {dim: b if callable(b) else as_buckets(b) for dim, b in dims.items()}
         self._grid_dims = {dim: b for dim, b in self.dims.items() if isinstance(b, Buckets)}
+        self.split_dims = tuple(split_dims)
+        for dim in self.split_dims:
+            if dim not in self._grid_dims:
+                raise ValueError(f"ExecutableCache: split_dims names {dim!r}, not one of the bucketed dims "
+                                 f"{tuple(self._grid_dims)}")
         self.keep = keep
         self.pads = {arg: (p,) if isinstance(p, Pad) else tuple(p) for arg, p in pads.items()}
         self.masks = dict(masks or {})
@@ -405,6 +414,22 @@ class ExecutableCache:
         if dim not in self._grid_dims:
             raise ValueError(f"{self.name}: {dim!r} is not a bucketed dim (bucketed: {tuple(self._grid_dims)})")
         return self._grid_dims[dim].bucket(size)
+
+    def split_size(self, dim: str, size: int) -> int:
+        """How much of ``size`` along split dim ``dim`` one call should take: ``size`` when no bucket is
+        scheduled in the background or one of ``size``'s own bucket along ``dim`` is compiled; else the
+        largest compiled bucket size below ``size`` (the caller splits its call over calls of that size
+        instead of padding it to a larger bucket), else ``size``."""
+        if dim not in self.split_dims:
+            raise ValueError(f"{self.name}: {dim!r} is not a split dim (split_dims: {self.split_dims})")
+        with self._lock:
+            if not self._scheduled:
+                return size
+            index = tuple(self.dims).index(dim)
+            compiled = {key[0][index] for key in self._entries}
+        if self.bucket(dim, size) in compiled:
+            return size
+        return max((s for s in compiled if s < size), default=size)
 
     @property
     def last_call_compiled(self) -> bool:
@@ -829,7 +854,8 @@ class ExecutableCache:
         compiler.hurry(self, key)
         self.stats.waits += 1
         try:
-            return future.result()
+            with compiler.waited_on():
+                return future.result()
         except concurrent.futures.CancelledError:
             return self._entries.get(key)
 

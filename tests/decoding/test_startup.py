@@ -71,17 +71,27 @@ def reference(models):
 
 
 def test_steps_padded_to_the_largest_buckets_give_their_own_buckets_tokens(models, reference):
-    """Only the largest bucket of each kind of prefill and the largest sampled decode steps with
-    logprobs are compiled, every other bucket is scheduled and never gets compiled: every step runs
-    padded up to a largest bucket (greedy and logprobs-free steps on a sampled one with logprobs),
-    compiles nothing, and every request's tokens (and log-probabilities) are those of the fully warmed
-    engine's exact buckets."""
+    """Only the prefill of the smallest batch bucket and the largest context, and the largest sampled
+    decode steps with logprobs are compiled, every other bucket is scheduled and never gets compiled:
+    every decode step runs padded up to a largest bucket (greedy and logprobs-free steps on a sampled one
+    with logprobs), a prefill of more rows splits over calls of the smallest batch (three arrivals: 2 + 1
+    rows, not 4 padded), nothing compiles, and every request's tokens (and log-probabilities) are those
+    of the fully warmed engine's exact buckets."""
     engine = Engine(*models, config=CONFIG)
-    decode = engine.runner.decode_executable
+    prefill, decode = engine.runner.prefill_executable, engine.runner.decode_executable
     jobs = engine.runner.warmup_jobs(4, MAX_LEN, temperatures=(0.0, 1.0), logprobs=True)
     first, rest = largest_first(jobs)
     kinds = {(id(j.cache), j.key[1], j.key[2]) for j in jobs}
-    assert all(any(f.cache is j.cache and f.cache.can_run(f.key, j.key) for f in first) for j in jobs)
+    batch = {j.cache: tuple(j.cache.dims).index("batch") for j in jobs}
+
+    def one_row(key):       # a prefill call of any rows can run on a bucket of one row's batch bucket
+        return (tuple(CONFIG.batch_buckets[0] if i == batch[prefill] else s for i, s in enumerate(key[0])),
+                *key[1:])
+
+    assert all(any(f.cache is j.cache and f.cache.can_run(f.key, one_row(j.key) if j.cache is prefill else j.key)
+                   for f in first) for j in jobs)
+    first_prefill = {j.key[0] for j in first if j.cache is prefill}       # prefill and the draft's catch-up
+    assert first_prefill == {(2, max(CONFIG.block_buckets().sizes))}, first_prefill
     first_decode = [dict(zip(decode.static_argnames, j.key[1])) for j in first if j.cache is decode]
     assert first_decode and all(not s["greedy"] and s["logprobs"] for s in first_decode), first_decode
     assert len(first) < len(kinds) and rest
@@ -94,6 +104,9 @@ def test_steps_padded_to_the_largest_buckets_give_their_own_buckets_tokens(model
     assert threads.names == [] and parked.hurried == []
     borrowed = sum(s.borrowed for s in engine.runner.graph_stats.values())
     assert borrowed > 0 and engine.runner.graph_stats["decode"].borrowed > 0
+    prefill_stats = engine.runner.graph_stats["prefill"]      # every call at batch 2 (3 rows as 2 + 1), none at 4
+    calls = prefill_stats.hits + prefill_stats.misses
+    assert prefill_stats.padded_totals["batch"] == 2 * calls < 2 * prefill_stats.real_totals["batch"]
     _assert_same(outputs, reference)
 
 

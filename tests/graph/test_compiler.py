@@ -5,16 +5,18 @@ warm-up (once per shape, with what was new)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from scv_jax import CompileCounter
 from scv_jax.graph.compile_counter import BACKEND_COMPILE_EVENT, CACHE_LOAD_EVENT
-from scv_jax.graph.compiler import Compiler
+from scv_jax.graph.compiler import Compiler, largest_first
 from tests.graph.test_executable_cache import KV_SIZE, make_cache, random_batch
 
 
@@ -84,6 +86,9 @@ class Parked:
         self.hurried.append(key)
         thread = threading.Thread(target=cache.compile_job, args=(key, self.example), name="parked-compiler")
         thread.start()
+
+    def waited_on(self):
+        return contextlib.nullcontext()
 
 
 def test_a_call_runs_padded_to_a_larger_compiled_bucket_while_its_own_is_scheduled():
@@ -244,3 +249,27 @@ def test_a_priming_compiler_runs_each_executable_once_before_a_call_uses_it(no_p
         assert len(runs) == want_runs + 1
         assert cache.last_call_first_run == (want_runs == 0)
     assert "primed (n=2)" in caplog.text
+
+
+def test_split_dims_first_compile_the_smallest_bucket_and_split_calls_while_others_compile(no_persistent_cache):
+    """A cache with ``split_dims=("batch",)``: ``largest_first`` takes its smallest batch bucket (the
+    largest along the other dims) first; ``split_size`` is the size itself when nothing is scheduled or
+    its own bucket is compiled, else the largest compiled batch below it; a dim that is not split, or
+    not bucketed, is refused."""
+    cache = make_cache(split_dims=("batch",))
+    jobs = cache.jobs(*_example(), k=4)
+    first, rest = largest_first(jobs)
+    assert first and {job.key[0][0] for job in first} == {1} and len(rest) == len(jobs) - len(first)
+    assert [cache.split_size("batch", n) for n in (1, 3, 4)] == [1, 3, 4]       # nothing scheduled
+    Compiler(1).run(first)
+    parked = Parked(None)
+    for job in rest:
+        cache.schedule(job.key, parked)
+    assert [cache.split_size("batch", n) for n in (1, 2, 3, 4)] == [1, 1, 1, 1]
+    cache.compile_job(next(job.key for job in rest if job.key[0][0] == 2), rest[0].example)
+    assert [cache.split_size("batch", n) for n in (1, 2, 3, 4)] == [1, 2, 2, 2]
+    for bad, message in (("tokens", "not a split dim"), ("k", "not a split dim")):
+        with pytest.raises(ValueError, match=message):
+            cache.split_size(bad, 2)
+    with pytest.raises(ValueError, match="split_dims names 'tokens', not one of the bucketed dims"):
+        make_cache(split_dims=("tokens",))

@@ -1,7 +1,8 @@
 """Idle scheduling priority of background compiles (``graph.idle_priority``, ``Compiler(background=True)``):
-the compile thread and XLA's compile helper threads run under ``SCHED_IDLE`` while a background compiler
-has work, the helpers get their policy back when it ends (nested holders share one lowering), and the
-helpers found are XLA's own threads, never a Python thread or an execution pool's."""
+the compile threads and XLA's compile helper threads run under ``SCHED_IDLE`` while a background compiler
+has work and nobody waits for it, at normal priority while a caller waits (``wait``, a call waiting for
+its bucket), and the helpers get the main thread's policy back when it ends (nested holders share one
+lowering); the helpers found are XLA's own threads, never a Python thread or an execution pool's."""
 
 from __future__ import annotations
 
@@ -17,15 +18,15 @@ from scv_jax.graph.compiler import Compiler
 from tests.graph.test_compiler import _example
 from tests.graph.test_executable_cache import make_cache
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE") or not idle_priority._may_restore(),
+pytestmark = pytest.mark.skipif(not idle_priority.may_restore(),
                                 reason="needs Linux SCHED_IDLE and the right to restore a thread's policy")
 
 
-def _policies(tids):
-    policies = {}
+def _policies(tids) -> set[int]:
+    policies = set()
     for tid in tids:
         try:
-            policies[tid] = os.sched_getscheduler(tid)
+            policies.add(os.sched_getscheduler(tid))
         except OSError:     # ended meanwhile
             pass
     return policies
@@ -35,11 +36,18 @@ def _helper_policies_after_exits() -> set[int]:
     """The helpers' policies once the compile threads that just ended are gone (a Python thread's OS
     thread outlives ``join`` for a moment and, unnamed, looks like a helper meanwhile)."""
     for _ in range(100):
-        policies = set(_policies(idle_priority.xla_compile_threads()).values())
+        policies = _policies(idle_priority.xla_compile_threads())
         if policies == {os.SCHED_OTHER}:
             break
         time.sleep(0.02)
     return policies
+
+
+def _seen_policies(seen: list):
+    def on_compiled(*_):
+        seen.append((os.sched_getscheduler(threading.get_native_id()),
+                     _policies(idle_priority.xla_compile_threads())))
+    return on_compiled
 
 
 def test_xla_compile_threads_are_xla_helpers_never_python_or_execution_threads():
@@ -56,31 +64,33 @@ def test_xla_compile_threads_are_xla_helpers_never_python_or_execution_threads()
     assert named and not set(named) & set(found)
 
 
-def test_a_background_compiler_idles_its_threads_and_xla_helpers_then_restores_the_helpers(no_persistent_cache):
-    helpers = idle_priority.xla_compile_threads()
-    assert set(_policies(helpers).values()) == {os.SCHED_OTHER}
-    seen = []
-
-    def on_compiled(*_):
-        seen.append((os.sched_getscheduler(threading.get_native_id()), set(_policies(helpers).values())))
-
-    Compiler(1, background=True, on_compiled=on_compiled).run(make_cache().jobs(*_example(), k=2)[:2])
+def test_a_background_compiler_idles_while_nobody_waits_and_restores_the_helpers(no_persistent_cache):
+    assert _helper_policies_after_exits() == {os.SCHED_OTHER}
+    seen, done = [], threading.Event()
+    on_compiled = _seen_policies(seen)
+    compiler = Compiler(1, background=True, on_compiled=lambda *a: (on_compiled(*a), a[3] == 2 and done.set()))
+    compiler.submit(make_cache().jobs(*_example(), k=2)[:2])
+    assert done.wait(300) and compiler.stop(timeout=60)
     assert seen == [(os.SCHED_IDLE, {os.SCHED_IDLE})] * 2
     # those lowered and those an idle compile started meanwhile (they inherit its policy) are back
     assert _helper_policies_after_exits() == {os.SCHED_OTHER}
 
-    seen.clear()                            # a foreground compiler changes nothing
-    Compiler(1, on_compiled=on_compiled).run(make_cache().jobs(*_example(), k=4)[:1])
-    assert seen == [(os.SCHED_OTHER, {os.SCHED_OTHER})]
+
+def test_a_waited_for_or_foreground_compiler_runs_at_normal_priority(no_persistent_cache):
+    seen = []
+    Compiler(1, background=True, on_compiled=_seen_policies(seen)).run(make_cache().jobs(*_example(), k=2)[:1])
+    Compiler(1, on_compiled=_seen_policies(seen)).run(make_cache().jobs(*_example(), k=4)[:1])
+    assert seen == [(os.SCHED_OTHER, {os.SCHED_OTHER})] * 2      # run() waits for its jobs
 
 
 def test_nested_holders_share_one_lowering():
+    jnp.ones(3).block_until_ready()
     helpers = idle_priority.xla_compile_threads()
     idle_priority.lower_xla_compile_threads()
     idle_priority.lower_xla_compile_threads()
     try:
         idle_priority.restore_xla_compile_threads()
-        assert set(_policies(helpers).values()) == {os.SCHED_IDLE}
+        assert _policies(helpers) == {os.SCHED_IDLE}
     finally:
         idle_priority.restore_xla_compile_threads()
-    assert set(_policies(helpers).values()) == {os.SCHED_OTHER}
+    assert _policies(helpers) == {os.SCHED_OTHER}
