@@ -71,8 +71,10 @@ def load_demo(weights_dir: str | pathlib.Path | None = None) -> tuple[Transforme
     return load_model(directory / "target.npz"), load_model(directory / "draft.npz")
 
 
-def load_demo_head(target: Transformer, weights_dir: str | pathlib.Path | None = None) -> Eagle3Head:
+def load_demo_head(target: Transformer, weights_dir: str | pathlib.Path | None = None, *,
+                   dtype: str = "bfloat16") -> Eagle3Head:
     """The shipped EAGLE-3 head of the demo target (``eagle3_head/``, trained by
-    ``python -m scv_jax.eagle3_train --target demo``), bound to ``target`` (``load_demo()[0]``)."""
+    ``python -m scv_jax.eagle3_train --target demo``), bound to ``target`` (``load_demo()[0]``), in
+    ``dtype`` (as ``load_eagle3``: bfloat16 by default, whatever the target's dtype)."""
     directory = (pathlib.Path(weights_dir) if weights_dir is not None else DEMO_WEIGHTS_DIR) / "eagle3_head"
-    return load_eagle3(directory, target, dtype=target.config.dtype)
+    return load_eagle3(directory, target, dtype=dtype)

@@ -148,6 +148,9 @@ def test_the_shipped_demo_head_drafts_the_targets_greedy_text():
     target, _ = load_demo()
     config = DecoderConfig(k=4, max_seq_len=64, num_blocks=16, batch_buckets=(1,))
     prompt = [list(b"import os\n\ndef ")]
-    out = SpeculativeDecoder(target, load_demo_head(target), config=config).generate(prompt, 24)
+    head = load_demo_head(target)         # bfloat16 by default, over the float32 target
+    assert head.fc.kernel[...].dtype == jnp.bfloat16 and target.embed.embedding[...].dtype == jnp.float32
+    assert load_demo_head(target, dtype="float32").fc.kernel[...].dtype == jnp.float32
+    out = SpeculativeDecoder(target, head, config=config).generate(prompt, 24)
     assert out.tokens == SpeculativeDecoder(target, None, config=config).generate(prompt, 24).tokens
     assert out.stats.mean_accepted_length > 1.5
