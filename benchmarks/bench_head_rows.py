@@ -40,7 +40,8 @@ def call_ms(fn) -> float:
 
 def run(args: argparse.Namespace) -> str:
     target, _ = load_demo()
-    head = load_demo_head(target) if args.head is None else load_eagle3(args.head, target, dtype="float32")
+    head = (load_demo_head(target, dtype="float32") if args.head is None
+            else load_eagle3(args.head, target, dtype="float32"))
     graphdef, state = nnx.split(head)
     c, batch = head.config, args.batch
     blocks = (CONTEXT + max(WIDTHS.values())) // BLOCK_SIZE + 1
