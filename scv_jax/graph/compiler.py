@@ -93,7 +93,7 @@ class Compiler:
     a demo decode step), which a served stream would otherwise wait for at a new shape.
 
     ``on_compiled(job, compiles, seconds, done, total)`` is called on a worker thread after each job
-    (progress lines, logs). Thread-safe."""
+    (progress lines, logs), before ``wait()`` counts the job done. Thread-safe."""
 
     def __init__(self, max_workers: int | None = None, *, name: str = "scv-jax-compile",
                  background: bool = False,
@@ -132,12 +132,14 @@ class Compiler:
 
     @contextlib.contextmanager
     def waited_on(self) -> Iterator[None]:
-        """While open, the threads (and XLA's helpers) run at normal priority: a caller waits for them."""
+        """While open, the threads and XLA's helpers run at normal priority: a caller waits for them (the
+        helpers even while another background compiler keeps them lowered)."""
         with self._cond:
             self._waiters += 1
             self._apply_priority()
         try:
-            yield
+            with idle_priority.at_normal_priority():
+                yield
         finally:
             with self._cond:
                 self._waiters -= 1
@@ -272,10 +274,13 @@ class Compiler:
                 self.error = self.error or error
             seconds = time.perf_counter() - start
             with self._cond:
-                self._running -= 1
                 self.done += 1
                 self.compiles += compiles
                 done, total = self.done, self.total
-                self._cond.notify_all()
-            if self.on_compiled is not None:
-                self.on_compiled(job, compiles, seconds, done, total)
+            try:        # before the job counts as done: a caller's wait() returns after its report
+                if self.on_compiled is not None:
+                    self.on_compiled(job, compiles, seconds, done, total)
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()

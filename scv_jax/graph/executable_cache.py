@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from scv_jax.graph import idle_priority
 from scv_jax.graph.buckets import (Buckets, Pad, array_leaves, as_buckets, is_array_leaf, map_arrays,
                              pad_leaf, real_size)
 from scv_jax.graph.compiler import CompileJob, Compiler
@@ -825,7 +826,8 @@ class ExecutableCache:
         if entry is None:
             logger.warning("%s: compiling bucket (%s) on the calling thread (%s): %s", self.name,
                            self.describe(plan.key), threading.current_thread().name, self._why_new(plan.key))
-            entry, _ = self._compile_one(plan.key, self._named(plan, dynamic))
+            with idle_priority.at_normal_priority():      # a background compiler's idle helpers: back up
+                entry, _ = self._compile_one(plan.key, self._named(plan, dynamic))
             with self._lock:
                 self._entries[plan.key] = entry
             self._last_call_compiled = True

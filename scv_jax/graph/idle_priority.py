@@ -17,12 +17,14 @@ same time share one lowering.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Iterable
+from typing import Iterable, Iterator
 
 _lock = threading.Lock()
 _holders = 0            # compilers holding the helpers lowered
+_urgent = 0             # compiles someone waits for (``at_normal_priority``): the helpers stay up meanwhile
 
 
 def _idle_policy() -> int | None:
@@ -91,7 +93,7 @@ def lower_xla_compile_threads() -> None:
     global _holders
     with _lock:
         _holders += 1
-        if _holders == 1:
+        if _holders == 1 and not _urgent:
             set_threads_idle(xla_compile_threads(), True)
 
 
@@ -103,3 +105,23 @@ def restore_xla_compile_threads() -> None:
         _holders = max(0, _holders - 1)
         if not _holders:
             set_threads_idle(xla_compile_threads(), False)
+
+
+@contextlib.contextmanager
+def at_normal_priority() -> Iterator[None]:
+    """While open, ``xla_compile_threads`` run under the main thread's policy, however many holders keep them
+    lowered (the helpers are the process's: a compile someone waits for must not share them at idle
+    priority with another compiler's background work); the holders' lowering is back when the last one
+    closes. Touches no thread while nothing holds them lowered."""
+    global _urgent
+    with _lock:
+        _urgent += 1
+        if _urgent == 1 and _holders:
+            set_threads_idle(xla_compile_threads(), False)
+    try:
+        yield
+    finally:
+        with _lock:
+            _urgent -= 1
+            if not _urgent and _holders:
+                set_threads_idle(xla_compile_threads(), True)

@@ -94,3 +94,28 @@ def test_nested_holders_share_one_lowering():
     finally:
         idle_priority.restore_xla_compile_threads()
     assert _policies(helpers) == {os.SCHED_OTHER}
+
+
+def test_a_compile_someone_waits_for_lifts_the_helpers_another_holder_keeps_lowered(no_persistent_cache):
+    """The helpers are the process's: while another background compiler (here a bare hold) keeps them idle,
+    a compile someone waits for (``run``, a call's own compile: ``at_normal_priority``) has them at normal
+    priority, and the hold's lowering is back afterwards."""
+    jnp.ones(3).block_until_ready()
+    helpers = idle_priority.xla_compile_threads()
+    idle_priority.lower_xla_compile_threads()
+    try:
+        with idle_priority.at_normal_priority():
+            assert _policies(helpers) == {os.SCHED_OTHER}
+            with idle_priority.at_normal_priority():
+                idle_priority.lower_xla_compile_threads()       # a compiler going idle meanwhile lowers nothing
+                idle_priority.restore_xla_compile_threads()
+                assert _policies(helpers) == {os.SCHED_OTHER}
+            assert _policies(helpers) == {os.SCHED_OTHER}
+        assert _policies(helpers) == {os.SCHED_IDLE}
+        seen = []
+        Compiler(1, background=True, on_compiled=_seen_policies(seen)).run(make_cache().jobs(*_example(), k=2)[:1])
+        assert seen == [(os.SCHED_OTHER, {os.SCHED_OTHER})]
+        assert _policies(helpers) == {os.SCHED_IDLE}
+    finally:
+        idle_priority.restore_xla_compile_threads()
+    assert _helper_policies_after_exits() == {os.SCHED_OTHER}
