@@ -134,16 +134,17 @@ class Compiler:
     def waited_on(self) -> Iterator[None]:
         """While open, the threads and XLA's helpers run at normal priority: a caller waits for them (the
         helpers even while another background compiler keeps them lowered)."""
-        with self._cond:
-            self._waiters += 1
-            self._apply_priority()
-        try:
-            with idle_priority.at_normal_priority():
-                yield
-        finally:
+        with idle_priority.at_normal_priority():    # first: the helpers are never down while its threads are up
             with self._cond:
-                self._waiters -= 1
+                self._waiters += 1
                 self._apply_priority()
+            idle_priority.lift_helpers()            # those its threads started while still idle
+            try:
+                yield
+            finally:
+                with self._cond:
+                    self._waiters -= 1
+                    self._apply_priority()
 
     def _apply_priority(self) -> None:
         """Lowers or restores the threads and XLA's helpers as the state asks (under the lock)."""

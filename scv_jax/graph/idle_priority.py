@@ -125,3 +125,11 @@ def at_normal_priority() -> Iterator[None]:
             _urgent -= 1
             if not _urgent and _holders:
                 set_threads_idle(xla_compile_threads(), True)
+
+
+def lift_helpers() -> None:
+    """While ``at_normal_priority`` is open, puts ``xla_compile_threads`` under the main thread's policy
+    again: those a thread still at idle priority started since (they inherit its policy)."""
+    with _lock:
+        if _urgent:
+            set_threads_idle(xla_compile_threads(), False)

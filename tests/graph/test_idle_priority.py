@@ -76,11 +76,26 @@ def test_a_background_compiler_idles_while_nobody_waits_and_restores_the_helpers
     assert _helper_policies_after_exits() == {os.SCHED_OTHER}
 
 
+def _waited_policies(compiler: Compiler) -> tuple[set[int], set[int]]:
+    """(the policies of ``compiler``'s threads (named after it: no other compiler may share its name), of XLA's
+    helpers) while a caller waits for its jobs."""
+    try:
+        with compiler.waited_on():
+            workers = [thread.native_id for thread in threading.enumerate() if thread.name.startswith(compiler.name)]
+            policies = _policies(workers), _policies(idle_priority.xla_compile_threads())
+            assert compiler.wait(timeout=300)
+    finally:
+        compiler.stop(timeout=60)
+    return policies
+
+
 def test_a_waited_for_or_foreground_compiler_runs_at_normal_priority(no_persistent_cache):
+    compiler = Compiler(1, background=True, name="waited-for")
+    compiler.submit(make_cache().jobs(*_example(), k=2)[:2])
+    assert _waited_policies(compiler) == ({os.SCHED_OTHER}, {os.SCHED_OTHER})    # wait(), run(): a caller waits
     seen = []
-    Compiler(1, background=True, on_compiled=_seen_policies(seen)).run(make_cache().jobs(*_example(), k=2)[:1])
     Compiler(1, on_compiled=_seen_policies(seen)).run(make_cache().jobs(*_example(), k=4)[:1])
-    assert seen == [(os.SCHED_OTHER, {os.SCHED_OTHER})] * 2      # run() waits for its jobs
+    assert seen == [(os.SCHED_OTHER, {os.SCHED_OTHER})]                       # a foreground one never lowers
 
 
 def test_nested_holders_share_one_lowering():
@@ -98,8 +113,8 @@ def test_nested_holders_share_one_lowering():
 
 def test_a_compile_someone_waits_for_lifts_the_helpers_another_holder_keeps_lowered(no_persistent_cache):
     """The helpers are the process's: while another background compiler (here a bare hold) keeps them idle,
-    a compile someone waits for (``run``, a call's own compile: ``at_normal_priority``) has them at normal
-    priority, and the hold's lowering is back afterwards."""
+    a compile someone waits for (``waited_on``, a call's own compile: ``at_normal_priority``) has them at
+    normal priority, and the hold's lowering is back afterwards."""
     jnp.ones(3).block_until_ready()
     helpers = idle_priority.xla_compile_threads()
     idle_priority.lower_xla_compile_threads()
@@ -112,9 +127,9 @@ def test_a_compile_someone_waits_for_lifts_the_helpers_another_holder_keeps_lowe
                 assert _policies(helpers) == {os.SCHED_OTHER}
             assert _policies(helpers) == {os.SCHED_OTHER}
         assert _policies(helpers) == {os.SCHED_IDLE}
-        seen = []
-        Compiler(1, background=True, on_compiled=_seen_policies(seen)).run(make_cache().jobs(*_example(), k=2)[:1])
-        assert seen == [(os.SCHED_OTHER, {os.SCHED_OTHER})]
+        compiler = Compiler(1, background=True, name="waited-for")
+        compiler.submit(make_cache().jobs(*_example(), k=2)[:2])
+        assert _waited_policies(compiler) == ({os.SCHED_OTHER}, {os.SCHED_OTHER})
         assert _policies(helpers) == {os.SCHED_IDLE}
     finally:
         idle_priority.restore_xla_compile_threads()
