@@ -38,7 +38,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.fp8 import dynamic_scale, finite_magnitudes, quantize
-from pallas_kernels.platform import WARPGROUP_SIZE, interpret_params
+from pallas_kernels.platform import WARPGROUP_SIZE, interpret_params, store_unoptimized
 
 MAX_VECTOR_BYTES = 16
 MIN_TILED_ACCESS_BYTES = 4      # Mosaic's tiled GMEM accesses move at least 4 bytes per thread
@@ -157,7 +157,7 @@ def _commit_body(slot_ref, k_ref, v_ref, *refs, layout: str, scale_mode: str | N
                 scale = _per_head(head_ids, [scale_ref[h] for h in range(num_kv_heads)])
             elif scale_mode == "token_head" and tiled:
                 head_scales = dynamic_scale(jnp.max(finite_magnitudes(x), axis=1), cache_dtype)
-                plgpu.store(scale_ref.at[layer, block, offset], head_scales, optimized=False)
+                store_unoptimized(scale_ref.at[layer, block, offset], head_scales)
                 scale = head_scales[:, None]
             elif scale_mode == "token_head":
                 magnitude = finite_magnitudes(x)
@@ -172,7 +172,7 @@ def _commit_body(slot_ref, k_ref, v_ref, *refs, layout: str, scale_mode: str | N
             q = quantize(x, cache_dtype, scale)
             target = pages.at[layer, block, offset] if layout == "NHD" else pages.at[layer, block, :, offset]
             if tiled:
-                plgpu.store(target, q, optimized=False)
+                store_unoptimized(target, q)
             else:
                 target[...] = q
 

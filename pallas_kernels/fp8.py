@@ -65,6 +65,19 @@ def quantize(x: jax.Array, cache_dtype, scale: jax.Array | float | None = None) 
     return x.astype(cache_dtype)
 
 
+def keep_rounding(narrow: jax.Array) -> jax.Array:
+    """``narrow`` (a value just rounded to a narrower float dtype) behind an optimization barrier, so
+    that widening it again keeps the rounding.
+
+    XLA:GPU's excess-precision simplification (``xla_allow_excess_precision``, on by default) folds
+    ``convert(convert(x, bfloat16), float32)`` into ``x``: a round trip written to round (a bf16 hi/lo
+    split, K/V read as the cache will hold them) silently does nothing there, while XLA:CPU keeps it.
+    A barrier between the two converts stops the fold. Use it only on small arrays: the barrier also
+    stops XLA fusing across it.
+    """
+    return lax.optimization_barrier(narrow)
+
+
 def dequantize(q: jax.Array, scale: jax.Array | None = None) -> jax.Array:
     """Cache values -> float32: ``q * scale``. ``scale`` broadcastable to ``q`` or None."""
     x = q.astype(jnp.float32)

@@ -85,6 +85,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.fp8 import keep_rounding
 from pallas_kernels.platform import interpret_params
 
 ROWS = 64                 # query rows per CTA: the M of one warpgroup's wgmma
@@ -106,10 +107,13 @@ def bf16_terms(dtype, precise: bool) -> int:
 
 
 def bf16_parts(x: jax.Array, terms: int) -> list[jax.Array]:
-    """``x`` as ``terms`` bf16 parts: [hi] or [hi, lo] with hi = bf16(x), lo = bf16(x - hi) in float32."""
+    """``x`` as ``terms`` bf16 parts: [hi] or [hi, lo] with hi = bf16(x), lo = bf16(x - hi) in float32
+    (hi behind ``fp8.keep_rounding``: XLA:GPU would otherwise fold x - float32(hi) to 0)."""
     x = x.astype(jnp.float32)
-    hi = x.astype(jnp.bfloat16)
-    return [hi] if terms == 1 else [hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)]
+    if terms == 1:
+        return [x.astype(jnp.bfloat16)]
+    hi = keep_rounding(x.astype(jnp.bfloat16))
+    return [hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)]
 
 
 def _swizzled(dtype, minor: int) -> tuple:

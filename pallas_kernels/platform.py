@@ -20,6 +20,17 @@ DEFAULT_NUM_SMS = 132         # H100 SXM and H200; used when tracing without a G
 CTAS_PER_SM = 16
 
 
+def store_unoptimized(ref, value: jax.Array) -> None:
+    """Stores ``value`` (any register layout) to the GMEM ``ref`` with Mosaic's unoptimized
+    (element-wise) GMEM store, which takes shapes the optimized store rejects (e.g. a tiled layout
+    over ``[5, 96]``). jax >= 0.12 spells it ``plgpu.store(..., optimized=False)``; jax 0.11 has no
+    ``plgpu.store`` and lowers ``ref[...] = value`` of a tiled value to that same store."""
+    if hasattr(plgpu, "store"):
+        plgpu.store(ref, value, optimized=False)
+    else:
+        ref[...] = value
+
+
 def interpret_params(interpret: bool):
     """The ``interpret=`` argument of ``plgpu.kernel``: the GPU simulator on CPU, or native."""
     return plgpu.InterpretGPUParams() if interpret else None

@@ -79,3 +79,22 @@ def test_gpu_loop_run_dry_run(tmp_path):
         log = (tmp_path / f"{step}.log").read_text()
         assert "rc=0 " in log and table in log, (step, log[-2000:])
     assert (tmp_path / "RESULTS.md").read_text() == before == open(results).read()
+
+
+def test_timings_names_a_known_group(tmp_path, capsys):
+    """``--timings`` takes the groups' own names and refuses another with a one-line usage error."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.pop(0)
+    names = [name for name, _, _ in gpu_suite.timing_groups(gpu_suite.DRY, ("interpret", "xla"), {})]
+    assert "paged attention" in names and "commit" in names
+    try:
+        gpu_suite.main(["--dry-run", "--out", str(tmp_path), "--timings", "paged attention,bogus"])
+    except SystemExit as stop:
+        assert stop.code == 2
+    else:
+        raise AssertionError("an unknown --timings group was accepted")
+    assert "--timings: unknown group(s) ['bogus']" in capsys.readouterr().err
+    assert not (tmp_path / "suite.json").exists()        # refused before any section ran

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.fp8 import dequantize, dynamic_scale, finite_magnitudes, is_fp8, quantize
+from pallas_kernels.fp8 import dequantize, dynamic_scale, finite_magnitudes, is_fp8, keep_rounding, quantize
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 
 
@@ -59,6 +59,7 @@ def as_stored(x: jax.Array, cache: PagedKVCache, scale: jax.Array | None) -> jax
     if not is_fp8(cache.dtype) and cache.dtype in (np.dtype(jnp.float32), np.dtype(x.dtype)):
         return x
     q, token_scale = quantize_tokens(x, cache, scale)
+    q = keep_rounding(q)   # widened below: XLA:GPU would otherwise drop the rounding to the cache's dtype
     if cache.scale_mode is None:
         return q.astype(x.dtype if is_fp8(cache.dtype) else jnp.promote_types(x.dtype, cache.dtype))
     if cache.scale_mode == "token_head":

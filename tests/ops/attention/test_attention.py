@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 
 import scv_jax
 from scv_jax.ops import registry
+import scv_jax.ops.attention.api  # noqa: F401,E402 - registers the op's implementations for registry.implementation
 from scv_jax.ops.attention.reference import in_flight_kv, paged_attention_reference
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.registry import cuda_available

@@ -15,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 import scv_jax
 from scv_jax.ops import registry
+import scv_jax.ops.attention.api  # noqa: F401,E402 - registers the op's implementations for registry.implementation
 from scv_jax.ops.attention import api as _attention_api  # noqa: F401 (registers the op)
 from tests.ops.attention.test_attention import KERNEL, Case, kernel_supports, make_inputs, stored, tolerance
 

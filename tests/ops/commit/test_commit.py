@@ -16,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 import scv_jax
 from scv_jax.ops.registry import cuda_available
 from scv_jax.ops import registry
+import scv_jax.ops.commit.api  # noqa: F401,E402 - registers the op's implementations for registry.implementation
 
 # fp16 inputs of 1e4 * 30 overflow to inf (saturation is tested), and inf / inf scales are NaN.
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),

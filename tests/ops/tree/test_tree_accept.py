@@ -14,6 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import scv_jax
 from scv_jax.ops import registry
+import scv_jax.ops.tree.api  # noqa: F401,E402 - registers the op's implementations for registry.implementation
 from scv_jax.ops.acceptance.randomness import normalize_keys
 from scv_jax.ops.registry import cuda_available
 from scv_jax.ops.tree.api import node_randomness
