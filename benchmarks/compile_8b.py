@@ -2,7 +2,8 @@
 
     JAX_PLATFORMS=cpu python benchmarks/compile_8b.py [--batch 8] [--k 4] [--context 4096] [--append]
     JAX_PLATFORMS=cpu python benchmarks/compile_8b.py --set serve [--drafter draft eagle3] [--limit N]
-                     [--workers W] [--serve-args "--max-num-seqs 4"] [--dry-run] [--append]
+                     [--workers W] [--serve-args "--max-num-seqs 4"] [--target qwen2.5-7b] [--memory]
+                     [--dry-run] [--append]
 
 Everything is abstract (``nnx.eval_shape`` for the models, ``jax.eval_shape`` for the bfloat16 paged
 caches, ``jax.ShapeDtypeStruct`` inputs), and nothing comes from the persistent compilation cache
@@ -28,7 +29,12 @@ the largest bucket of each kind without stand-ins (what it waited for before the
 serve waits for now). Then they are compiled in that order (those serve waits for, the other largest
 buckets, the rest smallest first as serve compiles them in the background; ``--limit``: the first N) on a
 ``graph.compiler.Compiler`` of ``--workers`` threads: seconds each (trace, lower and compile), the sums
-of the two waited-for sets, summed and wall. ``--dry-run``: the counts alone.
+of the two waited-for sets, summed and wall. ``--dry-run``: the counts alone. ``--target qwen2.5-7b``:
+a Qwen2.5-7B-shaped target (vocabulary 152064) with a Qwen2.5-0.5B-shaped draft of its vocabulary, or an
+EAGLE-3 head of its width. ``--memory``: per compiled executable, XLA's ``memory_analysis()`` (temporary,
+argument, output and aliased bytes) and its largest temporaries (the biggest arrays the optimized HLO
+materialises outside fusions, named by their JAX op), e.g. to find vocabulary-sized temporaries at a
+real batch (``--serve-args "--max-num-seqs 64"``).
 
 Either set compiles the layers as the decoder runs them (``per_layer``: each layer's weights inputs of
 their own, the layers one after another) and as a ``jax.lax.scan`` over stacked weights (``scan``:
@@ -40,7 +46,9 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import math
 import os
+import re
 import shlex
 import statistics
 import time
@@ -76,9 +84,28 @@ LLAMA_32_1B = TransformerConfig(vocab_size=128256, num_layers=16, d_model=2048, 
                                 tie_embeddings=True, dtype="bfloat16", rope_scaling=LLAMA3_ROPE)
 # The published EAGLE-3 head of Llama-3.1-8B-Instruct (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): one layer of the
 # target's width over its features at layers (2, 16, 29), a 32000-token draft vocabulary.
-EAGLE3_8B = dataclasses.replace(LLAMA_31_8B, num_layers=1)
 EAGLE3_DRAFT_VOCAB, EAGLE3_AUX_LAYERS = 32000, (2, 16, 29)
 BLOCK_SIZE = 16
+QWEN25_7B = TransformerConfig(vocab_size=152064, num_layers=28, d_model=3584, num_heads=28, num_kv_heads=4,
+                              head_dim=128, ffn_dim=18944, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=False,
+                              dtype="bfloat16", qkv_bias=True)
+# Qwen2.5-0.5B's shape with the 7B's vocabulary (the released 0.5B pads to 151936; a draft must match)
+QWEN25_05B = TransformerConfig(vocab_size=152064, num_layers=24, d_model=896, num_heads=14, num_kv_heads=2,
+                               head_dim=64, ffn_dim=4864, rope_theta=1e6, norm_eps=1e-6, tie_embeddings=True,
+                               dtype="bfloat16", qkv_bias=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetShapes:
+    """A target shape, its draft model's and its EAGLE-3 head's (one layer of the target's width)."""
+
+    target: TransformerConfig
+    draft: TransformerConfig
+    aux_layers: tuple[int, int, int]
+
+
+TARGETS = {"llama-3.1-8b": TargetShapes(LLAMA_31_8B, LLAMA_32_1B, EAGLE3_AUX_LAYERS),
+           "qwen2.5-7b": TargetShapes(QWEN25_7B, QWEN25_05B, (2, 14, 25))}
 
 
 class ScannedTransformer(Transformer):
@@ -96,13 +123,13 @@ def abstract_transformer(config: TransformerConfig, layers: str) -> Transformer:
     return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
 
 
-def abstract_head(target: Transformer) -> Eagle3Head:
-    """An abstract EAGLE-3 head of ``EAGLE3_8B``'s shape over ``target``, sharing its embedding (as
-    ``load_eagle3`` binds one)."""
+def abstract_head(target: Transformer, aux_layers: tuple[int, int, int] = EAGLE3_AUX_LAYERS) -> Eagle3Head:
+    """An abstract EAGLE-3 head of the published shape (one layer of ``target``'s width, a 32000-token
+    draft vocabulary) over ``target``, sharing its embedding (as ``load_eagle3`` binds one)."""
     vocab_map = np.arange(EAGLE3_DRAFT_VOCAB, dtype=np.int32)
     head = nnx.eval_shape(lambda: Eagle3Head(
-        EAGLE3_8B, None, draft_vocab_size=EAGLE3_DRAFT_VOCAB, draft_to_target=vocab_map,
-        aux_layers=EAGLE3_AUX_LAYERS, norm_before_residual=False, rngs=nnx.Rngs(0)))
+        dataclasses.replace(target.config, num_layers=1), None, draft_vocab_size=EAGLE3_DRAFT_VOCAB,
+        draft_to_target=vocab_map, aux_layers=aux_layers, norm_before_residual=False, rngs=nnx.Rngs(0)))
     head.embed = target.embed
     return head
 
@@ -166,20 +193,22 @@ class ServeSet:
     kinds: int                      # how many it waited for without stand-ins: the largest bucket of each kind
 
 
-def serve_set(drafter: str, layers: str, serve_args: list[str]) -> ServeSet:
+def serve_set(drafter: str, layers: str, serve_args: list[str], shapes: TargetShapes = TARGETS["llama-3.1-8b"]
+              ) -> ServeSet:
     """``scv-jax serve``'s warm-up executables (``serve_args``: its flags beyond the defaults) for the
-    abstract 8B target with ``drafter`` ("draft" or "eagle3"), as the engine enumerates them, in the
-    order ``ServeSet.jobs`` says."""
-    target = abstract_transformer(LLAMA_31_8B, layers)
-    model = abstract_transformer(LLAMA_32_1B, layers) if drafter == "draft" else abstract_head(target)
-    args = cli.parse_args(["serve", "--model", "llama-3.1-8b-shaped", *serve_args])
+    abstract target of ``shapes`` with ``drafter`` ("draft" or "eagle3"), as the engine enumerates them,
+    in the order ``ServeSet.jobs`` says."""
+    target = abstract_transformer(shapes.target, layers)
+    model = (abstract_transformer(shapes.draft, layers) if drafter == "draft"
+             else abstract_head(target, shapes.aux_layers))
+    args = cli.parse_args(["serve", "--model", "abstract-shaped", *serve_args])
     # no position limit: Llama-3.1's 131072 exceeds serve's default context (2048) as none would
     models = Models(target, model, (target, model), position_limit=None)
     config, max_model_len, _ = engine_config(args, models)
     engine = Engine(target, model, config=config)
     caches = engine.runner.caches
     caches.put(*jax.eval_shape(caches.take))      # abstract caches: the warm-up's examples read their shapes
-    jobs = engine.warmup_jobs(**warmup_sizes(args, Served(engine, max_model_len, LLAMA_31_8B.vocab_size)))
+    jobs = engine.warmup_jobs(**warmup_sizes(args, Served(engine, max_model_len, shapes.target.vocab_size)))
     first, rest = largest_first(jobs)
     decode = engine.runner.decode_executable
     stand_ins, decode.stand_ins = decode.stand_ins, {}      # the split as it was before stand-ins
@@ -213,6 +242,78 @@ def label(job: CompileJob) -> str:
     return job.cache.name + (" (drafter's catch-up)" if job.example.get("target_params", ()) is None else "")
 
 
+HLO_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+             "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+NOT_BUFFERS = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant"}
+IN_PLACE = {"scatter", "dynamic-update-slice", "dynamic_update_slice"}   # HLO opcodes and JAX op names
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\((.*)$")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLED = re.compile(r"(?:calls|body|condition|to_apply)=%([\w.-]+)|(?:branch|called)_computations=\{([^}]*)\}")
+
+
+def materialised_computations(lines: list[str]) -> set[str]:
+    """Names of the computations whose instructions own buffers: the entry and those that instructions
+    other than fusions call (while bodies, branches, calls), not fusions' bodies nor computations no
+    instruction calls."""
+    called, fused = set(), set()
+    for line in lines:
+        for single, several in _CALLED.findall(line):
+            names = [single] if single else [name.strip().lstrip("%") for name in several.split(",")]
+            (fused if " fusion(" in line else called).update(names)
+    entry = {line.split()[1].lstrip("%") for line in lines if line.startswith("ENTRY ")}
+    return entry | (called - fused)
+
+
+def largest_temporaries(hlo_text: str, count: int = 3, dim: int | None = None) -> list[tuple[int, str]]:
+    """The ``count`` largest arrays an optimized HLO module materialises (with ``dim``: only those with a
+    dimension of that size, e.g. the vocabulary), as (bytes, "type[dims] op"): the instructions of the
+    ``materialised_computations`` (fusions' bodies live in registers), parameters, tuples, bitcasts and
+    in-place updates of a parameter's shape (the donated caches' scatters) left out; the op is the last
+    two parts of the JAX op name."""
+    found: dict[str, int] = {}
+    lines = hlo_text.splitlines()
+    parameters = {(m.group(1), m.group(2)) for m in map(_INSTRUCTION.match, lines)
+                  if m is not None and m.group(3) == "parameter"}
+    owners = materialised_computations(lines)
+    materialised = False
+    for line in lines:
+        if line.endswith("{") and not line.startswith(" "):      # a computation's header
+            materialised = line.split("(")[0].split()[-1].lstrip("%") in owners
+            continue
+        match = _INSTRUCTION.match(line)
+        if not materialised or match is None or match.group(3) in NOT_BUFFERS:
+            continue
+        kind, dims, opcode, rest = match.groups()
+        shape = [int(d) for d in dims.split(",") if d]
+        op = _OP_NAME.search(rest)
+        op_names = op.group(1).split("/") if op else [opcode]
+        if (kind not in HLO_BYTES or (dim is not None and dim not in shape)
+                or ({opcode, op_names[-1]} & IN_PLACE and (kind, dims) in parameters)):
+            continue
+        nbytes = HLO_BYTES[kind] * math.prod(shape)
+        name = "/".join(op_names[-2:])
+        key = f"{kind}[{dims}] {name}"
+        found[key] = max(found.get(key, 0), nbytes)
+    return sorted(((n, key) for key, n in found.items()), reverse=True)[:count]
+
+
+def memory_rows(drafter: str, done: list[tuple[CompileJob, float]], vocab: int) -> list[str]:
+    """One markdown row per compiled job: XLA's memory analysis, the largest temporaries and the largest
+    of those with a ``vocab``-sized dimension."""
+    mb = lambda n: f"{n / 1e6:,.1f}"  # noqa: E731
+    listed = lambda found: "; ".join(f"{key} ({mb(n)} MB)" for n, key in found) or "-"  # noqa: E731
+    rows = []
+    for job, _ in done:
+        compiled = job.cache.executable(job.key)
+        stats, text = compiled.memory_analysis(), compiled.as_text()
+        rows.append(f"| {drafter} | {label(job)} | {job.cache.describe(job.key)} | {mb(stats.temp_size_in_bytes)} | "
+                    f"{mb(stats.argument_size_in_bytes)} | {mb(stats.output_size_in_bytes)} | "
+                    f"{mb(stats.alias_size_in_bytes)} | {listed(largest_temporaries(text))} | "
+                    f"{listed(largest_temporaries(text, dim=vocab))} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def summed_seconds(done: list[tuple[CompileJob, float]], jobs: list[CompileJob]) -> str:
     """The seconds ``jobs`` took, summed; "-" unless each was compiled."""
     seconds = {id(job): s for job, s in done}
@@ -226,10 +327,11 @@ def serve_table(args: argparse.Namespace) -> tuple[str, str, str]:
             "| compiled here | seconds each: min / median / max | waited for, s: with / without stand-ins "
             "| summed s | wall s |",
             "|---|---|---|---:|---|---:|---:|---:|"]
-    details = []
+    details, memory = [], []
+    shapes = TARGETS[args.target]
     for drafter in args.drafter:
         for layers in args.layers:
-            found = serve_set(drafter, layers, serve_args)
+            found = serve_set(drafter, layers, serve_args, shapes)
             by_name = collections.Counter(job.cache.name for job in found.jobs)
             counts = (f"{len(found.jobs)} ({', '.join(f'{n} {name}' for name, n in by_name.items())}) / "
                       f"{found.kinds} / {found.first}")
@@ -248,15 +350,26 @@ def serve_table(args: argparse.Namespace) -> tuple[str, str, str]:
             details += [f"| {drafter} | {layers} | {label(job)} | {job.cache.describe(job.key)} | {s:.1f} |"
                         for job, s in done]
             print(rows[-1], flush=True)
+            if args.memory:
+                memory += memory_rows(f"{drafter}, {layers}", done, shapes.target.vocab_size)
     body = "\n".join(rows)
     if details:
         body += ("\n\nEach executable (trace, lower and compile seconds):\n\n| drafter | layers run | executable "
                  "| bucket | s |\n|---|---|---|---|---:|\n" + "\n".join(details))
+    if memory:
+        body += ("\n\nMemory (`compiled.memory_analysis()` on this CPU, MB) and the largest temporaries, all "
+                 "and vocabulary-sized (XLA:CPU also converts bfloat16 weights to float32 for its dots, which "
+                 "a GPU does not):\n\n| drafter | executable | bucket | temp | arguments | outputs | aliased | "
+                 "largest temporaries | largest vocabulary-sized |\n|---|---|---|---:|---:|---:|---:|---|---|\n"
+                 + "\n".join(memory))
     limit = "every executable" if args.limit is None else f"the first {args.limit} in the order above"
-    return ("Compile time of serve's executables at Llama-3.1-8B sizes (abstract shapes)",
-            f"`scv-jax serve` defaults{' with ' + args.serve_args if args.serve_args else ''}; Llama-3.1-8B-shaped "
-            "target, drafter a Llama-3.2-1B-shaped draft model (`draft`) or an EAGLE-3 head of the published 8B "
-            f"shape (`eagle3`); compiled: {limit}, on {args.workers or 'the default number of'} compile "
+    drafts = ("a Llama-3.2-1B-shaped draft model" if args.target == "llama-3.1-8b"
+              else "a Qwen2.5-0.5B-shaped draft model (the 7B's vocabulary)")
+    return (f"Compile time{' and memory' if memory else ''} of serve's executables at {args.target} sizes "
+            "(abstract shapes)",
+            f"`scv-jax serve` defaults{' with ' + args.serve_args if args.serve_args else ''}; {args.target}-shaped "
+            f"target (vocabulary {shapes.target.vocab_size}), drafter {drafts} (`draft`) or an EAGLE-3 head of the "
+            f"published shape (`eagle3`); compiled: {limit}, on {args.workers or 'the default number of'} compile "
             "thread(s), cold (no persistent cache). ", body)
 
 
@@ -276,11 +389,18 @@ def main(argv=None) -> None:
     parser.add_argument("--workers", type=int, default=None,
                         help="--set serve: compile threads (default: graph.compiler.default_workers())")
     parser.add_argument("--dry-run", action="store_true", help="--set serve: count the executables, compile none")
+    parser.add_argument("--target", choices=list(TARGETS), default="llama-3.1-8b", help="--set serve: the target shape")
+    parser.add_argument("--memory", action="store_true",
+                        help="--set serve: each compiled executable's memory analysis and largest temporaries")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     parser.add_argument("--layers", nargs="+", default=["per_layer", "scan"], choices=["per_layer", "scan"])
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be >= 1, got {args.limit}")
+    if args.memory and (args.which != "serve" or args.dry_run):
+        parser.error("--memory needs --set serve and compiles (not --dry-run)")
+    if args.target != "llama-3.1-8b" and args.which != "serve":
+        parser.error("--target needs --set serve")
     title, details, body = steps_table(args) if args.which == "steps" else serve_table(args)
     publish(__file__, title, details, body, append=args.append)
 
