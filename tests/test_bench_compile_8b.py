@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from tests.benchmark_modules import benchmark_module
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -22,19 +24,10 @@ def test_compile_8b_counts_serves_executables_for_both_drafters():
     assert [row[:3] for row in rows] == [["draft", "per_layer", counts], ["eagle3", "per_layer", counts]]
 
 
-def _compile_8b():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        import compile_8b
-    finally:
-        sys.path.pop(0)
-    return compile_8b
-
-
 def test_largest_temporaries_are_the_arrays_an_executable_materialises():
     import jax
     import jax.numpy as jnp
-    compile_8b = _compile_8b()
+    compile_8b = benchmark_module("compile_8b")
     x = jnp.ones((4, 1000), jnp.float32)
     sorted_text = jax.jit(lambda x: jnp.sort(x * 2, axis=-1)[:, :3]).lower(x).compile().as_text()
     found = compile_8b.largest_temporaries(sorted_text, dim=1000)
@@ -49,7 +42,7 @@ def test_largest_temporaries_are_the_arrays_an_executable_materialises():
 
 
 def test_memory_needs_compiled_executables(capsys):
-    compile_8b = _compile_8b()
+    compile_8b = benchmark_module("compile_8b")
     for argv in (["--set", "serve", "--dry-run", "--memory"], ["--memory"], ["--target", "qwen2.5-7b"]):
         try:
             compile_8b.main(argv)

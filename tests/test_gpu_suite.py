@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from tests.benchmark_modules import benchmark_module
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -42,19 +44,9 @@ def test_gpu_suite_dry_run(tmp_path):
     assert "Engine end to end" in markdown and "x memory floor" in markdown
 
 
-def _gpu_suite():
-    """benchmarks/gpu_suite.py as a module."""
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    try:
-        import gpu_suite
-    finally:
-        sys.path.pop(0)
-    return gpu_suite
-
-
 def test_peer_runs_when_its_script_is_present(tmp_path, monkeypatch):
     """The suite runs .peer/vllm_peer_ab.py (given torch and triton) and keeps its report."""
-    gpu_suite = _gpu_suite()
+    gpu_suite = benchmark_module("gpu_suite")
     script = tmp_path / "vllm_peer_ab.py"
     script.write_text("import os, sys\nout = sys.argv[sys.argv.index('--out') + 1]\nos.makedirs(out)\n"
                       "open(os.path.join(out, 'peer_ab.md'), 'w').write('| op | vLLM graph |' + str(sys.argv[1:]))\n")
@@ -89,7 +81,7 @@ def test_gpu_loop_run_dry_run(tmp_path):
 
 def test_timings_names_a_known_group(tmp_path, capsys):
     """``--timings`` takes the groups' own names and refuses another with a one-line usage error."""
-    gpu_suite = _gpu_suite()
+    gpu_suite = benchmark_module("gpu_suite")
     names = [name for name, _, _ in gpu_suite.timing_groups(gpu_suite.DRY, ("interpret", "xla"), {})]
     assert "paged attention" in names and "commit" in names
     try:
