@@ -97,15 +97,19 @@ QWEN25_05B = TransformerConfig(vocab_size=152064, num_layers=24, d_model=896, nu
 
 @dataclasses.dataclass(frozen=True)
 class TargetShapes:
-    """A target shape, its draft model's and its EAGLE-3 head's (one layer of the target's width)."""
+    """A target shape, its draft model's (``draft_name`` says which) and its EAGLE-3 head's (one layer of
+    the target's width, reading ``aux_layers``)."""
 
     target: TransformerConfig
     draft: TransformerConfig
+    draft_name: str
     aux_layers: tuple[int, int, int]
 
 
-TARGETS = {"llama-3.1-8b": TargetShapes(LLAMA_31_8B, LLAMA_32_1B, EAGLE3_AUX_LAYERS),
-           "qwen2.5-7b": TargetShapes(QWEN25_7B, QWEN25_05B, (2, 14, 25))}
+TARGETS = {"llama-3.1-8b": TargetShapes(LLAMA_31_8B, LLAMA_32_1B, "a Llama-3.2-1B-shaped draft model",
+                                        EAGLE3_AUX_LAYERS),
+           "qwen2.5-7b": TargetShapes(QWEN25_7B, QWEN25_05B,
+                                      "a Qwen2.5-0.5B-shaped draft model (the 7B's vocabulary)", (2, 14, 25))}
 
 
 class ScannedTransformer(Transformer):
@@ -358,19 +362,16 @@ def serve_table(args: argparse.Namespace) -> tuple[str, str, str]:
                  "| bucket | s |\n|---|---|---|---|---:|\n" + "\n".join(details))
     if memory:
         body += ("\n\nMemory (`compiled.memory_analysis()` on this CPU, MB) and the largest temporaries, all "
-                 "and vocabulary-sized (XLA:CPU also converts bfloat16 weights to float32 for its dots, which "
-                 "a GPU does not):\n\n| drafter | executable | bucket | temp | arguments | outputs | aliased | "
+                 "and vocabulary-sized:\n\n| drafter | executable | bucket | temp | arguments | outputs | aliased | "
                  "largest temporaries | largest vocabulary-sized |\n|---|---|---|---:|---:|---:|---:|---|---|\n"
                  + "\n".join(memory))
     limit = "every executable" if args.limit is None else f"the first {args.limit} in the order above"
-    drafts = ("a Llama-3.2-1B-shaped draft model" if args.target == "llama-3.1-8b"
-              else "a Qwen2.5-0.5B-shaped draft model (the 7B's vocabulary)")
     return (f"Compile time{' and memory' if memory else ''} of serve's executables at {args.target} sizes "
             "(abstract shapes)",
             f"`scv-jax serve` defaults{' with ' + args.serve_args if args.serve_args else ''}; {args.target}-shaped "
-            f"target (vocabulary {shapes.target.vocab_size}), drafter {drafts} (`draft`) or an EAGLE-3 head of the "
-            f"published shape (`eagle3`); compiled: {limit}, on {args.workers or 'the default number of'} compile "
-            "thread(s), cold (no persistent cache). ", body)
+            f"target (vocabulary {shapes.target.vocab_size}), drafter {shapes.draft_name} (`draft`) or an EAGLE-3 "
+            f"head of the published shape (`eagle3`); compiled: {limit}, on "
+            f"{args.workers or 'the default number of'} compile thread(s), cold (no persistent cache). ", body)
 
 
 def main(argv=None) -> None:
