@@ -457,7 +457,9 @@ def engine_run(decoder: SpeculativeDecoder, prompts: list[list[int]], params: li
 
 def _engine_configs(sizes: EngineSizes) -> list[tuple[str, str | None, DecoderConfig]]:
     """(name, drafter: None / "model" / "ngram" / "eagle3", config) per decoder, the reference (no drafter)
-    first, n-gram last (host drafting, the rows a spent section budget skips first)."""
+    first, n-gram last (host drafting, the rows a spent section budget skips first); the autoregressive and
+    draft-model chain rows again with every step fetched before the next (``overlap=False``: the A/B of
+    one step in flight)."""
     max_len = sizes.prompt_len + sizes.max_tokens
     blocks = -(-(max_len + 2 * max(sizes.k, sizes.tree.max_depth)) // sizes.block_size)
     geometry = dict(block_size=sizes.block_size, max_seq_len=blocks * sizes.block_size,
@@ -465,8 +467,11 @@ def _engine_configs(sizes: EngineSizes) -> list[tuple[str, str | None, DecoderCo
                     batch_buckets=(sizes.batch,), context_buckets=(blocks,), backend=sizes.backend)
     chain = DecoderConfig(k=sizes.k, **geometry)
     tree = DecoderConfig(tree=sizes.tree, **geometry)
+    synchronous = dataclasses.replace(chain, overlap=False)
     t = sizes.tree
-    return [("autoregressive", None, chain), (f"draft-model chain k={sizes.k}", "model", chain),
+    return [("autoregressive", None, chain), ("autoregressive, overlap off", None, synchronous),
+            (f"draft-model chain k={sizes.k}", "model", chain),
+            (f"draft-model chain k={sizes.k}, overlap off", "model", synchronous),
             (f"draft-model tree ({t.max_depth} deep, {t.branching} wide, {t.max_nodes} nodes)", "model", tree),
             (f"EAGLE-3 head chain k={sizes.k}", "eagle3", chain),
             (f"EAGLE-3 head tree ({t.max_depth} deep, {t.branching} wide, {t.max_nodes} nodes)", "eagle3", tree),
@@ -551,7 +556,7 @@ def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, band
                            for t in run["tokens"]):
                         problems.append("a request's tokens are not max_tokens ids in [0, vocab)")
                 if mode == "greedy":
-                    if drafter is None:
+                    if drafter is None and reference is None:
                         reference = untimed["tokens"]
                     if reference is None:
                         problems.append("no reference (the target-only row failed)")
@@ -567,7 +572,8 @@ def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, band
                     shape, why = next(iter(timed["fallbacks"].items()))
                     problems.append(f"{len(timed['fallbacks'])} bucket(s) on the XLA fallback, first {shape}: {why}")
                 ok = not problems
-                lossless = ("identical to target-only" if drafter is not None else "reference") if mode == "greedy" \
+                lossless = ("identical to target-only" if drafter is not None or not config.overlap else
+                            "reference") if mode == "greedy" \
                     else ("repeats with its seeds" if timed["tokens"] == untimed["tokens"] else "seeded rerun differs")
                 detail = "; ".join(dict.fromkeys(problems)) if problems else lossless
                 row.update(ok=ok, detail=detail, steps=timed["steps"], ms_per_step=timed["ms_per_step"],

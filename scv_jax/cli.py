@@ -334,6 +334,9 @@ def _add_serve(sub, formatter) -> None:
     _add_ngram_sizes(serve)
     _add_suffix_settings(serve)
     _add_packed_verify(serve)
+    serve.add_argument("--no-overlap", dest="overlap", action="store_false",
+                       help="fetch every decode step before planning the next (DecoderConfig.overlap=False; the "
+                            "default keeps one step in flight)")
 
 
 def _text(tokens: list[int]) -> str:

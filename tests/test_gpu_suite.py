@@ -33,8 +33,10 @@ def test_gpu_suite_dry_run(tmp_path):
     rows = engine["rows"]
     assert rows and all(r["ok"] for r in rows), rows
     assert {(r["config"], r["mode"]) for r in rows} >= {("autoregressive", "greedy"), ("autoregressive", "sampled")}
-    # 7 configurations x greedy / sampled; the dry run leaves n-gram drafting out, and its budget skips none
-    assert len(rows) + 2 * len(engine["skipped"]) == 14 and len(rows) == 10, engine["skipped"]
+    # 9 configurations (2 with overlap off) x greedy / sampled; the dry run leaves n-gram drafting out, and
+    # its budget skips none
+    assert len(rows) + 2 * len(engine["skipped"]) == 18 and len(rows) == 14, engine["skipped"]
+    assert {r["config"] for r in rows} >= {"autoregressive, overlap off", "draft-model chain k=2, overlap off"}
     assert {r["config"] for r in rows} >= {"EAGLE-3 head chain k=2", "EAGLE-3 head tree (2 deep, 2 wide, 4 nodes)"}
     assert all(r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 and r["memory_floor_us"] > 0 for r in rows)
     assert all(r["detail"] == "identical to target-only" for r in rows if r["mode"] == "greedy"

@@ -61,6 +61,13 @@ class DecoderConfig:
       enable_prefix_caching: keep blocks full of verified tokens (prompt and output) cached after their
         request ends, and start a new request from the cached blocks of its longest cached prefix
         (docs/engine.md); None (default) or True: on; False: off.
+      overlap: one step in flight (docs/engine.md): an ``Engine`` dispatches a decode step before it
+        fetches the one before, the host's bookkeeping of that one overlapping the device's work on the
+        next (vLLM's async scheduling, SGLang's overlap scheduler); stops take effect a step late, the
+        device's work past a request's end discarded. Steps that need the host to know the last tokens
+        first run synchronously (host drafters, structured output, a draft's catch-up after k = 0
+        steps), as does everything on a mesh. False: every step is fetched before the next is planned
+        (the loop to A/B against, and to debug).
     """
 
     k: int = 4
@@ -79,6 +86,7 @@ class DecoderConfig:
     packed_verify: bool = False
     tree: TreeConfig | None = None
     enable_prefix_caching: bool | None = None
+    overlap: bool = True
 
     def __post_init__(self):
         def fail(name: str, expected: str) -> None:
@@ -97,7 +105,7 @@ class DecoderConfig:
                 fail(name, "a non-empty tuple of ints >= 1" + (" or None" if name == "context_buckets" else ""))
         if self.controller is not None and not isinstance(self.controller, ControllerConfig):
             fail("controller", "a ControllerConfig or None")
-        for name in ("adaptive", "packed_verify"):
+        for name in ("adaptive", "packed_verify", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)

@@ -17,6 +17,12 @@ A step joins three roles: the ``Scheduler`` (host policy: admission, k, drafts, 
 chain or the tree verifier) and one fetch; the scheduler turns the ``StepResult`` into outputs. The
 drafter's host half is a ``Proposer`` (``proposers.factory`` makes it).
 
+One step in flight (``DecoderConfig.overlap``, the default): ``step`` dispatches the next decode step
+before it fetches the one dispatched by the call before, so the host's bookkeeping of that one (outputs,
+stops, blocks, admission) runs while the device computes the next; each call then returns the outputs of
+the step before. A request that ends is known a step late: the device's work for it in the step after
+is discarded (docs/engine.md has the timeline).
+
 Threads: drive an engine from one thread; its methods hold the runner's lock, so a second thread (or a
 second engine on the same decoder) waits its turn.
 """
@@ -37,7 +43,7 @@ from scv_jax.decoding.placement import ShardingConfig
 from scv_jax.decoding.plan import SamplingColumn
 from scv_jax.decoding.proposers.factory import draft_model_of, make_proposer
 from scv_jax.decoding.requests import RequestBatch, check_eos, check_prompt
-from scv_jax.decoding.runner import StepRunner
+from scv_jax.decoding.runner import PendingStep, StepRunner
 from scv_jax.decoding.scheduler import Request, Scheduler
 from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
 from scv_jax.graph.compiler import CompileJob, Compiler
@@ -158,6 +164,9 @@ class Engine:
                                     prefill_chunk=cfg.prefill_chunk, grammars=grammars)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
+        self._in_flight: PendingStep | None = None      # the decode step dispatched, not yet fetched
+        self._fetched = 0.0                              # when the last step was fetched
+        self._carry = runner.new_carry()                 # what each request's last step did (``decoding.carry``)
         self.stats = GenerateStats()
         self.tally = AcceptanceTally(proposer.max_depth)
 
@@ -192,6 +201,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         """Whether a request waits or runs, or an abort is still to be reported by ``step``."""
         return self._scheduler.has_unfinished()
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether steps run one in flight (``DecoderConfig.overlap`` on one device)."""
+        return self.runner.overlaps
 
     def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
         """Raises ValueError when the request can never run (alone with the whole pool)."""
@@ -313,10 +327,15 @@ class Engine:
         """Admits waiting requests, prefills chunks of the prompts being prefilled within the step's token
         budget (``DecoderConfig.max_num_batched_tokens``), runs one decode step of the requests whose
         prompts are in the caches and returns an output for every request that emitted tokens or ended
-        (aborts included)."""
+        (aborts included). With one step in flight (``overlaps``) the decode step is dispatched, and the
+        outputs are those of the step the call before dispatched."""
         runner, scheduler, stats = self.runner, self._scheduler, self.stats
         with runner.lock:
             outputs = scheduler.take_ended()
+            before, self._in_flight = self._in_flight, None
+            if before is not None and not scheduler.may_run_ahead(before.work):
+                outputs += self._finish(before)            # the next step's planning needs its tokens
+                before = None
             stats.num_preemptions += scheduler.make_room()
             batch, admitted = scheduler.batch, scheduler.admit()
             if admitted.size and runner.prefix_root is not None:
@@ -327,24 +346,43 @@ class Engine:
             prefill = scheduler.prefill()
             if prefill is not None:
                 runner.prefill(prefill, batch, stats, progress=self.progress)
-            if not batch.decoding.size:
-                return outputs
-            started, layout = time.perf_counter(), runner.layout(batch)
-            work = scheduler.schedule(layout.computed)
-            if work.catch_up is not None:
-                runner.prefill(work.catch_up, batch, stats)
-            pending = runner.dispatch(work, batch, layout, stats, started)
-            scheduler.while_device_runs(work, layout.computed)
-            result = runner.fetch(pending)
-            fetched = time.perf_counter()
-            outputs += scheduler.update(work, result)
-            top_up = scheduler.top_up()
-            if top_up is not None:
-                runner.prefill(top_up, batch, stats)
-            scheduler.retire()
-            self.tally.add(result.num_verified, result.num_accepted, result.num_emitted)
-            runner.record(pending, result, stats, fetched)
+            pending, rows = None, scheduler.decode_rows()
+            if rows.size:
+                started, layout = time.perf_counter(), runner.layout(batch, rows)
+                work = scheduler.schedule(rows, layout.computed)
+                if work.catch_up is not None:
+                    runner.prefill(work.catch_up, batch, stats)
+                pending = runner.dispatch(work, batch, layout, stats, started, self._carry)
+                self._carry = pending.carry
+                scheduler.while_device_runs(work, layout.computed)
+            if before is not None:
+                outputs += self._finish(before)
+            if pending is not None:
+                if not (runner.overlaps and scheduler.may_run_ahead(pending.work)):
+                    outputs += self._finish(pending)
+                elif scheduler.live(pending.work).any():
+                    self._in_flight = pending
+                else:                                       # every request it ran ended a step before
+                    scheduler.in_flight = None
             return outputs
+
+    def _finish(self, pending: PendingStep) -> list[RequestOutput]:
+        """Fetches a dispatched step and applies it: the outputs of its requests still running, the draft
+        top-up and ending of those that finished, the acceptance tally and the step's statistics."""
+        runner, scheduler = self.runner, self._scheduler
+        result = runner.fetch(pending, self._fetched if runner.overlaps else 0.0)
+        fetched = self._fetched = time.perf_counter()
+        live = scheduler.live(pending.work)
+        outputs = scheduler.update(pending.work, result)
+        top_up = scheduler.top_up()
+        if top_up is not None:
+            runner.prefill(top_up, scheduler.batch, self.stats)
+        scheduler.retire()
+        if live.any():
+            kept = result.subset(live) if not live.all() else result
+            self.tally.add(kept.num_verified, kept.num_accepted, kept.num_emitted)
+        runner.record(pending, result, self.stats, fetched)
+        return outputs
 
     def warmup(self, max_num_seqs: int, max_len: int, *,
                temperatures: float | Sequence[float] = WARMUP_TEMPERATURES,

@@ -26,8 +26,22 @@ class StepRow:
     NUM_DRAFTS = 2      # drafts the request verifies, in [0, k] (a tree: the most nodes it may accept)
     KEY = 3             # 2 columns: the request's random stream (uint32[2] key data, bits as int32)
     SLOT = 5            # the request's row of the decoder's logit-control state (its RequestBatch row)
-    STOP = 6            # MAX_STOP_IDS columns: the token ids that end the request (-1 = none)
+    BUDGET = 6          # tokens the request may still emit (>= 1; 0 on padding rows)
+    CARRIED = 7         # 1: the step before (still in flight) moves this row on (``carry``), 0: the row is exact
+    STOP = 8            # MAX_STOP_IDS columns: the token ids that end the request (-1 = none)
     TOKENS = STOP + MAX_STOP_IDS   # the request's last MAX_CATCH_UP tokens, the pending one last
+    WIDTH = TOKENS + MAX_CATCH_UP
+
+
+class CarryColumn:
+    """Columns of the decoder's device-resident carry (int32[slots, WIDTH], ``decoding.carry``): what each
+    request's last decode step did to its row, so the next step, dispatched before the host fetched that
+    one, moves its ``StepRow`` on by it (one step in flight)."""
+
+    EMITTED = 0         # the tokens the step appended (cut at the request's budget and its first stop id)
+    DONE = 1            # 1: the request ended there (a stop id or its budget)
+    LAG = 2             # the drafter's lag after the step (the proposer's ``lag_after_step``, at most max_lag)
+    TOKENS = 3          # the request's last MAX_CATCH_UP tokens after the step, the pending one last
     WIDTH = TOKENS + MAX_CATCH_UP
 
 
@@ -80,6 +94,10 @@ class DecodeWork:
       catch_up: the draft-only prefill to run before the step (lagging drafts), or None.
       grammar: int32[B, step_k + 1, ceil(V / 32)] structured output's token masks at each position
         (``decoding.grammar``; -1: every token), or None when no request is constrained.
+      epochs: int64[B] the rows' ``RequestBatch.epoch`` (whose requests the step is for).
+      carried: bool[B] the requests the step in flight (planned before this one, not yet fetched) runs
+        too: the device moves their rows on by it (``decoding.carry``); None: no step in flight.
+      number: the step's number among the scheduler's steps.
     """
 
     rows: np.ndarray
@@ -92,6 +110,21 @@ class DecodeWork:
     kind: str
     catch_up: "PrefillWork | None" = None
     grammar: np.ndarray | None = None
+    epochs: np.ndarray | None = None
+    carried: np.ndarray | None = None
+    number: int = 0
+
+    def subset(self, keep: np.ndarray) -> "DecodeWork":
+        """The work of the requests where bool[B] ``keep`` (those still running as planned)."""
+        drafts = self.drafts
+        host = None if drafts.host is None else [d for d, k in zip(drafts.host, keep.tolist()) if k]
+        drafts = Drafts(drafts.num_drafts[keep], drafts.step_k, host,
+                        None if drafts.predicted is None else drafts.predicted[keep])
+        return dataclasses.replace(
+            self, rows=self.rows[keep], request_ids=[r for r, k in zip(self.request_ids, keep.tolist()) if k],
+            caps=self.caps[keep], drafts=drafts, grammar=None if self.grammar is None else self.grammar[keep],
+            epochs=None if self.epochs is None else self.epochs[keep],
+            carried=None if self.carried is None else self.carried[keep])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +149,13 @@ class StepResult:
     batch: int
     seconds: float | None
     host_seconds: float
+
+    def subset(self, keep: np.ndarray) -> "StepResult":
+        """The results of the requests where bool[B] ``keep``."""
+        logprobs = None if self.logprobs is None else type(self.logprobs)(*(f[keep] for f in self.logprobs))
+        return dataclasses.replace(self, output_token_ids=self.output_token_ids[keep],
+                                   num_emitted=self.num_emitted[keep], num_accepted=self.num_accepted[keep],
+                                   num_verified=self.num_verified[keep], logprobs=logprobs)
 
 
 @dataclasses.dataclass(frozen=True)

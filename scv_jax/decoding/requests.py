@@ -90,6 +90,8 @@ class RequestBatch:
       controls: each row's ``SamplingParams`` when they have logit controls (its row of the device's
         control state is written when it is admitted), else None.
       active: int64[n] rows of the running requests, in admission order (``decoding``: those prefilled).
+      epoch: int64[S] how many requests each row has started (a step planned for a row's request is about
+        another one when the row's epoch moved on since).
       may_lag: whether a k = 0 step may have left some lag above ``MAX_CATCH_UP`` (``positions``).
       blocks: int32[S, max_blocks] KV blocks (shared by both caches), -1 past ``num_blocks``, allocated
         from the request's pool as its positions need them (``ensure``), the first ones possibly cached
@@ -120,6 +122,7 @@ class RequestBatch:
         self.lookahead = lookahead
         self._block_size = block_size
         self.active = np.zeros(0, np.int64)
+        self.epoch = np.zeros(num_slots, np.int64)
 
     @property
     def num_slots(self) -> int:
@@ -175,6 +178,7 @@ class RequestBatch:
         if not free.size:
             raise RuntimeError("RequestBatch.start: every row runs a request")
         row = int(free[0])
+        self.epoch[row] += 1
         self.shards[row] = shard
         self.blocks[row, :len(cached)] = cached
         self.num_blocks[row] = len(cached)

@@ -2,7 +2,9 @@
 mesh), owns their paged caches (donated to every call and handed back), the prefill and decode
 executables (graph mode: compiled per shape bucket) and their bucket plans, and on one device the
 logit-control state (``ControlState``: each request row's bias, token history and bad words, donated to
-every decode step); runs a ``PrefillWork`` in chunks, and a ``DecodeWork`` as one executable call
+every decode step); with ``DecoderConfig.overlap`` a decode step also takes and returns its engine's carry
+(``decoding.carry``: what each request's last step did, for a step dispatched before that one is
+fetched); runs a ``PrefillWork`` in chunks, and a ``DecodeWork`` as one executable call
 (``dispatch``, not waited for) and one batched device-to-host transfer (``fetch``), timing both; compiles
 ahead of time (``warmup``).
 
@@ -25,6 +27,7 @@ import numpy as np
 from scv_jax.adaptive.controller import AdaptiveController, ControllerConfig
 from scv_jax.arguments import require_int
 from scv_jax.decoding.block_pool import prefix_root
+from scv_jax.decoding import carry
 from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DecoderConfig
 from scv_jax.decoding.device_step import ControlState, SplitModel
@@ -64,6 +67,7 @@ class PendingStep(NamedTuple):
     work: DecodeWork
     layout: BatchRows
     outputs: list
+    carry: Any                  # the engine's carry after the step (``decoding.carry``), or None
     scored: int | None          # tokens a packed step's target scored (None: dense)
     started: float              # the step's start (its planning excluded)
     dispatched: float
@@ -111,12 +115,15 @@ class StepRunner:
         else:
             verifier = ChainVerifier() if proposer.verifier == "chain" else TreeVerifier(cfg.tree)
         self.prefill_executable, self.decode_executable = step_executables(
-            cfg, self.target, self.draft, self.step_ks, self.placement, verifier)
+            cfg, self.target, self.draft, self.step_ks, self.placement, verifier, proposer.lag_after_step,
+            proposer.max_lag)
         self._plans: dict[tuple, BucketPlan] = {}
         # the logit controls' state (one device only: on a mesh requests with controls are refused)
         self.has_controls = mesh is None
         self._controls: ControlState | None = None
         self._control_writer = None
+        # one step in flight (one device: on a mesh every step is fetched before the next is planned)
+        self.overlaps = cfg.overlap and mesh is None
         self.lock = threading.RLock()        # one step at a time (engines on this decoder, threads)
         self.warmed_up = False
         self.controllers = {"greedy": self._make_controller(), "sampling": self._make_controller()} \
@@ -156,6 +163,10 @@ class StepRunner:
         with it: the requests in flight were lost with the caches); give it back with ``_put_controls``."""
         state, self._controls = self._controls, None
         return ControlState.zeros(self.largest_batch, self.vocab_size) if state is None else state
+
+    def new_carry(self) -> jax.Array | None:
+        """A carry for an engine's steps (``decoding.carry``; None when steps do not overlap)."""
+        return carry.zeros(self.largest_batch) if self.overlaps else None
 
     def _writer(self):
         """``ControlState.write`` compiled once (ahead of time: at warm-up, or the first request with controls)."""
@@ -244,14 +255,16 @@ class StepRunner:
         else:
             stats.prefill_seconds += time.perf_counter() - start
 
-    def layout(self, batch: RequestBatch) -> BatchRows:
-        """Where the decoding requests (``batch.decoding``) sit in a decode step's batch."""
-        return self.placement.rows(batch.shards[batch.decoding], self.decode_executable)
+    def layout(self, batch: RequestBatch, rows: np.ndarray) -> BatchRows:
+        """Where the requests of a decode step (their ``RequestBatch`` ``rows``) sit in its batch."""
+        return self.placement.rows(batch.shards[rows], self.decode_executable)
 
     def dispatch(self, work: DecodeWork, batch: RequestBatch, layout: BatchRows, stats: GenerateStats,
-                 started: float) -> PendingStep:
+                 started: float, carry_in: jax.Array | None = None) -> PendingStep:
         """Calls the decode executable for ``work`` (the one call of the step; not waited for).
-        ``started``: when the step's host work began (its one-off planning is taken out of it)."""
+        ``started``: when the step's host work began (its one-off planning is taken out of it);
+        ``carry_in``: the engine's carry (``overlaps``: donated; the step's is the ``PendingStep``'s), the
+        rows ``work.carried`` moved on by it."""
         rows, step_k, num_drafts = work.rows, work.drafts.step_k, work.drafts.num_drafts
         width = int(batch.num_blocks[rows].max())
         planning = time.perf_counter()
@@ -267,6 +280,8 @@ class StepRunner:
         started += time.perf_counter() - planning
         inputs = decode_inputs(batch, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts,
                                self.proposer.max_lag)
+        if work.carried is not None:
+            inputs["rows"][layout.rows[work.carried], StepRow.CARRIED] = 1
         drafts = self.proposer.drafts_input(work.drafts, layout.rows, size)
         if drafts is not None:
             inputs["drafts"] = drafts
@@ -275,24 +290,30 @@ class StepRunner:
             inputs["request_mask"][layout.rows] = True
         if self.has_controls:
             inputs["controls"] = self._take_controls()
+        if self.overlaps:
+            inputs["carry"] = self.new_carry() if carry_in is None else carry_in
         if constrained:
             inputs["grammar"] = np.full((size, *work.grammar.shape[1:]), -1, np.int32)
             inputs["grammar"][layout.rows] = work.grammar
         dispatched = time.perf_counter()
         outputs = self._call(self.decode_executable, stats, use_draft=self.uses_draft(step_k),
                              plan=plan, **inputs)
+        carry_out = None
+        if self.overlaps:
+            *outputs, carry_out = outputs
         if self.has_controls:
             *outputs, self._controls = outputs
-        return PendingStep(work, layout, outputs, size * (packed_k + 1) if packed_k else None, started, dispatched)
+        return PendingStep(work, layout, outputs, carry_out, size * (packed_k + 1) if packed_k else None, started, dispatched)
 
-    def fetch(self, pending: PendingStep) -> StepResult:
-        """The step's one device-to-host transfer, as a ``StepResult``."""
+    def fetch(self, pending: PendingStep, since: float = 0.0) -> StepResult:
+        """The step's one device-to-host transfer, as a ``StepResult``; its ``seconds`` count from its
+        start, or from ``since`` when later (one step in flight: the fetch of the step before)."""
         summary, *logprobs = pending.outputs      # logprobs also when run in the stead of a step without
         host, host_logprobs = pending.layout.fetch(summary, *(logprobs if pending.work.logprobs else ()))
         cold = self.decode_executable.last_call_first_run        # compiled now or ahead of time, never run
         fetched = time.perf_counter()
         return StepResult(host.output_token_ids, host.num_emitted, host.num_accepted, host.num_verified, host_logprobs,
-                          pending.layout.computed, None if cold else fetched - pending.started,
+                          pending.layout.computed, None if cold else fetched - max(pending.started, since),
                           pending.dispatched - pending.started)
 
     def record(self, pending: PendingStep, result: StepResult, stats: GenerateStats, fetched: float) -> None:
@@ -312,7 +333,8 @@ class StepRunner:
         if plan is None:
             given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self.uses_draft(k) else ()) \
                 + (("drafts",) if self.proposer.host is not None else ()) + (("request_mask",) if masked else ()) \
-                + (("controls",) if self.has_controls else ()) + (("grammar",) if grammar else ())
+                + (("controls",) if self.has_controls else ()) + (("grammar",) if grammar else ()) \
+                + (("carry",) if self.overlaps else ())
             plan = self._plans[key] = self.decode_executable.plan_sizes(
                 {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, logprobs=logprobs,
                 backend=self.config.backend, packed_k=packed_k)
@@ -363,6 +385,7 @@ class StepRunner:
         rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS] = context, k
         rows[:, StepRow.KEY] = np.arange(batch)
         rows[:, StepRow.STOP:StepRow.TOKENS] = -1
+        rows[:, StepRow.BUDGET], rows[:, StepRow.CARRIED] = k + 1, 0
         sampling = np.zeros((batch, SamplingColumn.WIDTH), np.float32)
         sampling[:, [SamplingColumn.TEMPERATURE, SamplingColumn.TOP_P, SamplingColumn.REPETITION]] = 1.0
         if not 0 <= controlled <= batch_size or controlled and not self.has_controls:
@@ -377,12 +400,16 @@ class StepRunner:
         if self.proposer.host is not None:
             args["drafts"] = self._host_drafts(batch, k)
         args = {name: jax.device_put(value) for name, value in args.items()}
+        if self.overlaps:
+            args["carry"] = self.new_carry()
         stats, use_draft = GenerateStats(), self.uses_draft(k)
 
         def call():
             if self.has_controls:
                 args["controls"] = self._take_controls()
             summary, *rest = self._call(self.decode_executable, stats, use_draft=use_draft, plan=plan, **args)
+            if self.overlaps:
+                *rest, args["carry"] = rest
             if self.has_controls:
                 self._controls = rest[-1]
             return summary
@@ -527,6 +554,8 @@ class StepRunner:
                             keep=lambda s, k=k: s["k"] == k and fits(s))
                 if self.has_controls:
                     step["controls"] = _abstract(controls)
+                if self.overlaps:
+                    step["carry"] = jax.eval_shape(self.new_carry)
                 if self.proposer.host is not None:
                     step["drafts"] = self._host_drafts(1, k)
                 models_k = {**models, **(draft if self.uses_draft(k) else no_draft)}

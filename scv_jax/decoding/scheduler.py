@@ -17,6 +17,12 @@ step first counts every decoding request's tokens (1 + the most drafts its step 
 the requests being prefilled, in admission order, chunks of their prompts with the rest (at least one
 ``prefill_chunk``), so a long prompt never stalls the running requests for more than a budget's worth of
 prefill; a request joins the decode steps once its prompt is in the caches.
+
+One step in flight (``DecoderConfig.overlap``): the engine may plan a step while the one before runs
+(``in_flight``, not yet fetched). That step's requests run in the new one with their rows moved on by the
+device (``DecodeWork.carried``); their blocks cover what both steps may append; the results of a step are
+applied only to the requests still running as it was planned (``live``): one that ended, was aborted or
+preempted since is dropped. Steps whose planning needs the last tokens (``may_run_ahead``) are fetched first.
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class Scheduler:
         self._decided: tuple[str, int, int] | None = None
         self._unverified: UnverifiedProposals | None = None
         self._finished = np.zeros(0, np.int64)            # rows that finished in the last update, until retire
+        self.in_flight: DecodeWork | None = None          # the step dispatched and not yet fetched (overlap)
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
@@ -162,11 +169,35 @@ class Scheduler:
             self.proposer.predictions.finish(request.request_id)
 
     # ------------------------------------------------------------------ blocks
-    def _growth(self, rows: np.ndarray) -> np.ndarray:
-        """int64[len(rows)] the blocks each running request may need for its next step: its tokens and as
-        many drafts as the deepest step may verify (never past its budget)."""
+    def _ahead(self, rows: np.ndarray) -> np.ndarray:
+        """int64[len(rows)] the most tokens the step in flight may still append to each request (0: none)."""
+        ahead = np.zeros(self.batch.num_slots, np.int64)
+        work = self.in_flight
+        if work is not None:
+            live = self.live(work)
+            ahead[work.rows[live]] = work.drafts.num_drafts[live] + 1
+        return ahead[rows]
+
+    def live(self, work: DecodeWork) -> np.ndarray:
+        """bool[B] the requests of ``work`` still running as it was planned (not ended, aborted or
+        preempted since)."""
         state = self.batch
-        drafts = np.minimum(state.budget[rows] - 1, self.proposer.max_depth)
+        running = np.array([row in self.running for row in work.rows.tolist()], np.bool_)
+        return running & (state.epoch[work.rows] == work.epochs)
+
+    def may_run_ahead(self, work: DecodeWork) -> bool:
+        """Whether the step after ``work`` may be planned before ``work``'s results are known: not with a
+        host drafter (its drafts continue the tokens), a constrained request (its masks follow its
+        grammar) or a draft model after a k = 0 step (its catch-up reads the lag)."""
+        return (self.proposer.host is None and not any(r.matcher is not None for r in self.running.values())
+                and not (self.proposer.has_draft_model and (work.drafts.step_k == 0 or self.batch.may_lag)))
+
+    def _growth(self, rows: np.ndarray) -> np.ndarray:
+        """int64[len(rows)] the blocks each running request may need for its next step: its tokens, what
+        the step in flight may append and as many drafts as the deepest step may verify (never past its
+        budget)."""
+        state = self.batch
+        drafts = np.minimum(state.budget[rows] - 1, self._ahead(rows) + self.proposer.max_depth)
         return state.blocks_short(rows, state.length[rows] + drafts)
 
     def _shard_growth(self) -> np.ndarray:
@@ -307,16 +338,24 @@ class Scheduler:
             view.flags.writeable = False
         return views
 
-    def schedule(self, computed_rows: int) -> DecodeWork:
-        """The next decode step of the running batch; ``computed_rows``: the rows its executable computes
-        (the controller's costs see padding like real rows)."""
+    def decode_rows(self) -> np.ndarray:
+        """int64[n] the requests the next decode step runs: those prefilled (``RequestBatch.decoding``) but
+        those the step in flight surely ends (it emits at least one token: their last)."""
+        rows = self.batch.decoding
+        if self.in_flight is None:
+            return rows
+        return rows[(self._ahead(rows) == 0) | (self.batch.budget[rows] > 1)]
+
+    def schedule(self, rows: np.ndarray, computed_rows: int) -> DecodeWork:
+        """The next decode step, of the requests at ``rows`` (``decode_rows``); ``computed_rows``: the rows
+        its executable computes (the controller's costs see padding like real rows)."""
         state = self.batch
-        rows = state.decoding
         requests = [self.running[row] for row in rows.tolist()]
         request_ids = [r.request_id for r in requests]
         greedy = not state.sampling[rows, SamplingColumn.TEMPERATURE].any()
         kind = "greedy" if greedy else "sampling"
-        budget = step_budget(state.budget[rows], requests)  # tokens each may emit now (num_speculative_tokens)
+        ahead = self._ahead(rows)        # the step in flight appends 1 to ``ahead`` tokens first (then moves the rows)
+        budget = step_budget(state.budget[rows] - (ahead > 0), requests)  # tokens each may emit now (at most)
         k = self.proposer.depth_for(self._choose_k(kind, computed_rows, requests, budget))
         caps = np.minimum(budget - 1, k)                    # never draft past a request's budget
         constrained = np.array([i for i, r in enumerate(requests) if r.matcher is not None], np.int64)
@@ -330,9 +369,13 @@ class Scheduler:
         catch_up = None
         if self.proposer.has_draft_model and drafts.step_k and state.may_lag:
             catch_up = self._catch_up(rows)
-        state.ensure(rows, state.length[rows] + drafts.num_drafts)
+        state.ensure(rows, state.length[rows] + np.minimum(ahead + drafts.num_drafts, state.budget[rows] - 1))
         logprobs = any(r.params.logprobs is not None for r in requests)
-        return DecodeWork(rows, request_ids, k, caps, drafts, greedy, logprobs, kind, catch_up, grammar)
+        work = DecodeWork(rows, request_ids, k, caps, drafts, greedy, logprobs, kind, catch_up, grammar,
+                          state.epoch[rows].copy(), None if self.in_flight is None else ahead > 0,
+                          0 if self.in_flight is None else self.in_flight.number + 1)
+        self.in_flight = work
+        return work
 
     def _grammar_masks(self, requests: list[Request], constrained: np.ndarray, drafts: Drafts, caps: np.ndarray
                        ) -> tuple[Drafts, np.ndarray]:
@@ -412,7 +455,15 @@ class Scheduler:
 
     def update(self, work: DecodeWork, result: StepResult) -> list[RequestOutput]:
         """Appends each request's emitted tokens, tells the drafter, records what the controller learns,
-        ends the requests that finished; returns the outputs of those that emitted or ended."""
+        ends the requests that finished; returns the outputs of those that emitted or ended. Requests no
+        longer running as ``work`` was planned (``live``) are left out."""
+        if self.in_flight is not None and self.in_flight.number == work.number:
+            self.in_flight = None
+        live = self.live(work)
+        if not live.any():
+            return []
+        if not live.all():
+            work, result = work.subset(live), result.subset(live)
         state, rows, step_k = self.batch, work.rows, work.drafts.step_k
         requests = [self.running[row] for row in rows.tolist()]
         lag = state.lag[rows]

@@ -14,6 +14,8 @@ every verifier (``verifiers.ChainVerifier``: chains of drafts; ``verifiers.TreeV
 4. ``commit_draft``: the draft's K/V of its lag tokens and the accepted drafts it ran.
 5. with a control state: the emitted tokens counted in the controlled requests' histories (and their
    last tokens, for the bad words, moved along).
+6. with a carry (one step in flight, ``decoding.carry``): the rows the host marked ``StepRow.CARRIED``
+   are moved on by the step before (before stage 0), and what this step did is written for the next.
 
 A k = 0 step (plain autoregressive decoding: the pending token scored, the next one chosen) is the chain
 verifier's for every verifier. No cache receives a rejected token's K/V. The host then fetches the step's
@@ -24,7 +26,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from scv_jax.decoding.carry import LagRule, carried_inputs, carry_after_step
 from scv_jax.decoding.device_step import ControlState, SplitModel, step_inputs
+from scv_jax.decoding.plan import MAX_CATCH_UP
+from scv_jax.decoding.positions import lag_after_step
 from scv_jax.decoding.verifiers import Verifier
 from scv_jax.ops.sampling.api import token_logprobs
 from scv_jax.sampling_params import MAX_LOGPROBS
@@ -50,12 +55,16 @@ def _check(verifier: Verifier, drafts, draft_params, controls, grammar, *, k: in
                          f"got shape {drafts.shape}")
 
 
-def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: int, verifier: Verifier):
+def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: int, verifier: Verifier,
+                     lag_rule: LagRule | None = None, max_lag: int = MAX_CATCH_UP):
     """``decode_step(...)``: one speculative step verified by ``verifier`` (plain autoregressive decoding at
-    k = 0)."""
+    k = 0); ``lag_rule``, ``max_lag``: the proposer's ``lag_after_step`` and ``max_lag``, what a step
+    given a ``carry`` writes as each request's lag (None: the chain rule, ``positions.lag_after_step``)."""
+    lag_rule = lag_rule or lag_after_step
 
     def decode_step(target_params, draft_params, target_cache, draft_cache, block_tables, rows, sampling,
-                    drafts=None, request_mask=None, controls: ControlState | None = None, grammar=None, *, k: int,
+                    drafts=None, request_mask=None, controls: ControlState | None = None, grammar=None,
+                    carry=None, *, k: int,
                     greedy: bool,
                     logprobs: bool = False, backend: str = "auto", packed_k: int = 0):
         """One decoding step of B requests (see ``scv_jax.decoding.positions``).
@@ -77,6 +86,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
             no logit controls (penalties, biases, masks, min_tokens).
           grammar: int32[B, k + 1, ceil(V / 32)] structured output's token masks at each position
             (``LogitControls.grammar``; needs ``controls``), or None.
+          carry: int32[slots, CarryColumn.WIDTH] (donated; ``decoding.carry``): the rows marked
+            ``StepRow.CARRIED`` are moved on by it first, and the step's own effect is written back; or None.
           k: drafts computed per request (static; a tree's node count); greedy: every request greedy
             (static: the argmax fused into the acceptance; False verifies each request against its
             filtered distribution).
@@ -88,9 +99,12 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
         Returns:
           (target_cache, draft_cache, ``StepSummary``), with ``logprobs`` then ``TokenLogprobs`` of the
           [B, k + 1] emitted tokens (-inf past each request's last; of the target's raw logits, as
-          vLLM's), with ``controls`` then the ``ControlState`` with the emitted tokens recorded.
+          vLLM's), with ``controls`` then the ``ControlState`` with the emitted tokens recorded, with
+          ``carry`` then the carry with this step's requests written.
         """
         _check(verifier, drafts, draft_params, controls, grammar, k=k, logprobs=logprobs, packed_k=packed_k)
+        if carry is not None:
+            rows, sampling, block_tables = carried_inputs(carry, rows, sampling, block_tables)
         stages = verifier.stages(k)
         inputs = step_inputs(rows, request_mask, sampling, controls, grammar)
         draft_model = None if draft_params is None or not (k or stages.every_step) else draft.merge(draft_params)
@@ -108,6 +122,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
             outputs.append(token_logprobs(scored.output.logits, summary.packed[:, :k + 1], num_top))
         if controls is not None:
             outputs.append(controls.record(inputs.controls, inputs.slots, summary.packed[:, :-3]))
+        if carry is not None:
+            outputs.append(carry_after_step(carry, rows, summary.packed, inputs.request_mask, lag_rule, k, max_lag))
         return tuple(outputs)
 
     return decode_step

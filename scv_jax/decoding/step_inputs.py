@@ -40,6 +40,7 @@ def decode_inputs(state: RequestBatch, rows: np.ndarray, positions: np.ndarray, 
     step_rows[:, StepRow.STOP:StepRow.TOKENS] = -1
     step_rows[positions, StepRow.KEY:StepRow.KEY + 2] = state.keys[rows]
     step_rows[positions, StepRow.SLOT] = rows
+    step_rows[positions, StepRow.BUDGET] = state.budget[rows]
     step_rows[positions, StepRow.STOP:StepRow.TOKENS] = state.stops[rows]
     # the last tokens (a 1-token request's column before its first is junk the step ignores: lag 1)
     step_rows[positions, StepRow.TOKENS:] = state.tokens[rows[:, None], length[:, None] + _TAIL]

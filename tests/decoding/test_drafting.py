@@ -90,7 +90,8 @@ def test_a_k0_step_is_an_autoregressive_step(target, partial_draft):
 def test_drafts_never_outrun_the_budget(target, max_new, drafts, k_histogram):
     """The draft equals the target (every draft accepted): a request drafts at most what it can still
     emit, and a step no request can draft in runs without the draft model."""
-    decoder = SpeculativeDecoder(target, target, config=DecoderConfig(**{**vars(SMALL), "k": 3}))
+    # (the synchronous loop: with one step in flight a step is planned before the one before is fetched)
+    decoder = SpeculativeDecoder(target, target, config=DecoderConfig(**{**vars(SMALL), "k": 3, "overlap": False}))
     out = decoder.generate([[1, 2, 3]], max_new)
     assert len(out.tokens[0]) == max_new
     assert [a for a in out.stats.acceptance_per_position if a == a] == drafts     # positions drafted
@@ -103,7 +104,8 @@ def test_the_controller_is_told_the_step_the_executable_ran(target, partial_draf
     for a step that compiled), request ids unique across calls and each request's remaining tokens
     (the batch runs until its last request is done); it learns from every step (the last one's update
     is flushed at the end of the call)."""
-    decoder = SpeculativeDecoder(target, partial_draft, config=ADAPTIVE)
+    # (the synchronous loop; with one step in flight the controller's view lags a step: docs/engine.md)
+    decoder = SpeculativeDecoder(target, partial_draft, config=DecoderConfig(**{**vars(ADAPTIVE), "overlap": False}))
     spy = decoder.controllers["greedy"] = Spy(decoder.controllers["greedy"].config)
     first = decoder.generate(prompts(5, 3), 9)                     # 3 requests in the batch-4 bucket
     calls, asked = len(spy.told), len(spy.asked)

@@ -210,7 +210,7 @@ def test_sampled_tokens_follow_the_filtered_target(target_logits, autoregressive
     count = 400
     arrivals = {0: [(prompt, SamplingParams(max_tokens=3) if i % 4 == 0 else
                      SamplingParams(**{**vars(params), "seed": i}), str(i)) for i in range(count)]}
-    outputs = run(engine, arrivals, max_steps=count)           # 4 rows, 3 tokens each: at most 3 steps per 4
+    outputs = run(engine, arrivals, max_steps=2 * count)       # 4 rows, 3 tokens each (+1 step in flight)
     greedy = autoregressive.generate([prompt], 3).tokens[0]
     sampled = [tokens(outputs, str(i)) for i in range(count) if i % 4]
     assert all(tokens(outputs, str(i)) == greedy for i in range(0, count, 4))

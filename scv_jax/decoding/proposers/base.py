@@ -187,4 +187,4 @@ class Proposer:
 
     def lag_after_step(self, lag: np.ndarray, num_accepted: np.ndarray, step_k: int) -> np.ndarray:
         """The draft cache's lag after a step (``positions``): grows by one token at k = 0."""
-        return lag + 1 if step_k == 0 else np.ones_like(lag)
+        return lag + 1 if step_k == 0 else 0 * lag + 1      # (numpy or traced: the carry's too)

@@ -1,0 +1,165 @@
+"""One step in flight, measured without a model's cost: the engine's decode steps stand in for a device step
+of a fixed D ms (``DeviceClock``: a step is ready D ms after the device took it, the device taking steps
+in order as a GPU stream does; the real executables run on micro models, a small fraction of D), so a
+step's period over D is what the host's work between steps costs. With one step in flight
+(``DecoderConfig.overlap``) the host works while the next step runs: the period tends to max(D, host);
+without, it is D + host.
+
+    python benchmarks/bench_overlap.py --append            # D = 2, 10 ms; batch 1, 16, 64, 256
+    python benchmarks/bench_overlap.py --quick --json rows.json
+
+Rows: drafters "autoregressive", "draft" (a draft model, k = 4), "ngram" (k = 4) and "suffix" (k = 4),
+each with plain requests and with a quarter of the rows using penalties, a JSON schema (a string of 400 to
+480 characters: the request never ends while timed) and logprobs, overlap on and off in the same process. The two CPU cores are shared by the host loop and XLA:CPU running
+the micro models: what the stand-in device computes competes with the host work it should hide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, SuffixDrafter  # noqa: E402
+from scv_jax.sampling_params import StructuredOutputsParams  # noqa: E402
+from scv_jax.demo.report import append_markdown, results_header  # noqa: E402
+from scv_jax.models import Transformer, TransformerConfig  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+DRAFTERS = ("autoregressive", "draft", "ngram", "suffix")
+TARGET = TransformerConfig(vocab_size=256, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                           ffn_dim=64)
+DRAFT = TransformerConfig(vocab_size=256, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, head_dim=8,
+                          ffn_dim=32)
+PROMPT_LEN, MAX_SEQ_LEN, BLOCK = 8, 512, 16
+SCHEMA = StructuredOutputsParams(json={"type": "string", "minLength": 400, "maxLength": 480})
+
+
+def byte_tokenizer():
+    """A tokenizer of the micro models' 256 ids: one byte each (no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())},
+                                     merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+class DeviceClock:
+    """Makes an engine's decode steps take ``device_ms`` each: a dispatched step starts when the device is
+    free (the step before done) and is ready ``device_ms`` later; its fetch waits until then. Wraps the
+    runner's ``dispatch`` and ``fetch`` on the instance."""
+
+    def __init__(self, engine: Engine, device_ms: float):
+        runner = engine.runner
+        self.seconds, self.free_at, self.ready = device_ms / 1e3, 0.0, []
+        dispatch, fetch = runner.dispatch, runner.fetch
+
+        def timed_dispatch(*args, **kwargs):
+            pending = dispatch(*args, **kwargs)
+            self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
+            self.ready.append(self.free_at)
+            return pending
+
+        def timed_fetch(pending, *args, **kwargs):
+            ready = self.ready.pop(0)
+            while time.perf_counter() < ready:
+                time.sleep(max(ready - time.perf_counter() - 2e-4, 0))
+            return fetch(pending, *args, **kwargs)
+
+        runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
+
+
+def decoder(drafter: str, overlap: bool, batches: list[int], target, draft) -> SpeculativeDecoder:
+    """The micro target with ``drafter`` at k = 4 (none: k = 0), batch buckets ``batches``."""
+    blocks = max(batches) * (-(-MAX_SEQ_LEN // BLOCK)) + 16
+    config = DecoderConfig(k=0 if drafter == "autoregressive" else 4, block_size=BLOCK, num_blocks=blocks,
+                           max_seq_len=MAX_SEQ_LEN, prefill_chunk=PROMPT_LEN, batch_buckets=tuple(batches),
+                           context_buckets=(MAX_SEQ_LEN // BLOCK,), enable_prefix_caching=False, overlap=overlap)
+    drafters = {"autoregressive": None, "draft": draft, "ngram": "ngram", "suffix": SuffixDrafter()}
+    return SpeculativeDecoder(target, drafters[drafter], config=config)
+
+
+def period_ms(spec: SpeculativeDecoder, batch: int, device_ms: float, controls: bool, steps: int, seed: int) -> float:
+    """Mean ms between steps of ``batch`` running requests (all prefilled, none ending) on a ``device_ms`` device."""
+    engine = Engine(spec, max_num_batched_tokens=batch * PROMPT_LEN + 64, tokenizer=byte_tokenizer())
+    rng = np.random.default_rng(seed)
+    for i in range(batch):
+        controlled = controls and i % 4 == 0
+        params = SamplingParams(max_tokens=MAX_SEQ_LEN - PROMPT_LEN, temperature=0.0,
+                                presence_penalty=0.5 if controlled else 0.0,
+                                frequency_penalty=0.3 if controlled else 0.0, logprobs=2 if controlled else None,
+                                structured_outputs=SCHEMA if controlled else None)
+        engine.add_request(rng.integers(0, 256, PROMPT_LEN).tolist(), params)
+    DeviceClock(engine, device_ms)
+    for _ in range(4):                    # prefill, compile, fill the pipeline
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    period = (time.perf_counter() - start) / steps * 1e3
+    engine.abort_all()
+    while engine.has_unfinished():
+        engine.step()
+    return period
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="D = 10 ms at batch 16 and 64 only (under 5 minutes)")
+    parser.add_argument("--device-ms", type=float, nargs="+", default=None, help="stand-in step times (2 10)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (1 16 64 256)")
+    parser.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=list(DRAFTERS))
+    parser.add_argument("--steps", type=int, default=40, help="steps timed per row")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    parser.add_argument("--append", action="store_true", help=f"append a table to {RESULTS}")
+    args = parser.parse_args(argv)
+    logging.getLogger("scv_jax").setLevel(logging.ERROR)      # (first-use compiles are expected here)
+    if args.steps < 1 or args.steps * 5 > MAX_SEQ_LEN - PROMPT_LEN - 32:
+        parser.error(f"--steps must be in [1, {(MAX_SEQ_LEN - PROMPT_LEN - 32) // 5}] (requests must not end)")
+    device_ms = args.device_ms or ([10.0] if args.quick else [2.0, 10.0])
+    batches = args.batches or ([16, 64] if args.quick else [1, 16, 64, 256])
+    if min(batches) < 1 or min(device_ms) <= 0:
+        parser.error("--batches must be >= 1 and --device-ms > 0")
+    from flax import nnx
+    target, draft = Transformer(TARGET, rngs=nnx.Rngs(0)), Transformer(DRAFT, rngs=nnx.Rngs(1))
+    rows = []
+    for drafter in args.drafters:
+        specs = {overlap: decoder(drafter, overlap, sorted(set(batches)), target, draft) for overlap in (False, True)}
+        for d in device_ms:
+            for batch in batches:
+                for controls in (False, True):
+                    for overlap in (False, True):
+                        period = period_ms(specs[overlap], batch, d, controls, args.steps, seed=batch)
+                        rows.append(dict(drafter=drafter, batch=batch, controls=controls, overlap=overlap,
+                                         device_ms=d, period_ms=round(period, 3)))
+                        print(f"{drafter:>14} D={d:>4} ms batch {batch:>3} controls {controls!s:>5} "
+                              f"overlap {overlap!s:>5}: period {period:7.2f} ms = {period / d:.3f} D", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
+    if args.append:
+        lines = [results_header("One step in flight: step period over a stand-in device step of D ms",
+                                "python benchmarks/bench_overlap.py " + " ".join(argv or sys.argv[1:])), "",
+                 "| drafter | D ms | batch | controls | period / D, overlap off | period / D, overlap on |",
+                 "|---|---:|---:|---|---:|---:|"]
+        for row in rows:
+            if row["overlap"]:
+                off = next(r for r in rows if not r["overlap"] and all(r[f] == row[f] for f in
+                                                                       ("drafter", "batch", "controls", "device_ms")))
+                lines.append(f"| {row['drafter']} | {row['device_ms']:g} | {row['batch']} | "
+                             f"{'yes' if row['controls'] else 'no'} | {off['period_ms'] / off['device_ms']:.3f} | "
+                             f"{row['period_ms'] / row['device_ms']:.3f} |")
+        append_markdown(RESULTS, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
