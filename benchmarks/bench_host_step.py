@@ -24,6 +24,7 @@ Run: ``JAX_PLATFORMS=cpu .venv/bin/python benchmarks/bench_host_step.py [--batch
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import time
 
@@ -34,6 +35,7 @@ import numpy as np  # noqa: E402
 
 from harness import publish  # noqa: E402
 from scv_jax import DecoderConfig, SpeculativeDecoder  # noqa: E402
+from scv_jax.decoding import carry  # noqa: E402
 from scv_jax.decoding.plan import StepRow  # noqa: E402
 from scv_jax.decoding.runner import StepRunner  # noqa: E402
 from scv_jax.decoding.scheduler import Scheduler  # noqa: E402
@@ -46,29 +48,37 @@ MODES = ("autoregressive", "k=4", "adaptive", "ngram k=4")
 
 class InstantStep:
     """Stands in for the decode executable's ``call_planned``: every request accepts all its drafts and
-    emits them plus one token; the caches (and the logit-control state) pass through; then streams ``cold_bytes`` through the CPU's
+    emits them plus one token; the caches (and the logit-control state) pass through, the carry (one step
+    in flight) is moved on as the real step moves it; then streams ``cold_bytes`` through the CPU's
     caches (if > 0). Times its own work (wall and thread CPU)."""
 
-    def __init__(self, executable, cold_bytes: int = 0):
+    def __init__(self, executable, proposer, cold_bytes: int = 0):
         self._names = executable.dynamic_argnames
         self._evict = np.ones(cold_bytes // 8) if cold_bytes else None
+        self._carried = jax.jit(carry.carried_inputs)
+        self._carry_after = jax.jit(functools.partial(carry.carry_after_step, lag_rule=proposer.lag_after_step,
+                                                      max_lag=proposer.max_lag), static_argnames="k")
         self.seconds = self.cpu_seconds = 0.0
 
     def __call__(self, plan, dynamic):
         start, cpu = time.perf_counter(), time.thread_time()
         args = dict(zip(self._names, dynamic))
         rows = args["rows"]
+        if "carry" in args:         # the rows the step in flight moves on, as the real step moves them
+            rows = np.asarray(self._carried(args["carry"], rows, args["sampling"], args["block_tables"])[0])
         drafts = rows[:, StepRow.NUM_DRAFTS]
         width = plan.statics["k"] + 1
         tokens = np.where(np.arange(width) <= drafts[:, None], 65, -1).astype(np.int32)
         packed = np.concatenate([tokens, drafts[:, None], (drafts + 1)[:, None], drafts[:, None]], axis=1)
         summary = StepSummary(jax.device_put(packed).block_until_ready())
+        mask = np.ones(len(rows), bool) if args.get("request_mask") is None else args["request_mask"]
+        carried = (self._carry_after(args["carry"], rows, packed, mask, k=plan.statics["k"]),) if "carry" in args else ()
         if self._evict is not None:
             self._evict.sum()
         self.seconds += time.perf_counter() - start
         self.cpu_seconds += time.thread_time() - cpu
         controls = (args["controls"],) if "controls" in args else ()      # the logit-control state passes through
-        return (args["target_cache"], args["draft_cache"], summary, *controls)
+        return (args["target_cache"], args["draft_cache"], summary, *controls, *carried)
 
 
 class StepClock:
@@ -136,7 +146,7 @@ def host_microseconds(target, draft, mode: str, batch: int, max_new_tokens: int,
     drafter = None if mode == "autoregressive" else ("ngram" if mode.startswith("ngram") else draft)
     decoder = SpeculativeDecoder(target, drafter, config=config)
     prompts = benchmark_prompts(batch)
-    stub = InstantStep(decoder.runner.decode_executable, cold_bytes)
+    stub = InstantStep(decoder.runner.decode_executable, decoder.runner.proposer, cold_bytes)
     decoder.runner.decode_executable.call_planned = stub     # the device step, taken out
     controllers = ControllerClock(decoder.controllers.values())
     decoder.generate(prompts, max_new_tokens)           # compiles the prefill; warms the controller, the plans
