@@ -8,7 +8,10 @@ without, it is D + host.
     python benchmarks/bench_overlap.py --append            # D = 2, 10 ms; batch 1, 16, 64, 256
     python benchmarks/bench_overlap.py --quick --json rows.json
 
-Rows: drafters "autoregressive", "draft" (a draft model, k = 4), "ngram" (k = 4) and "suffix" (k = 4),
+Rows: drafters "autoregressive", "draft" (a draft model, k = 4), "ngram" (k = 4) and "suffix" (k = 4), in
+modes "off" (``overlap=False``), "on" (the default; host drafters' steps stay synchronous) and, for the
+host drafters, "ahead" (``draft_ahead``: their chains drafted past the step in flight's drafts, assumed
+accepted, so a step may emit other tokens: the table gives tokens per step and tokens/s over "off"),
 each with plain requests and with a quarter of the rows using penalties, a JSON schema (a string of 400 to
 480 characters: the request never ends while timed) and logprobs, overlap on and off in the same process. The two CPU cores are shared by the host loop and XLA:CPU running
 the micro models: what the stand-in device computes competes with the host work it should hide.
@@ -77,18 +80,25 @@ class DeviceClock:
         runner.dispatch, runner.fetch = timed_dispatch, timed_fetch
 
 
-def decoder(drafter: str, overlap: bool, batches: list[int], target, draft) -> SpeculativeDecoder:
-    """The micro target with ``drafter`` at k = 4 (none: k = 0), batch buckets ``batches``."""
+MODES = {"off": dict(overlap=False), "on": dict(overlap=True), "ahead": dict(overlap=True, draft_ahead=True)}
+HOST_DRAFTERS = ("ngram", "suffix")
+
+
+def decoder(drafter: str, mode: str, batches: list[int], target, draft) -> SpeculativeDecoder:
+    """The micro target with ``drafter`` at k = 4 (none: k = 0), batch buckets ``batches``, in ``mode``
+    (``MODES``: one step in flight off, on (the default), on with host chains drafted ahead)."""
     blocks = max(batches) * (-(-MAX_SEQ_LEN // BLOCK)) + 16
     config = DecoderConfig(k=0 if drafter == "autoregressive" else 4, block_size=BLOCK, num_blocks=blocks,
                            max_seq_len=MAX_SEQ_LEN, prefill_chunk=PROMPT_LEN, batch_buckets=tuple(batches),
-                           context_buckets=(MAX_SEQ_LEN // BLOCK,), enable_prefix_caching=False, overlap=overlap)
+                           context_buckets=(MAX_SEQ_LEN // BLOCK,), enable_prefix_caching=False, **MODES[mode])
     drafters = {"autoregressive": None, "draft": draft, "ngram": "ngram", "suffix": SuffixDrafter()}
     return SpeculativeDecoder(target, drafters[drafter], config=config)
 
 
-def period_ms(spec: SpeculativeDecoder, batch: int, device_ms: float, controls: bool, steps: int, seed: int) -> float:
-    """Mean ms between steps of ``batch`` running requests (all prefilled, none ending) on a ``device_ms`` device."""
+def period_ms(spec: SpeculativeDecoder, batch: int, device_ms: float, controls: bool, steps: int, seed: int
+              ) -> tuple[float, float]:
+    """Mean ms between steps of ``batch`` running requests (all prefilled, none ending) on a ``device_ms``
+    device, and the tokens a step emits per request (host chains drafted ahead verify other drafts)."""
     engine = Engine(spec, max_num_batched_tokens=batch * PROMPT_LEN + 64, tokenizer=byte_tokenizer())
     rng = np.random.default_rng(seed)
     for i in range(batch):
@@ -101,14 +111,14 @@ def period_ms(spec: SpeculativeDecoder, batch: int, device_ms: float, controls: 
     DeviceClock(engine, device_ms)
     for _ in range(4):                    # prefill, compile, fill the pipeline
         engine.step()
-    start = time.perf_counter()
+    start, emitted = time.perf_counter(), 0
     for _ in range(steps):
-        engine.step()
+        emitted += sum(len(out.new_token_ids) for out in engine.step())
     period = (time.perf_counter() - start) / steps * 1e3
     engine.abort_all()
     while engine.has_unfinished():
         engine.step()
-    return period
+    return period, emitted / steps / batch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,31 +142,41 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = Transformer(TARGET, rngs=nnx.Rngs(0)), Transformer(DRAFT, rngs=nnx.Rngs(1))
     rows = []
     for drafter in args.drafters:
-        specs = {overlap: decoder(drafter, overlap, sorted(set(batches)), target, draft) for overlap in (False, True)}
+        modes = ("off", "on", "ahead") if drafter in HOST_DRAFTERS else ("off", "on")
+        specs = {mode: decoder(drafter, mode, sorted(set(batches)), target, draft) for mode in modes}
         for d in device_ms:
             for batch in batches:
                 for controls in (False, True):
-                    for overlap in (False, True):
-                        period = period_ms(specs[overlap], batch, d, controls, args.steps, seed=batch)
-                        rows.append(dict(drafter=drafter, batch=batch, controls=controls, overlap=overlap,
-                                         device_ms=d, period_ms=round(period, 3)))
+                    for mode in modes:
+                        period, per_step = period_ms(specs[mode], batch, d, controls, args.steps, seed=batch)
+                        rows.append(dict(drafter=drafter, batch=batch, controls=controls, mode=mode,
+                                         device_ms=d, period_ms=round(period, 3), tokens_per_step=round(per_step, 3)))
                         print(f"{drafter:>14} D={d:>4} ms batch {batch:>3} controls {controls!s:>5} "
-                              f"overlap {overlap!s:>5}: period {period:7.2f} ms = {period / d:.3f} D", flush=True)
+                              f"{mode:>5}: period {period:7.2f} ms = {period / d:.3f} D, "
+                              f"{per_step:.2f} tokens per step", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
     if args.append:
         lines = [results_header("One step in flight: step period over a stand-in device step of D ms",
-                                "python benchmarks/bench_overlap.py " + " ".join(argv or sys.argv[1:])), "",
-                 "| drafter | D ms | batch | controls | period / D, overlap off | period / D, overlap on |",
-                 "|---|---:|---:|---|---:|---:|"]
+                                "python benchmarks/bench_overlap.py " + " ".join(argv or sys.argv[1:]),
+                                "Modes: off = `overlap=False`; on = the default (host drafters synchronous); "
+                                "ahead = `draft_ahead=True`. Controls: a quarter of the requests with penalties, "
+                                "logprobs and a JSON schema. ").rstrip("\n") + "\n",
+                 "| drafter | D ms | batch | controls | period / D: off | on | ahead | tokens per step: off | on "
+                 "| ahead | tokens/s over off: on | ahead |",
+                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row in rows:
-            if row["overlap"]:
-                off = next(r for r in rows if not r["overlap"] and all(r[f] == row[f] for f in
-                                                                       ("drafter", "batch", "controls", "device_ms")))
-                lines.append(f"| {row['drafter']} | {row['device_ms']:g} | {row['batch']} | "
-                             f"{'yes' if row['controls'] else 'no'} | {off['period_ms'] / off['device_ms']:.3f} | "
-                             f"{row['period_ms'] / row['device_ms']:.3f} |")
+            if row["mode"] != "off":
+                continue
+            same = {r["mode"]: r for r in rows if all(r[f] == row[f] for f in ("drafter", "batch", "controls",
+                                                                                "device_ms"))}
+            rate = {mode: r["tokens_per_step"] / r["period_ms"] for mode, r in same.items()}
+            cells = [[f"{same[m]['period_ms'] / row['device_ms']:.3f}" if m in same else "" for m in MODES],
+                     [f"{same[m]['tokens_per_step']:.2f}" if m in same else "" for m in MODES],
+                     [f"{rate[m] / rate['off']:.2f}" if m in same else "" for m in ("on", "ahead")]]
+            lines.append(f"| {row['drafter']} | {row['device_ms']:g} | {row['batch']} | "
+                         f"{'yes' if row['controls'] else 'no'} | " + " | ".join(sum(cells, [])) + " |")
         append_markdown(RESULTS, "\n".join(lines) + "\n")
     return 0
 

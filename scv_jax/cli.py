@@ -337,6 +337,10 @@ def _add_serve(sub, formatter) -> None:
     serve.add_argument("--no-overlap", dest="overlap", action="store_false",
                        help="fetch every decode step before planning the next (DecoderConfig.overlap=False; the "
                             "default keeps one step in flight)")
+    serve.add_argument("--draft-ahead", action="store_true",
+                       help="with one step in flight, host drafters (ngram, suffix) propose past the step in "
+                            "flight's drafts, assumed accepted, so their steps overlap too (DecoderConfig."
+                            "draft_ahead; pays where drafting is much of the host's step: suffix at large batch)")
 
 
 def _text(tokens: list[int]) -> str:

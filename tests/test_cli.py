@@ -325,6 +325,20 @@ def test_serve_takes_a_head_on_a_mesh(monkeypatch, eagle3_head):
     assert isinstance(runner.caches.take()[1], HeadCache)
 
 
+@pytest.mark.parametrize("flags, overlap, draft_ahead", [([], True, False), (["--no-overlap"], False, False),
+                                                         (["--draft-ahead"], True, True)])
+def test_serve_flags_set_one_step_in_flight(monkeypatch, flags, overlap, draft_ahead):
+    """``serve --no-overlap`` / ``--draft-ahead`` set ``DecoderConfig.overlap`` / ``draft_ahead``."""
+    from scv_jax import launch
+    from scv_jax.serving import server
+
+    parsed = []
+    monkeypatch.setattr(server, "serve", lambda args: parsed.append(args) or 0)
+    assert cli.main(["serve", "--model", FIXTURE, "--ngram", "--dtype", "float32", *flags]) == 0
+    engine = server.make_engine(parsed[0], launch.checkpoints(parsed[0])).engine
+    assert engine.overlaps == overlap and engine.runner.config.draft_ahead == draft_ahead
+
+
 def _recording_generate(monkeypatch, capsys):
     """Records every ``SpeculativeDecoder.generate`` call's tokens and what stdout held when it returned."""
     from scv_jax.decoding.decoder import SpeculativeDecoder

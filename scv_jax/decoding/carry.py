@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from scv_jax.decoding.plan import MAX_CATCH_UP, CarryColumn, SamplingColumn, StepRow
@@ -25,8 +26,9 @@ LagRule = Callable[[jax.Array, jax.Array, int], jax.Array]    # (lag, num_accept
 
 
 def zeros(num_slots: int) -> jax.Array:
-    """int32[num_slots, CarryColumn.WIDTH] a carry no step wrote (every row is exact before the first)."""
-    return jnp.zeros((num_slots, CarryColumn.WIDTH), jnp.int32)
+    """int32[num_slots, CarryColumn.WIDTH] a carry no step wrote (every row is exact before the first);
+    copied from the host (``jnp.zeros`` would compile a computation at an engine's first step)."""
+    return jax.device_put(np.zeros((num_slots, CarryColumn.WIDTH), np.int32))
 
 
 def carried_inputs(carry: jax.Array, rows: jax.Array, sampling: jax.Array, block_tables: jax.Array

@@ -65,9 +65,15 @@ class DecoderConfig:
         fetches the one before, the host's bookkeeping of that one overlapping the device's work on the
         next (vLLM's async scheduling, SGLang's overlap scheduler); stops take effect a step late, the
         device's work past a request's end discarded. Steps that need the host to know the last tokens
-        first run synchronously (host drafters, structured output, a draft's catch-up after k = 0
-        steps), as does everything on a mesh. False: every step is fetched before the next is planned
-        (the loop to A/B against, and to debug).
+        first run synchronously (host drafters unless ``draft_ahead``, structured output, a draft's
+        catch-up after k = 0 steps), as does everything on a mesh. False: every step is fetched before
+        the next is planned (the loop to A/B against, and to debug).
+      draft_ahead: with ``overlap``, a host drafter's chains (n-gram, suffix, predicted outputs, your
+        ``HostDrafter``) are proposed while the step before runs, past that step's drafts assumed
+        accepted, so their steps overlap too; a request whose step turns out otherwise verifies drafts
+        of a text it does not have at its next step (rejected: one step without useful drafts). Pays
+        where drafting is a large share of the host's step (suffix decoding at large batch), loses where
+        it is not (docs/performance.md, "One step in flight"). Trees stay synchronous.
     """
 
     k: int = 4
@@ -87,6 +93,7 @@ class DecoderConfig:
     tree: TreeConfig | None = None
     enable_prefix_caching: bool | None = None
     overlap: bool = True
+    draft_ahead: bool = False
 
     def __post_init__(self):
         def fail(name: str, expected: str) -> None:
@@ -105,7 +112,7 @@ class DecoderConfig:
                 fail(name, "a non-empty tuple of ints >= 1" + (" or None" if name == "context_buckets" else ""))
         if self.controller is not None and not isinstance(self.controller, ControllerConfig):
             fail("controller", "a ControllerConfig or None")
-        for name in ("adaptive", "packed_verify", "overlap"):
+        for name in ("adaptive", "packed_verify", "overlap", "draft_ahead"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
         if self.max_num_batched_tokens is not None and (not _is_int(self.max_num_batched_tokens)

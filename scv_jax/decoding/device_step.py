@@ -231,8 +231,9 @@ class LogitControls(NamedTuple):
         """float[..., V] logits of the step's positions with the controls applied (same dtype).
 
         Without ``rows``, ``logits`` is [B, T, V] or [B, V] (request b's positions); with ``rows``
-        int32[R], [R, V] rows of any requests. ``seen``: int32 of the leading shape + [V], the tokens
-        each position's history holds beyond the request's committed ones (the drafts before it);
+        int32[R], [R, V] rows of any requests. ``seen``: int32 of the leading shape + [S], the tokens
+        each position's history holds beyond the request's committed ones (the drafts before it; -1:
+        none), applied sparsely: no [..., V] array but the logits is built from them;
         ``offsets``: int32 of the leading shape, each position's tokens after the committed ones (a
         stop token is masked while offset < min_tokens); ``previous``: int32 of the leading shape +
         [MAX_BAD_WORD_LEN - 1], the last output tokens of each position's history (-1: none; a bad word's
@@ -250,24 +251,32 @@ class LogitControls(NamedTuple):
         previous = self.recent[rows] if previous is None else previous.reshape(-1, MAX_BAD_WORD_LEN - 1)
 
         def adjust() -> jax.Array:
-            counts = self.output_counts[rows]
-            if seen is not None:
-                counts = counts + seen.reshape(-1, vocab).astype(jnp.int32)
-            batch = self.stop_ids.shape[0]
-            is_stop = jnp.zeros((batch, vocab), jnp.bool_).at[
-                jnp.arange(batch)[:, None], jnp.clip(self.stop_ids, 0, vocab - 1)].max(self.stop_ids >= 0)
-            early = (offsets < self.min_tokens[rows])[:, None] & is_stop[rows]
-            bias = jnp.where(early, -jnp.inf, self.bias[rows])
+            flat, index = logits.reshape(-1, vocab), jnp.arange(rows.shape[0])[:, None]
+            penalties = self.presence[rows], self.frequency[rows], self.repetition[rows]
+            bias = self.bias[rows]
+            if self.grammar is not None:
+                bias = jnp.where(grammar_allows(self.grammar, rows, grammar_rows, vocab), bias, -jnp.inf)
+            out = controlled_logits(flat, bias, self.output_counts[rows], self.in_prompt[rows], *penalties)
+            if seen is not None:        # the tokens seen beyond the committed ones, again with their counts
+                tokens = seen.reshape(rows.shape[0], -1)
+                valid = (tokens >= 0) & (tokens < vocab)
+                at = jnp.clip(tokens, 0, vocab - 1)
+                more = jnp.sum((tokens[:, :, None] == tokens[:, None, :]) & valid[:, None, :], axis=2)
+                bias_at = self.bias[rows[:, None], at]
+                if self.grammar is not None:
+                    bias_at = jnp.where(grammar_allows_tokens(self.grammar, rows, grammar_rows, at), bias_at, -jnp.inf)
+                again = controlled_logits(flat[index, at], bias_at, self.output_counts[rows[:, None], at] + more,
+                                          self.in_prompt[rows[:, None], at], *penalties)
+                out = out.at[index, jnp.where(valid, at, vocab)].set(again, mode="drop")
+            # stop ids before min_tokens and bad words said: -inf (which the penalties keep), set last
+            stops = self.stop_ids[rows]
+            early = (offsets < self.min_tokens[rows])[:, None] & (stops >= 0)
             words = self.words[rows]                                       # [R, MAX_BAD_WORDS, MAX_BAD_WORD_LEN]
             ends = words[:, :, -1]
             others = words[:, :, :-1]
             said = jnp.all((others == previous[:, None, :]) | (others == ANY_TOKEN), axis=-1) & (ends >= 0)
-            bias = bias.at[jnp.arange(rows.shape[0])[:, None], jnp.clip(ends, 0, vocab - 1)].min(
-                jnp.where(said, -jnp.inf, 0.0))
-            if self.grammar is not None:
-                bias = jnp.where(grammar_allows(self.grammar, rows, grammar_rows, vocab), bias, -jnp.inf)
-            out = controlled_logits(logits.reshape(-1, vocab), bias, counts, self.in_prompt[rows],
-                                    self.presence[rows], self.frequency[rows], self.repetition[rows])
+            banned = jnp.concatenate([jnp.where(early, stops, vocab), jnp.where(said, ends, vocab)], axis=1)
+            out = out.at[index, banned].set(-jnp.inf, mode="drop")
             return out.astype(logits.dtype).reshape(logits.shape)
 
         return jax.lax.cond(self.active, adjust, lambda: logits)
@@ -280,6 +289,13 @@ def grammar_allows(grammar: jax.Array, rows: jax.Array, offsets: jax.Array, voca
     token = jnp.arange(vocab_size, dtype=jnp.int32)
     bits = jax.lax.bitcast_convert_type(words, jnp.uint32)[:, token // 32]
     return (jnp.right_shift(bits, (token % 32).astype(jnp.uint32)) & 1) == 1
+
+
+def grammar_allows_tokens(grammar: jax.Array, rows: jax.Array, offsets: jax.Array, tokens: jax.Array) -> jax.Array:
+    """bool[R, S]: whether ``grammar`` int32[B, T, W] allows int32[R, S] ``tokens`` (in [0, V)) at int32[R]
+    ``rows`` and ``offsets`` (clipped to the T positions)."""
+    words = grammar[rows[:, None], jnp.clip(offsets, 0, grammar.shape[1] - 1)[:, None], tokens // 32]
+    return (jnp.right_shift(jax.lax.bitcast_convert_type(words, jnp.uint32), (tokens % 32).astype(jnp.uint32)) & 1) == 1
 
 
 def controlled(controls: LogitControls | None, logits: jax.Array, **where) -> jax.Array:
@@ -303,12 +319,12 @@ def drafts_previous(recent: jax.Array, drafts: jax.Array) -> jax.Array:
     return both[:, jnp.arange(k + 1)[:, None] + jnp.arange(width)[None, :]]
 
 
-def drafts_seen(drafts: jax.Array, vocab_size: int) -> jax.Array:
-    """int32[B, k + 1, V]: at position t, the counts of drafts[:, :t] (int32[B, k]): the tokens a chain's
-    position holds in its history beyond the committed ones."""
-    one_hot = jax.nn.one_hot(drafts, vocab_size, dtype=jnp.int32)
-    return jnp.concatenate([jnp.zeros((drafts.shape[0], 1, vocab_size), jnp.int32), jnp.cumsum(one_hot, axis=1)],
-                           axis=1)
+def drafts_seen(drafts: jax.Array) -> jax.Array:
+    """int32[B, k + 1, k]: at chain position t, drafts[:, :t] (int32[B, k]) then -1: the tokens the
+    position holds in its history beyond the committed ones (``LogitControls.apply``'s ``seen``)."""
+    k = drafts.shape[1]
+    before = jnp.arange(k)[None, :] < jnp.arange(k + 1)[:, None]                  # [k + 1, k]
+    return jnp.where(before[None], drafts.astype(jnp.int32)[:, None, :], -1)
 
 
 def tagged_keys(keys: jax.Array, tag: int) -> jax.Array:

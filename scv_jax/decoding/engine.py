@@ -161,7 +161,8 @@ class Engine:
         self._scheduler = Scheduler(batch, runner.pool, proposer, runner.controllers, k=cfg.k,
                                     max_num_seqs=self.max_num_seqs, per_shard=largest // len(runner.pool.shards),
                                     max_num_batched_tokens=self.max_num_batched_tokens,
-                                    prefill_chunk=cfg.prefill_chunk, grammars=grammars)
+                                    prefill_chunk=cfg.prefill_chunk, grammars=grammars,
+                                    draft_ahead=cfg.draft_ahead)
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
         self._in_flight: PendingStep | None = None      # the decode step dispatched, not yet fetched

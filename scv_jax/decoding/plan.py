@@ -73,12 +73,35 @@ class Drafts:
         an ``ngram_trie.Trie``), or None when the step's device half drafts (a draft model).
       predicted: bool[B] whether each request's drafts came from its prediction (predicted outputs), or
         None when none did.
+      guesses: host chains planned with a step in flight: each request's guess of the token that step
+        ends with (the drafter's first proposal, the chain after it; [] where none), or None.
     """
 
     num_drafts: np.ndarray
     step_k: int
     host: list | None = None
     predicted: np.ndarray | None = None
+    guesses: list[list[int]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Assumption:
+    """What a step of host chains planned with a step in flight assumes that step appends to each of its
+    requests (its chains follow these tokens): from position ``start`` (int64[B], the request's length
+    when planned), ``tokens``: the step in flight's drafts, all accepted, then the drafter's guess of the
+    token after them ([] for a request the step in flight does not run)."""
+
+    start: np.ndarray
+    tokens: list[list[int]]
+
+    def held(self, i: int, tokens: np.ndarray, length: int) -> bool:
+        """Whether request i's assumption came true, its row holding ``length`` ``tokens`` now."""
+        start = int(self.start[i])
+        end = start + len(self.tokens[i])
+        return length >= end and tokens[start:end].tolist() == self.tokens[i]
+
+    def subset(self, keep: np.ndarray) -> "Assumption":
+        return Assumption(self.start[keep], [t for t, k in zip(self.tokens, keep.tolist()) if k])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +121,7 @@ class DecodeWork:
       carried: bool[B] the requests the step in flight (planned before this one, not yet fetched) runs
         too: the device moves their rows on by it (``decoding.carry``); None: no step in flight.
       number: the step's number among the scheduler's steps.
+      assumed: host chains planned with a step in flight: what they assume that step appends, or None.
     """
 
     rows: np.ndarray
@@ -113,18 +137,21 @@ class DecodeWork:
     epochs: np.ndarray | None = None
     carried: np.ndarray | None = None
     number: int = 0
+    assumed: Assumption | None = None
 
     def subset(self, keep: np.ndarray) -> "DecodeWork":
         """The work of the requests where bool[B] ``keep`` (those still running as planned)."""
         drafts = self.drafts
         host = None if drafts.host is None else [d for d, k in zip(drafts.host, keep.tolist()) if k]
         drafts = Drafts(drafts.num_drafts[keep], drafts.step_k, host,
-                        None if drafts.predicted is None else drafts.predicted[keep])
+                        None if drafts.predicted is None else drafts.predicted[keep],
+                        None if drafts.guesses is None else [g for g, k in zip(drafts.guesses, keep.tolist()) if k])
         return dataclasses.replace(
             self, rows=self.rows[keep], request_ids=[r for r, k in zip(self.request_ids, keep.tolist()) if k],
             caps=self.caps[keep], drafts=drafts, grammar=None if self.grammar is None else self.grammar[keep],
             epochs=None if self.epochs is None else self.epochs[keep],
-            carried=None if self.carried is None else self.carried[keep])
+            carried=None if self.carried is None else self.carried[keep],
+            assumed=None if self.assumed is None else self.assumed.subset(keep))
 
 
 @dataclasses.dataclass(frozen=True)

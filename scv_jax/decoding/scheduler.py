@@ -22,7 +22,11 @@ One step in flight (``DecoderConfig.overlap``): the engine may plan a step while
 (``in_flight``, not yet fetched). That step's requests run in the new one with their rows moved on by the
 device (``DecodeWork.carried``); their blocks cover what both steps may append; the results of a step are
 applied only to the requests still running as it was planned (``live``): one that ended, was aborted or
-preempted since is dropped. Steps whose planning needs the last tokens (``may_run_ahead``) are fetched first.
+preempted since is dropped. With ``draft_ahead``, a host drafter's chains for such a request continue
+its tokens and the drafts of the step in flight, assumed accepted, after a guess of the token that step
+ends with (the drafter's first proposal; ``DecodeWork.assumed``); where that step turns out otherwise
+they are rejected, and the next step assumes none of them accepted. Steps whose planning needs the last tokens
+(``may_run_ahead``) are fetched first.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import numpy as np
 
 from scv_jax.decoding.grammar import Grammars
 from scv_jax.decoding.outputs import FinishReason, RequestOutput, TokenLogprob
-from scv_jax.decoding.plan import DecodeWork, Drafts, Observation, PrefillWork, SamplingColumn, StepResult
+from scv_jax.decoding.plan import Assumption, DecodeWork, Drafts, Observation, PrefillWork, SamplingColumn, StepResult
 from scv_jax.decoding.positions import catch_up_rows
 from scv_jax.decoding.proposers.base import Proposer, Trie, path_trie, smallest_fitting
 from scv_jax.decoding.proposers.ngram import UnverifiedProposals
@@ -106,13 +110,16 @@ class Scheduler:
     half; ``controllers``: {"greedy" | "sampling": controller} (empty: ``k`` always); ``max_num_seqs``:
     the most requests running; ``per_shard``: the most on one data shard; ``max_num_batched_tokens``: the
     tokens a step computes; ``prefill_chunk``: the prompt tokens per request of one prefill call;
-    ``grammars``: structured output's masks (``grammar.Grammars``; None: no request is constrained).
+    ``grammars``: structured output's masks (``grammar.Grammars``; None: no request is constrained);
+    ``draft_ahead``: host chains are drafted with a step in flight (``DecoderConfig.draft_ahead``).
     """
 
     def __init__(self, batch: RequestBatch, pools: BlockPools, proposer: Proposer,
                  controllers: dict[str, Controller], *, k: int, max_num_seqs: int, per_shard: int,
-                 max_num_batched_tokens: int, prefill_chunk: int, grammars: Grammars | None = None):
+                 max_num_batched_tokens: int, prefill_chunk: int, grammars: Grammars | None = None,
+                 draft_ahead: bool = False):
         self.batch, self._pools, self.proposer, self._controllers = batch, pools, proposer, controllers
+        self.draft_ahead = draft_ahead
         self.grammars = grammars
         self._k, self.max_num_seqs, self._per_shard = k, max_num_seqs, per_shard
         self.max_num_batched_tokens, self._chunk = max_num_batched_tokens, prefill_chunk
@@ -187,9 +194,11 @@ class Scheduler:
 
     def may_run_ahead(self, work: DecodeWork) -> bool:
         """Whether the step after ``work`` may be planned before ``work``'s results are known: not with a
-        host drafter (its drafts continue the tokens), a constrained request (its masks follow its
-        grammar) or a draft model after a k = 0 step (its catch-up reads the lag)."""
-        return (self.proposer.host is None and not any(r.matcher is not None for r in self.running.values())
+        host drafter (its drafts continue the tokens), unless its chains are drafted ahead (``draft_ahead``:
+        past ``work``'s drafts assumed accepted, ``_host_views``), a constrained request (its masks follow
+        its grammar) or a draft model after a k = 0 step (its catch-up reads the lag)."""
+        return ((self.proposer.host is None or (self.draft_ahead and self.proposer.host_chains))
+                and not any(r.matcher is not None for r in self.running.values())
                 and not (self.proposer.has_draft_model and (work.drafts.step_k == 0 or self.batch.may_lag)))
 
     def _growth(self, rows: np.ndarray) -> np.ndarray:
@@ -338,6 +347,30 @@ class Scheduler:
             view.flags.writeable = False
         return views
 
+    def _host_views(self, rows: np.ndarray, ahead: np.ndarray) -> tuple[list[np.ndarray], list[list[int]] | None]:
+        """What the host drafter reads for the requests at ``rows``: each one's prompt + generated tokens
+        (read-only views), and with a step in flight, the tokens assumed for the requests it runs
+        (``ahead`` > 0) after them: that step's drafts, all accepted, where the assumption they were made
+        under held (``Assumption.held``; else none: the device most likely rejects them). The assumed
+        tokens go past the request's length in its row, where its next tokens will be written."""
+        flight = self.in_flight
+        if flight is None:
+            return self._token_views(rows), None
+        state, views, assumed = self.batch, [], []
+        place = {row: i for i, row in enumerate(flight.rows.tolist())}
+        for row, more in zip(rows.tolist(), ahead.tolist()):
+            length, tokens = int(state.length[row]), []
+            if more:
+                i = place[row]
+                if flight.assumed is None or flight.assumed.held(i, state.tokens[row], length):
+                    tokens = list(flight.drafts.host[i])
+                state.tokens[row, length:length + len(tokens)] = tokens
+            view = state.tokens[row, :length + len(tokens)]
+            view.flags.writeable = False
+            views.append(view)
+            assumed.append(tokens)
+        return views, assumed
+
     def decode_rows(self) -> np.ndarray:
         """int64[n] the requests the next decode step runs: those prefilled (``RequestBatch.decoding``) but
         those the step in flight surely ends (it emits at least one token: their last)."""
@@ -361,8 +394,11 @@ class Scheduler:
         constrained = np.array([i for i, r in enumerate(requests) if r.matcher is not None], np.int64)
         if constrained.size and self.proposer.host is None:
             caps[constrained] = 0           # drafts made on the device cannot be masked before they are verified
-        views = self._token_views(rows) if self.proposer.host is not None else []   # host drafters read them
-        drafts = self.proposer.drafts(request_ids, views, caps)
+        views, assumed, guessing = [], None, None
+        if self.proposer.host is not None:              # host drafters read the tokens
+            views, assumed = self._host_views(rows, ahead)
+            guessing = None if assumed is None else (ahead > 0) & (caps > 0)
+        drafts = self.proposer.drafts(request_ids, views, caps, guessing)
         grammar = None
         if constrained.size:
             drafts, grammar = self._grammar_masks(requests, constrained, drafts, caps)
@@ -373,7 +409,9 @@ class Scheduler:
         logprobs = any(r.params.logprobs is not None for r in requests)
         work = DecodeWork(rows, request_ids, k, caps, drafts, greedy, logprobs, kind, catch_up, grammar,
                           state.epoch[rows].copy(), None if self.in_flight is None else ahead > 0,
-                          0 if self.in_flight is None else self.in_flight.number + 1)
+                          0 if self.in_flight is None else self.in_flight.number + 1,
+                          None if assumed is None else Assumption(state.length[rows].copy(), [
+                              tokens + guess for tokens, guess in zip(assumed, drafts.guesses)]))
         self.in_flight = work
         return work
 
@@ -481,6 +519,7 @@ class Scheduler:
             if self.proposer.host_chains:
                 counts = self._check_unverified(rows, step_k) or counts
             # (k as chosen, or as far as the budgets let it draft: a step that ends them costs less)
+            self.observe()          # one step in flight: the step before, when no dispatch told it since
             self._observed = Observation(work.kind, *counts, result.seconds, result.batch,
                                          self._controller_ids(requests), int(work.caps.max(initial=0)))
         self._finished = rows[done]

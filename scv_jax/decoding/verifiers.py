@@ -170,9 +170,8 @@ def draft_chain(catch_up: PagedForwardOutput, first_logits: jax.Array, lag: jax.
     logits = controlled(controls, first_logits)
     first, first_probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG), sampling, greedy)
     slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
-    vocab_size = logits.shape[-1]
-    # the drafts so far: their counts, and the last output tokens with them
-    seen = None if controls is None else jnp.zeros((batch, vocab_size), jnp.int32)
+    # the drafts so far (-1: none yet), and the last output tokens with them
+    seen = None if controls is None else jnp.full((batch, max(k - 1, 1)), -1, jnp.int32)
     previous = None if controls is None else controls.recent
 
     def one_draft(state, j):
@@ -184,7 +183,7 @@ def draft_chain(catch_up: PagedForwardOutput, first_logits: jax.Array, lag: jax.
         stage_k = jnp.where(at_length, new_keys, stage_k)
         stage_v = jnp.where(at_length, new_values, stage_v)
         if controls is not None:
-            seen = seen + jax.nn.one_hot(token, vocab_size, dtype=jnp.int32)
+            seen = seen.at[:, j - 1].set(token)
             previous = jnp.concatenate([previous[:, 1:], token[:, None]], axis=1)
             logits = controls.apply(logits, seen=seen, offsets=jnp.full((batch,), j, jnp.int32), previous=previous)
         nxt, probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG + j), sampling, greedy)
@@ -289,7 +288,7 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
     batch, k = proposal.tokens.shape
     num_drafts = jnp.clip(num_drafts, 0, k).astype(jnp.int32)
     if controls is not None:
-        seen = drafts_seen(proposal.tokens, scored.logits.shape[-1])                     # [B, k + 1, V]
+        seen = drafts_seen(proposal.tokens)                                              # [B, k + 1, k]
         previous = drafts_previous(controls.recent, proposal.tokens)                     # [B, k + 1, W]
         if packed is None:
             at = dict(seen=seen, offsets=jnp.broadcast_to(jnp.arange(k + 1, dtype=jnp.int32), (batch, k + 1)),
@@ -574,7 +573,7 @@ def accept_tree(logits: jax.Array, tokens: jax.Array, parents: jax.Array, keys: 
     if controls is not None:
         full_mask = ancestor_mask(forward_parents)                                  # [B, N + 1, N + 1]
         on_path = full_mask[:, :, 1:].astype(jnp.int32)                             # the pending token is committed
-        seen = jnp.einsum("bpj,bjv->bpv", on_path, jax.nn.one_hot(tokens, logits.shape[-1], dtype=jnp.int32))
+        seen = jnp.where(on_path > 0, tokens[:, None, :], -1)                      # [B, N + 1, N]
         depth = depths(full_mask)
         logits = controls.apply(logits, seen=seen, offsets=depth,
                                 previous=path_previous(controls.recent, tokens, forward_parents, depth),

@@ -110,7 +110,7 @@ def engine_config(args: argparse.Namespace, models: Models, data_shards: int = 1
                            batch_buckets=batch_buckets(args.max_num_seqs), max_seq_len=max_model_len,
                            num_blocks=pool.num_blocks, cache_dtype=args.dtype, packed_verify=args.packed_verify,
                            max_num_batched_tokens=args.max_num_batched_tokens,
-                           overlap=getattr(args, "overlap", True))
+                           overlap=getattr(args, "overlap", True), draft_ahead=getattr(args, "draft_ahead", False))
     return config, max_model_len, pool
 
 

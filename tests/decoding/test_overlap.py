@@ -10,15 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder
+from scv_jax import DecoderConfig, Engine, HostDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from scv_jax.decoding import carry
 from scv_jax.decoding.block_pool import BlockPool
 from scv_jax.decoding.plan import CarryColumn, SamplingColumn, StepRow
 from scv_jax.decoding.positions import lag_after_step
 from scv_jax.decoding.requests import RequestBatch
 from scv_jax.decoding.step_inputs import decode_inputs
+from scv_jax.models import Transformer
 from tests.decoding.common import SMALL, prompts
 from tests.decoding.test_engine import run, tokens
+from tests.models.fixtures import TINY
 
 SLOTS, CAPACITY, K = 6, 40, 3
 carried_inputs = jax.jit(carry.carried_inputs)
@@ -94,12 +96,23 @@ def test_rows_not_carried_and_padding_are_left_alone():
     assert written[0, CarryColumn.EMITTED] == 1 and not written[1:].any()
 
 
+def with_and_without_overlap(target, drafter, **config) -> dict[bool, SpeculativeDecoder]:
+    """The same decoder (k = 3, ``config``) with one step in flight and without."""
+    return {overlap: SpeculativeDecoder(target, drafter, config=DecoderConfig(**{**vars(SMALL), "k": 3, **config,
+                                                                                "overlap": overlap}))
+            for overlap in (True, False)}
+
+
 @pytest.fixture(scope="module")
 def decoders(target, partial_draft):
-    """The same draft-model decoder with one step in flight and without."""
-    config = DecoderConfig(**{**vars(SMALL), "k": 3})
-    return {overlap: SpeculativeDecoder(target, partial_draft, config=DecoderConfig(**{**vars(config), "overlap": overlap}))
-            for overlap in (True, False)}
+    """The draft-model decoder with one step in flight and without."""
+    return with_and_without_overlap(target, partial_draft)
+
+
+@pytest.fixture(scope="module")
+def ngram_decoders(target):
+    """The n-gram decoder (host chains, drafted past the step in flight's drafts) with and without."""
+    return with_and_without_overlap(target, "ngram", draft_ahead=True)
 
 
 def test_overlap_is_the_default_on_one_device(decoders):
@@ -113,6 +126,19 @@ def test_overlapped_engine_emits_what_the_synchronous_one_does(decoders, seed):
     """Random arrivals, budgets, stop ids, sampled and greedy requests, and aborts: every request not
     aborted gets the same tokens with one step in flight as without; an aborted one a prefix of them, and
     its blocks come back."""
+    check_overlap_against_synchronous(decoders, seed, same_drafts=True)
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_host_chains_drafted_ahead_emit_what_the_synchronous_loop_does(ngram_decoders, seed):
+    """The same with n-gram drafts, made past the step in flight's drafts assumed accepted (right or
+    wrong): greedy requests get the same tokens (sampled ones verify other drafts, so other draws)."""
+    check_overlap_against_synchronous(ngram_decoders, seed, same_drafts=False)
+
+
+def check_overlap_against_synchronous(decoders: dict[bool, SpeculativeDecoder], seed: int, same_drafts: bool) -> None:
+    """``same_drafts``: both loops verify the same drafts, so sampled requests get the same tokens too."""
     rng = np.random.default_rng(seed)
     count = 6
     batch = prompts(seed, count, alphabet=16)
@@ -141,6 +167,10 @@ def test_overlapped_engine_emits_what_the_synchronous_one_does(decoders, seed):
         results[overlap] = outputs
     for request_id in map(str, range(count)):
         on, off = results[True].get(request_id, []), results[False].get(request_id, [])
+        params = next(s for items in arrivals.values() for _, s, r in items if r == request_id)
+        if params.temperature > 0 and not same_drafts:
+            assert not on or len(on[-1].token_ids) <= params.max_tokens
+            continue
         if request_id in aborted:
             on_tokens = [t for o in on for t in o.new_token_ids]
             full = list(alone_tokens(decoders[False], arrivals, request_id))
@@ -175,3 +205,91 @@ def test_an_abort_while_a_step_is_in_flight_frees_the_blocks(decoders, autoregre
     assert engine.num_free_blocks == engine.num_blocks
     seen["b"] = seen.get("b", []) + outputs["b"]
     assert tokens(seen, "b") == autoregressive.generate([second], 20).tokens[0]
+
+
+class Oracle(HostDrafter):
+    """Drafts each request's known greedy continuation after the tokens it is given (none where they
+    leave it); records how many tokens past what ``start`` and ``extend`` told it it was given (the step
+    in flight's drafts, assumed accepted)."""
+
+    def __init__(self, continuations: dict[str, list[int]]):
+        self.continuations, self.told, self.most_assumed = continuations, {}, 0
+
+    def start(self, request_id, prompt_token_ids):
+        self.told[request_id] = len(prompt_token_ids)
+
+    def extend(self, request_id, new_token_ids):
+        self.told[request_id] += len(new_token_ids)
+
+    def propose(self, request_ids, token_ids, max_drafts):
+        chains = []
+        for request_id, given, cap in zip(request_ids, token_ids, max_drafts.tolist()):
+            known = self.continuations[request_id]
+            self.most_assumed = max(self.most_assumed, len(given) - self.told[request_id])
+            chains.append(known[len(given):len(given) + cap] if given.tolist() == known[:len(given)] else [])
+        return chains
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_host_chains_drafted_ahead_of_the_step_in_flight_are_all_accepted_when_right(target, autoregressive, overlap):
+    """A drafter that knows the greedy output: drafting ahead of the step in flight it is asked past its drafts
+    (and its first proposal guesses the token that step ends with), and every draft it makes is accepted,
+    as without; the output is the target's alone."""
+    batch = prompts(23, 3, alphabet=16)
+    greedy = autoregressive.generate(batch, 24).tokens
+    oracle = Oracle({str(i): list(p) + list(g) for i, (p, g) in enumerate(zip(batch, greedy))})
+    decoder = SpeculativeDecoder(target, oracle, config=DecoderConfig(**{**vars(SMALL), "k": 3, "overlap": overlap,
+                                                                         "draft_ahead": True}))
+    engine = Engine(decoder)
+    for i, prompt in enumerate(batch):
+        engine.add_request(prompt, SamplingParams(max_tokens=24), str(i))
+    outputs = run(engine)
+    for i in range(len(batch)):
+        last = outputs[str(i)][-1]
+        assert tokens(outputs, str(i)) == greedy[i]
+        assert last.num_draft_tokens > 0 and last.num_accepted_tokens == last.num_draft_tokens
+    assert (oracle.most_assumed > 0) == overlap
+
+
+def test_sampled_host_chains_drafted_ahead_keep_the_target_distribution(target):
+    """The second sampled token over many seeds ~ its target marginal, sum over t1 of p(t1) p(t2 | t1)
+    (chi-square, tiny vocab), with n-gram drafts made while the first step is in flight (``draft_ahead``:
+    its drafts assumed accepted, the token after them guessed)."""
+    temperature, batch, rounds = 1.5, 4, 150
+    decoder = SpeculativeDecoder(target, NgramDrafter(1, 2),
+                                 config=DecoderConfig(**{**vars(SMALL), "k": 2, "draft_ahead": True}))
+    prompt = [3, 1, 4, 3, 1]                                   # the n-gram (3, 1) proposes [4, 3]
+
+    def probs(contexts: np.ndarray) -> np.ndarray:
+        logits = np.asarray(Transformer.__call__(target, contexts))[:, -1] / temperature
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return p / p.sum(axis=1, keepdims=True)
+
+    vocab = TINY.vocab_size
+    first = probs(np.array([prompt]))[0]
+    second = first @ probs(np.array([prompt + [t] for t in range(vocab)]))
+    counts = np.zeros(vocab)
+    for seed in range(rounds):
+        out = decoder.generate([prompt] * batch, 3, temperature=temperature, seed=seed)
+        for tokens in out.tokens:
+            counts[tokens[1]] += 1
+    expected = second * batch * rounds
+    keep = expected >= 5
+    chi2 = np.sum((counts[keep] - expected[keep]) ** 2 / expected[keep]) + (
+        (counts[~keep].sum() - expected[~keep].sum()) ** 2 / max(expected[~keep].sum(), 1e-9))
+    dof = int(keep.sum())                                      # bins kept + 1 pooled - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof), (chi2, dof, counts, expected)   # ~5 sigma
+
+
+def test_host_drafters_wait_for_the_step_in_flight_unless_drafting_ahead(target):
+    """By default a host drafter's steps are fetched before the next is planned (it reads the last
+    tokens); ``draft_ahead`` lets them overlap."""
+    for draft_ahead in (False, True):
+        config = DecoderConfig(**{**vars(SMALL), "k": 3, "draft_ahead": draft_ahead})
+        oracle = Oracle({"0": list(range(12)) * 3})
+        engine = Engine(SpeculativeDecoder(target, oracle, config=config))
+        engine.add_request(list(range(12)), SamplingParams(max_tokens=8), "0")
+        run(engine)
+        assert (oracle.most_assumed > 0) == draft_ahead
+    with pytest.raises(ValueError, match="DecoderConfig.draft_ahead must be a bool"):
+        DecoderConfig(draft_ahead=1)

@@ -59,7 +59,9 @@ class HostDrafter:
         Args:
           request_ids: the requests' ids.
           token_ids: each request's prompt + generated tokens so far, 1-D int arrays (read-only views:
-            copy what you keep).
+            copy what you keep). With ``DecoderConfig.draft_ahead``, a request the step in flight runs
+            ends with that step's drafts, assumed accepted: the first token of its chain is then a
+            guess of the token that step ends with (not verified; ``extend`` tells what came).
           max_drafts: int64[B] the most drafts each request may offer now.
         Returns:
           one sequence of token ids per request, at most ``max_drafts[i]`` long, ids in [0, vocab).
@@ -173,8 +175,12 @@ class Proposer:
         """The most drafts a step at the chosen ``k`` may verify per request."""
         return k
 
-    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> Drafts:
-        """The step's drafts for requests that may verify up to ``caps[i]`` drafts each."""
+    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray,
+               guessing: np.ndarray | None = None) -> Drafts:
+        """The step's drafts for requests that may verify up to ``caps[i]`` drafts each; ``guessing``
+        (host chains with a step in flight): bool[B] the requests whose ``token_ids`` end with the drafts
+        of the step in flight, assumed accepted: their chain starts with a guess of the token that step
+        ends with, kept in ``Drafts.guesses`` (the step verifies the chain after it)."""
         return Drafts(np.zeros(len(caps), np.int64), 0)
 
     def chains(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> list[list[int]]:

@@ -23,7 +23,8 @@ class DraftModelChain(Proposer):
         self.step_ks = tuple(sorted(set(allowed_k) | {0}))
         self.max_depth = self.step_ks[-1]
 
-    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> Drafts:
+    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray,
+               guessing: np.ndarray | None = None) -> Drafts:
         return Drafts(caps, smallest_fitting(self.step_ks, int(caps.max(initial=0))))
 
     def lag_after_step(self, lag: np.ndarray, num_accepted: np.ndarray, step_k: int) -> np.ndarray:
@@ -80,7 +81,8 @@ class DraftModelTree(Proposer):
     def depth_for(self, k: int) -> int:
         return self.max_depth
 
-    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> Drafts:
+    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray,
+               guessing: np.ndarray | None = None) -> Drafts:
         return Drafts(caps, self.step_ks[-1] if caps.max(initial=0) > 0 else 0)
 
     def lag_after_step(self, lag: np.ndarray, num_accepted: np.ndarray, step_k: int) -> np.ndarray:

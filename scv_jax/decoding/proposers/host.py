@@ -53,11 +53,18 @@ class HostChains(Proposer):
         """The checked chains (also what the scheduler checks a k = 0 step's proposals with)."""
         return self._chains(request_ids, token_ids, caps)[0]
 
-    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> Drafts:
-        chains, predicted = (self._chains(request_ids, token_ids, caps) if caps.max(initial=0) > 0
+    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray,
+               guessing: np.ndarray | None = None) -> Drafts:
+        asked = caps if guessing is None else caps + guessing
+        chains, predicted = (self._chains(request_ids, token_ids, asked) if asked.max(initial=0) > 0
                              else ([[] for _ in caps], None))
+        guesses = None
+        if guessing is not None:
+            guesses = [list(chain[:1]) if guess else [] for chain, guess in zip(chains, guessing.tolist())]
+            chains = [list(chain[1:]) if guess else chain for chain, guess in zip(chains, guessing.tolist())]
         num_drafts = np.array([len(c) for c in chains], np.int64)
-        return Drafts(num_drafts, smallest_fitting(self.step_ks, int(num_drafts.max(initial=0))), chains, predicted)
+        return Drafts(num_drafts, smallest_fitting(self.step_ks, int(num_drafts.max(initial=0))), chains, predicted,
+                      guesses)
 
     def drafts_input(self, drafts: Drafts, positions: np.ndarray, size: int) -> np.ndarray:
         return draft_grid(drafts.host, positions, size, drafts.step_k)
@@ -86,7 +93,8 @@ class HostTrees(Proposer):
         return checked_tries(self.host, self.host.propose_tree(request_ids, token_ids, self.max_nodes, caps),
                              self.max_nodes, caps, self.vocab_size)
 
-    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray) -> Drafts:
+    def drafts(self, request_ids: Sequence[str], token_ids: Sequence[np.ndarray], caps: np.ndarray,
+               guessing: np.ndarray | None = None) -> Drafts:
         tries, predicted = with_predictions(self.predictions, request_ids, token_ids,
                                             np.minimum(caps, self.max_nodes), self._tries)
         tries = [trie if isinstance(trie, Trie) else path_trie(trie) for trie in tries]     # a prediction's chain
