@@ -355,10 +355,10 @@ class Engine:
                     runner.prefill(work.catch_up, batch, stats)
                 pending = runner.dispatch(work, batch, layout, stats, started, self._carry)
                 self._carry = pending.carry
-                scheduler.while_device_runs(work, layout.computed)
             if before is not None:
                 outputs += self._finish(before)
             if pending is not None:
+                scheduler.while_device_runs(pending.work, layout.computed)   # (it learns from ``before`` too)
                 if not (runner.overlaps and scheduler.may_run_ahead(pending.work)):
                     outputs += self._finish(pending)
                 elif scheduler.live(pending.work).any():

@@ -482,14 +482,18 @@ class Scheduler:
                                                 k=seen.k)
 
     def while_device_runs(self, work: DecodeWork, computed_rows: int) -> None:
-        """While the device runs ``work``: the controller learns from the last step and chooses the next k."""
+        """While the device runs ``work``: the controller learns from the last step fetched and chooses the
+        next k for ``work``'s requests still running (one step in flight: the step before ``work`` may have
+        ended some)."""
         controller = self._controllers.get(work.kind)
         if controller is not None:
             self.observe()
-            requests = [self.running[row] for row in work.rows.tolist()]
-            ids = self._controller_ids(requests)
-            budget = step_budget(self.batch.budget[work.rows], requests)
-            self._decided = (work.kind, computed_rows, controller.next_k(computed_rows, ids, budget))
+            rows, self._decided = work.rows[self.live(work)], None
+            if rows.size:
+                requests = [self.running[row] for row in rows.tolist()]
+                budget = step_budget(self.batch.budget[rows], requests)
+                self._decided = (work.kind, computed_rows,
+                                 controller.next_k(computed_rows, self._controller_ids(requests), budget))
 
     def update(self, work: DecodeWork, result: StepResult) -> list[RequestOutput]:
         """Appends each request's emitted tokens, tells the drafter, records what the controller learns,

@@ -104,8 +104,7 @@ def test_the_controller_is_told_the_step_the_executable_ran(target, partial_draf
     for a step that compiled), request ids unique across calls and each request's remaining tokens
     (the batch runs until its last request is done); it learns from every step (the last one's update
     is flushed at the end of the call)."""
-    # (the synchronous loop; with one step in flight the controller's view lags a step: docs/engine.md)
-    decoder = SpeculativeDecoder(target, partial_draft, config=DecoderConfig(**{**vars(ADAPTIVE), "overlap": False}))
+    decoder = SpeculativeDecoder(target, partial_draft, config=ADAPTIVE)      # one step in flight, the default
     spy = decoder.controllers["greedy"] = Spy(decoder.controllers["greedy"].config)
     first = decoder.generate(prompts(5, 3), 9)                     # 3 requests in the batch-4 bucket
     calls, asked = len(spy.told), len(spy.asked)
