@@ -8,10 +8,11 @@ without, it is D + host.
     python benchmarks/bench_overlap.py --append            # D = 2, 10 ms; batch 1, 16, 64, 256
     python benchmarks/bench_overlap.py --quick --json rows.json
 
-Rows: drafters "autoregressive", "draft" (a draft model, k = 4), "ngram" (k = 4) and "suffix" (k = 4), in
-modes "off" (``overlap=False``), "on" (the default; host drafters' steps stay synchronous) and, for the
-host drafters, "ahead" (``draft_ahead``: their chains drafted past the step in flight's drafts, assumed
-accepted, so a step may emit other tokens: the table gives tokens per step and tokens/s over "off"),
+Rows: drafters "autoregressive", "draft" (a draft model, k = 4), "eagle3" (an EAGLE-3 head, k = 4), "ngram"
+(k = 4) and "suffix" (k = 4), in modes "off" (``overlap=False``), "on" (the default; host drafters' steps
+stay synchronous) and, for the host drafters, "ahead" (``draft_ahead``: their chains drafted past the step
+in flight's drafts, assumed accepted, so a step may emit other tokens: the table gives tokens per step and
+tokens/s over "off"; ``--json`` rows carry ``overlap`` and ``mode``),
 each with plain requests and with a quarter of the rows using penalties, a JSON schema (a string of 400 to
 480 characters: the request never ends while timed) and logprobs, overlap on and off in the same process. The two CPU cores are shared by the host loop and XLA:CPU running
 the micro models: what the stand-in device computes competes with the host work it should hide.
@@ -20,6 +21,7 @@ the micro models: what the stand-in device computes competes with the host work 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import json
 import os
@@ -34,9 +36,10 @@ from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, S
 from scv_jax.sampling_params import StructuredOutputsParams  # noqa: E402
 from scv_jax.demo.report import append_markdown, results_header  # noqa: E402
 from scv_jax.models import Transformer, TransformerConfig  # noqa: E402
+from scv_jax.models.eagle3 import Eagle3Head  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-DRAFTERS = ("autoregressive", "draft", "ngram", "suffix")
+DRAFTERS = ("autoregressive", "draft", "eagle3", "ngram", "suffix")
 TARGET = TransformerConfig(vocab_size=256, num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
                            ffn_dim=64)
 DRAFT = TransformerConfig(vocab_size=256, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -92,7 +95,15 @@ def decoder(drafter: str, mode: str, batches: list[int], target, draft) -> Specu
                            max_seq_len=MAX_SEQ_LEN, prefill_chunk=PROMPT_LEN, batch_buckets=tuple(batches),
                            context_buckets=(MAX_SEQ_LEN // BLOCK,), enable_prefix_caching=False, **MODES[mode])
     drafters = {"autoregressive": None, "draft": draft, "ngram": "ngram", "suffix": SuffixDrafter()}
-    return SpeculativeDecoder(target, drafters[drafter], config=config)
+    return SpeculativeDecoder(target, micro_head(target) if drafter == "eagle3" else drafters[drafter], config=config)
+
+
+def micro_head(target: Transformer) -> Eagle3Head:
+    """An EAGLE-3 head for the micro target (one layer of its width, its one layer's input tapped thrice)."""
+    from flax import nnx
+    config = dataclasses.replace(TARGET, num_layers=1, tie_embeddings=False)
+    return Eagle3Head(config, target.embed, draft_vocab_size=TARGET.vocab_size, draft_to_target=None,
+                      aux_layers=(0, 0, 0), norm_before_residual=False, rngs=nnx.Rngs(2))
 
 
 def period_ms(spec: SpeculativeDecoder, batch: int, device_ms: float, controls: bool, steps: int, seed: int
@@ -149,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 for controls in (False, True):
                     for mode in modes:
                         period, per_step = period_ms(specs[mode], batch, d, controls, args.steps, seed=batch)
-                        rows.append(dict(drafter=drafter, batch=batch, controls=controls, mode=mode,
+                        rows.append(dict(drafter=drafter, batch=batch, controls=controls, overlap=mode != "off", mode=mode,
                                          device_ms=d, period_ms=round(period, 3), tokens_per_step=round(per_step, 3)))
                         print(f"{drafter:>14} D={d:>4} ms batch {batch:>3} controls {controls!s:>5} "
                               f"{mode:>5}: period {period:7.2f} ms = {period / d:.3f} D, "

@@ -1,5 +1,6 @@
 """benchmarks/bench_overlap.py at its smallest, in-process: each row is measured without one step in flight,
-with it and with host chains drafted ahead, and the n-gram drafter emits tokens in each."""
+with it and (a host drafter) with its chains drafted ahead; the n-gram drafter and the EAGLE-3 head emit
+tokens in each."""
 
 import json
 
@@ -9,10 +10,12 @@ from tests.benchmark_modules import benchmark_module
 def test_bench_overlap_measures_each_row_both_ways(tmp_path):
     bench_overlap = benchmark_module("bench_overlap")
     out = tmp_path / "rows.json"
-    assert bench_overlap.main(["--device-ms", "1", "--batches", "2", "--drafters", "ngram", "--steps", "3",
+    assert bench_overlap.main(["--device-ms", "1", "--batches", "2", "--drafters", "ngram", "eagle3", "--steps", "3",
                                "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert sorted((r["controls"], r["mode"]) for r in rows) == [(c, m) for c in (False, True)
-                                                                 for m in ("ahead", "off", "on")]
+    for drafter, modes in (("ngram", ("ahead", "off", "on")), ("eagle3", ("off", "on"))):
+        assert sorted((r["controls"], r["mode"]) for r in rows if r["drafter"] == drafter) == [
+            (c, m) for c in (False, True) for m in modes]
     for row in rows:
         assert row["period_ms"] >= 1.0 and 1.0 <= row["tokens_per_step"] <= 5.0
+        assert row["overlap"] == (row["mode"] != "off")
