@@ -7,6 +7,7 @@ without, it is D + host.
 
     python benchmarks/bench_overlap.py --append            # D = 2, 10 ms; batch 1, 16, 64, 256
     python benchmarks/bench_overlap.py --quick --json rows.json
+    python benchmarks/bench_overlap.py --demo --append      # the demo pair end to end, no stand-in
 
 Rows: drafters "autoregressive", "draft" (a draft model, k = 4), "eagle3" (an EAGLE-3 head, k = 4), "ngram"
 (k = 4) and "suffix" (k = 4), in modes "off" (``overlap=False``), "on" (the default; host drafters' steps
@@ -132,6 +133,51 @@ def period_ms(spec: SpeculativeDecoder, batch: int, device_ms: float, controls: 
     return period, emitted / steps / batch
 
 
+def demo_rows(batches: list[int], drafters: list[str], max_tokens: int) -> list[dict]:
+    """The demo pair end to end on this machine (no stand-in step): tokens per second of greedy requests
+    of ``max_tokens`` at each batch, per drafter, in each mode (one process, one warm-up run per decoder
+    first); raises if a mode's tokens differ from "off"'s."""
+    from scv_jax.demo.e2e import benchmark_prompts
+    from scv_jax.models import load_demo, load_demo_head
+    target, draft = load_demo()
+    kinds = {"autoregressive": None, "draft": draft, "eagle3": load_demo_head(target, dtype="float32"),
+             "ngram": "ngram", "suffix": None}
+    rows = []
+    for drafter in drafters:
+        modes = ("off", "on", "ahead") if drafter in HOST_DRAFTERS else ("off", "on")
+        for batch in batches:
+            prompts, tokens = benchmark_prompts(batch), {}
+            for mode in modes:
+                config = DecoderConfig(k=0 if drafter == "autoregressive" else 4, batch_buckets=(batch,),
+                                       num_blocks=batch * 16 + 16, max_seq_len=256, **MODES[mode])
+                spec = SpeculativeDecoder(target, SuffixDrafter() if drafter == "suffix" else kinds[drafter],
+                                          config=config)
+                spec.generate(prompts, max_tokens)                  # compiles
+                start = time.perf_counter()
+                out = spec.generate(prompts, max_tokens)
+                seconds = time.perf_counter() - start
+                tokens[mode] = out.tokens
+                if out.tokens != tokens["off"]:
+                    raise AssertionError(f"{drafter} batch {batch}: {mode}'s greedy tokens differ from off's")
+                rows.append(dict(drafter=drafter, batch=batch, mode=mode, overlap=mode != "off",
+                                 tokens_per_s=round(sum(map(len, out.tokens)) / seconds, 1)))
+                print(f"demo {drafter:>14} batch {batch:>3} {mode:>5}: {rows[-1]['tokens_per_s']:8.1f} tokens/s",
+                      flush=True)
+    return rows
+
+
+def demo_table(rows: list[dict]) -> list[str]:
+    lines = ["| drafter | batch | tokens/s: off | on | ahead | on / off | ahead / off |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        if row["mode"] == "off":
+            same = {r["mode"]: r["tokens_per_s"] for r in rows if (r["drafter"], r["batch"]) == (row["drafter"], row["batch"])}
+            cells = [f"{same[m]:.1f}" if m in same else "" for m in MODES]
+            cells += [f"{same[m] / same['off']:.2f}" if m in same else "" for m in ("on", "ahead")]
+            lines.append(f"| {row['drafter']} | {row['batch']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="D = 10 ms at batch 16 and 64 only (under 5 minutes)")
@@ -139,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes (1 16 64 256)")
     parser.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=list(DRAFTERS))
     parser.add_argument("--steps", type=int, default=40, help="steps timed per row")
+    parser.add_argument("--demo", action="store_true",
+                        help="the demo pair end to end instead (batch 1, 16, 64; greedy; tokens/s per mode)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="--demo: tokens per request")
     parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
     parser.add_argument("--append", action="store_true", help=f"append a table to {RESULTS}")
     args = parser.parse_args(argv)
@@ -149,6 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     batches = args.batches or ([16, 64] if args.quick else [1, 16, 64, 256])
     if min(batches) < 1 or min(device_ms) <= 0:
         parser.error("--batches must be >= 1 and --device-ms > 0")
+    if args.demo:
+        rows = demo_rows(args.batches or [1, 16, 64], args.drafters, args.max_tokens)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows}, f, indent=1)
+        if args.append:
+            append_markdown(RESULTS, "\n".join([results_header(
+                "One step in flight: the demo pair end to end", "python benchmarks/bench_overlap.py "
+                + " ".join(argv or sys.argv[1:]), "Greedy requests; tokens identical in every mode (checked); "
+                "host and XLA share the two cores. ").rstrip("\n") + "\n", *demo_table(rows)]) + "\n")
+        return 0
     from flax import nnx
     target, draft = Transformer(TARGET, rngs=nnx.Rngs(0)), Transformer(DRAFT, rngs=nnx.Rngs(1))
     rows = []
