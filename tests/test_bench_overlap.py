@@ -17,5 +17,5 @@ def test_bench_overlap_measures_each_row_both_ways(tmp_path):
         assert sorted((r["controls"], r["mode"]) for r in rows if r["drafter"] == drafter) == [
             (c, m) for c in (False, True) for m in modes]
     for row in rows:
-        assert row["period_ms"] >= 1.0 and 1.0 <= row["tokens_per_step"] <= 5.0
+        assert row["period_ms"] >= 0.5 and 1.0 <= row["tokens_per_step"] <= 5.0      # (D = 1 ms, timed in a window)
         assert row["overlap"] == (row["mode"] != "off")
