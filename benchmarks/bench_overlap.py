@@ -88,6 +88,11 @@ MODES = {"off": dict(overlap=False), "on": dict(overlap=True), "ahead": dict(ove
 HOST_DRAFTERS = ("ngram", "suffix")
 
 
+def modes_of(drafter: str) -> tuple[str, ...]:
+    """The ``MODES`` a drafter is measured in ("ahead" for host drafters only)."""
+    return ("off", "on", "ahead") if drafter in HOST_DRAFTERS else ("off", "on")
+
+
 def decoder(drafter: str, mode: str, batches: list[int], target, draft) -> SpeculativeDecoder:
     """The micro target with ``drafter`` at k = 4 (none: k = 0), batch buckets ``batches``, in ``mode``
     (``MODES``: one step in flight off, on (the default), on with host chains drafted ahead)."""
@@ -144,7 +149,7 @@ def demo_rows(batches: list[int], drafters: list[str], max_tokens: int) -> list[
              "ngram": "ngram", "suffix": None}
     rows = []
     for drafter in drafters:
-        modes = ("off", "on", "ahead") if drafter in HOST_DRAFTERS else ("off", "on")
+        modes = modes_of(drafter)
         for batch in batches:
             prompts, tokens = benchmark_prompts(batch), {}
             for mode in modes:
@@ -178,6 +183,44 @@ def demo_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def stand_in_rows(drafters: list[str], device_ms: list[float], batches: list[int], steps: int) -> list[dict]:
+    """The micro models on the stand-in device step: each drafter's period and tokens per step per mode."""
+    from flax import nnx
+    target, draft = Transformer(TARGET, rngs=nnx.Rngs(0)), Transformer(DRAFT, rngs=nnx.Rngs(1))
+    rows = []
+    for drafter in drafters:
+        modes = modes_of(drafter)
+        specs = {mode: decoder(drafter, mode, sorted(set(batches)), target, draft) for mode in modes}
+        for d in device_ms:
+            for batch in batches:
+                for controls in (False, True):
+                    for mode in modes:
+                        period, per_step = period_ms(specs[mode], batch, d, controls, steps, seed=batch)
+                        rows.append(dict(drafter=drafter, batch=batch, controls=controls, overlap=mode != "off", mode=mode,
+                                         device_ms=d, period_ms=round(period, 3), tokens_per_step=round(per_step, 3)))
+                        print(f"{drafter:>14} D={d:>4} ms batch {batch:>3} controls {controls!s:>5} "
+                              f"{mode:>5}: period {period:7.2f} ms = {period / d:.3f} D, "
+                              f"{per_step:.2f} tokens per step", flush=True)
+    return rows
+
+
+def stand_in_table(rows: list[dict]) -> list[str]:
+    lines = ["| drafter | D ms | batch | controls | period / D: off | on | ahead | tokens per step: off | on "
+             "| ahead | tokens/s over off: on | ahead |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        if row["mode"] != "off":
+            continue
+        same = {r["mode"]: r for r in rows if all(r[f] == row[f] for f in ("drafter", "batch", "controls", "device_ms"))}
+        rate = {mode: r["tokens_per_step"] / r["period_ms"] for mode, r in same.items()}
+        cells = [[f"{same[m]['period_ms'] / row['device_ms']:.3f}" if m in same else "" for m in MODES],
+                 [f"{same[m]['tokens_per_step']:.2f}" if m in same else "" for m in MODES],
+                 [f"{rate[m] / rate['off']:.2f}" if m in same else "" for m in ("on", "ahead")]]
+        lines.append(f"| {row['drafter']} | {row['device_ms']:g} | {row['batch']} | "
+                     f"{'yes' if row['controls'] else 'no'} | " + " | ".join(sum(cells, [])) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="D = 10 ms at batch 16 and 64 only (under 5 minutes)")
@@ -200,55 +243,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--batches must be >= 1 and --device-ms > 0")
     if args.demo:
         rows = demo_rows(args.batches or [1, 16, 64], args.drafters, args.max_tokens)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"rows": rows}, f, indent=1)
-        if args.append:
-            append_markdown(RESULTS, "\n".join([results_header(
-                "One step in flight: the demo pair end to end", "python benchmarks/bench_overlap.py "
-                + " ".join(argv or sys.argv[1:]), "Greedy requests; tokens identical in every mode (checked); "
-                "host and XLA share the two cores. ").rstrip("\n") + "\n", *demo_table(rows)]) + "\n")
-        return 0
-    from flax import nnx
-    target, draft = Transformer(TARGET, rngs=nnx.Rngs(0)), Transformer(DRAFT, rngs=nnx.Rngs(1))
-    rows = []
-    for drafter in args.drafters:
-        modes = ("off", "on", "ahead") if drafter in HOST_DRAFTERS else ("off", "on")
-        specs = {mode: decoder(drafter, mode, sorted(set(batches)), target, draft) for mode in modes}
-        for d in device_ms:
-            for batch in batches:
-                for controls in (False, True):
-                    for mode in modes:
-                        period, per_step = period_ms(specs[mode], batch, d, controls, args.steps, seed=batch)
-                        rows.append(dict(drafter=drafter, batch=batch, controls=controls, overlap=mode != "off", mode=mode,
-                                         device_ms=d, period_ms=round(period, 3), tokens_per_step=round(per_step, 3)))
-                        print(f"{drafter:>14} D={d:>4} ms batch {batch:>3} controls {controls!s:>5} "
-                              f"{mode:>5}: period {period:7.2f} ms = {period / d:.3f} D, "
-                              f"{per_step:.2f} tokens per step", flush=True)
+        title, details = ("the demo pair end to end", "Greedy requests; tokens identical in every mode (checked); "
+                          "host and XLA share the two cores. ")
+        table = demo_table(rows)
+    else:
+        rows = stand_in_rows(args.drafters, device_ms, batches, args.steps)
+        title, details = ("step period over a stand-in device step of D ms",
+                          "Modes: off = `overlap=False`; on = the default (host drafters synchronous); ahead = "
+                          "`draft_ahead=True`. Controls: a quarter of the requests with penalties, logprobs and a "
+                          "JSON schema. ")
+        table = stand_in_table(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
     if args.append:
-        lines = [results_header("One step in flight: step period over a stand-in device step of D ms",
-                                "python benchmarks/bench_overlap.py " + " ".join(argv or sys.argv[1:]),
-                                "Modes: off = `overlap=False`; on = the default (host drafters synchronous); "
-                                "ahead = `draft_ahead=True`. Controls: a quarter of the requests with penalties, "
-                                "logprobs and a JSON schema. ").rstrip("\n") + "\n",
-                 "| drafter | D ms | batch | controls | period / D: off | on | ahead | tokens per step: off | on "
-                 "| ahead | tokens/s over off: on | ahead |",
-                 "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for row in rows:
-            if row["mode"] != "off":
-                continue
-            same = {r["mode"]: r for r in rows if all(r[f] == row[f] for f in ("drafter", "batch", "controls",
-                                                                                "device_ms"))}
-            rate = {mode: r["tokens_per_step"] / r["period_ms"] for mode, r in same.items()}
-            cells = [[f"{same[m]['period_ms'] / row['device_ms']:.3f}" if m in same else "" for m in MODES],
-                     [f"{same[m]['tokens_per_step']:.2f}" if m in same else "" for m in MODES],
-                     [f"{rate[m] / rate['off']:.2f}" if m in same else "" for m in ("on", "ahead")]]
-            lines.append(f"| {row['drafter']} | {row['device_ms']:g} | {row['batch']} | "
-                         f"{'yes' if row['controls'] else 'no'} | " + " | ".join(sum(cells, [])) + " |")
-        append_markdown(RESULTS, "\n".join(lines) + "\n")
+        header = results_header(f"One step in flight: {title}",
+                                "python benchmarks/bench_overlap.py " + " ".join(argv or sys.argv[1:]), details)
+        append_markdown(RESULTS, "\n".join([header.rstrip("\n") + "\n", *table]) + "\n")
     return 0
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 from scv_jax.decoding.plan import MAX_CATCH_UP, CarryColumn, SamplingColumn, StepRow
 

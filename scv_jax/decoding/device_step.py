@@ -287,14 +287,17 @@ def grammar_allows(grammar: jax.Array, rows: jax.Array, offsets: jax.Array, voca
     (clipped to the T positions)."""
     words = grammar[rows, jnp.clip(offsets, 0, grammar.shape[1] - 1)]                       # [R, W]
     token = jnp.arange(vocab_size, dtype=jnp.int32)
-    bits = jax.lax.bitcast_convert_type(words, jnp.uint32)[:, token // 32]
-    return (jnp.right_shift(bits, (token % 32).astype(jnp.uint32)) & 1) == 1
+    return bit_set(words[:, token // 32], token)
 
 
 def grammar_allows_tokens(grammar: jax.Array, rows: jax.Array, offsets: jax.Array, tokens: jax.Array) -> jax.Array:
     """bool[R, S]: whether ``grammar`` int32[B, T, W] allows int32[R, S] ``tokens`` (in [0, V)) at int32[R]
     ``rows`` and ``offsets`` (clipped to the T positions)."""
-    words = grammar[rows[:, None], jnp.clip(offsets, 0, grammar.shape[1] - 1)[:, None], tokens // 32]
+    return bit_set(grammar[rows[:, None], jnp.clip(offsets, 0, grammar.shape[1] - 1)[:, None], tokens // 32], tokens)
+
+
+def bit_set(words: jax.Array, tokens: jax.Array) -> jax.Array:
+    """bool (their shape): whether bit ``tokens % 32`` of the int32 ``words`` holding ``tokens`` is set."""
     return (jnp.right_shift(jax.lax.bitcast_convert_type(words, jnp.uint32), (tokens % 32).astype(jnp.uint32)) & 1) == 1
 
 

@@ -25,8 +25,8 @@ applied only to the requests still running as it was planned (``live``): one tha
 preempted since is dropped. With ``draft_ahead``, a host drafter's chains for such a request continue
 its tokens and the drafts of the step in flight, assumed accepted, after a guess of the token that step
 ends with (the drafter's first proposal; ``DecodeWork.assumed``); where that step turns out otherwise
-they are rejected, and the next step assumes none of them accepted. Steps whose planning needs the last tokens
-(``may_run_ahead``) are fetched first.
+they are rejected, and the next step assumes none of them accepted. Steps whose planning needs the last
+tokens (``may_run_ahead``) are fetched first.
 """
 
 from __future__ import annotations
@@ -340,9 +340,11 @@ class Scheduler:
         return work
 
     # ------------------------------------------------------------------ a step
-    def _token_views(self, rows: np.ndarray) -> list[np.ndarray]:
-        """Each row's prompt + generated tokens (read-only views)."""
-        views = [self.batch.tokens[row, :self.batch.length[row]] for row in rows.tolist()]
+    def _token_views(self, rows: np.ndarray, lengths: np.ndarray | None = None) -> list[np.ndarray]:
+        """Each row's prompt + generated tokens (read-only views; ``lengths``: their first ``lengths[i]``
+        tokens instead)."""
+        lengths = self.batch.length[rows] if lengths is None else lengths
+        views = [self.batch.tokens[row, :length] for row, length in zip(rows.tolist(), lengths.tolist())]
         for view in views:
             view.flags.writeable = False
         return views
@@ -356,7 +358,7 @@ class Scheduler:
         flight = self.in_flight
         if flight is None:
             return self._token_views(rows), None
-        state, views, assumed = self.batch, [], []
+        state, assumed = self.batch, []
         place = {row: i for i, row in enumerate(flight.rows.tolist())}
         for row, more in zip(rows.tolist(), ahead.tolist()):
             length, tokens = int(state.length[row]), []
@@ -365,11 +367,8 @@ class Scheduler:
                 if flight.assumed is None or flight.assumed.held(i, state.tokens[row], length):
                     tokens = list(flight.drafts.host[i])
                 state.tokens[row, length:length + len(tokens)] = tokens
-            view = state.tokens[row, :length + len(tokens)]
-            view.flags.writeable = False
-            views.append(view)
             assumed.append(tokens)
-        return views, assumed
+        return self._token_views(rows, state.length[rows] + np.array([len(t) for t in assumed], np.int64)), assumed
 
     def decode_rows(self) -> np.ndarray:
         """int64[n] the requests the next decode step runs: those prefilled (``RequestBatch.decoding``) but

@@ -572,8 +572,8 @@ def accept_tree(logits: jax.Array, tokens: jax.Array, parents: jax.Array, keys: 
     batch, n = tokens.shape
     if controls is not None:
         full_mask = ancestor_mask(forward_parents)                                  # [B, N + 1, N + 1]
-        on_path = full_mask[:, :, 1:].astype(jnp.int32)                             # the pending token is committed
-        seen = jnp.where(on_path > 0, tokens[:, None, :], -1)                      # [B, N + 1, N]
+        # the nodes on each node's path (the pending token is committed): [B, N + 1, N]
+        seen = jnp.where(full_mask[:, :, 1:], tokens[:, None, :], -1)
         depth = depths(full_mask)
         logits = controls.apply(logits, seen=seen, offsets=depth,
                                 previous=path_previous(controls.recent, tokens, forward_parents, depth),
