@@ -37,6 +37,7 @@ def _texts(response) -> list[str]:
     return [c.text if hasattr(c, "text") else c.message.content for c in response.choices]
 
 
+@pytest.mark.slow
 def test_seeded_choices_repeat_and_differ(server):
     c = client(server.url)
     ask = lambda n, seed: c.completions.create(model=NAME, prompt="import ", max_tokens=12, temperature=1.0,  # noqa: E731

@@ -63,6 +63,7 @@ def offline(checkpoint):
     return greedy
 
 
+@pytest.mark.slow
 def test_greedy_completions_equal_offline_decoding(server, offline, tokenizer):
     c = client(server.url)
     for prompt in PROMPTS:
@@ -106,6 +107,7 @@ def test_greedy_chat_equals_offline_decoding_of_the_rendered_prompt(server, offl
     assert out.choices[0].message.content == tokenizer.decode(offline(list(rendered.encode()), 24))
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_then_the_pool_is_full_again(server, offline, tokenizer):
     prompts = [f"def f{i}(x):\n    return x" for i in range(64)]
     results: list = [None] * len(prompts)
@@ -144,6 +146,7 @@ def test_a_fault_in_a_real_step_fails_its_request_and_the_server_goes_on(server,
 
 
 @pytest.mark.parametrize("flags", [["--ngram", "--adaptive"], ["--suffix"]], ids=["ngram-adaptive", "suffix"])
+@pytest.mark.slow
 def test_host_drafters_greedy_outputs_equal_offline_decoding(checkpoint, tmp_path, offline, tokenizer, flags):
     process = ServerProcess(["--model", str(checkpoint), *COMMON, *flags], tmp_path / "ngram.log")
     try:
@@ -158,6 +161,7 @@ def test_host_drafters_greedy_outputs_equal_offline_decoding(checkpoint, tmp_pat
         assert process.stop(signal.SIGINT) == 0, process.stderr()
 
 
+@pytest.mark.slow
 def test_an_eagle3_head_serves_the_targets_greedy_text(checkpoint, tmp_path, offline, tokenizer):
     """``serve --eagle3``: a random head for the checkpoint (hidden size 128, 256 ids, 1 layer: aux layer
     ids 0) drafts, and the completion is the target's greedy text."""

@@ -37,6 +37,7 @@ def _valid(text: str) -> bool:
             and isinstance(value["size"], int) and 0 <= value["size"] <= 99)
 
 
+@pytest.mark.slow
 def test_json_schema_chat_and_completion_validate(server):
     api = client(server.url)
     schema_format = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}

@@ -86,6 +86,7 @@ def _streamed(api, **kwargs) -> tuple[list[tuple[str, str]], str, str]:
     return [tuple(calls[i]) for i in range(len(calls))], content, reasons[0]
 
 
+@pytest.mark.slow
 def test_named_call_is_constrained_and_streams_the_same(server):
     api = client(server.url)
     kwargs = dict(model=NAME, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=NAMED, max_tokens=60,
