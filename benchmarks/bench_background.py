@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scv_jax import DecoderConfig, Engine, SamplingParams  # noqa: E402
 from scv_jax.demo.report import append_markdown, results_header  # noqa: E402
 from scv_jax.graph import idle_priority  # noqa: E402
-from scv_jax.graph.executable_cache import enable_persistent_cache  # noqa: E402
+from scv_jax.graph.persistent_cache import enable_persistent_cache  # noqa: E402
 from scv_jax.models import load_demo  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")

@@ -175,7 +175,7 @@ def run_engine_warmup(max_num_seqs: int, max_len: int, workers: int | None) -> t
 
     import scv_jax
     from scv_jax.graph.compile_counter import CompileCounter
-    from scv_jax.graph.executable_cache import enable_persistent_cache
+    from scv_jax.graph.persistent_cache import enable_persistent_cache
     from scv_jax.models import load_demo
 
     enable_persistent_cache(tempfile.mkdtemp(prefix="scv_jax_startup_engine_"))     # cold

@@ -42,11 +42,11 @@ _EXPORTS: dict[str, str] = {
     # graph mode
     "Buckets": "scv_jax.graph.buckets",
     "Pad": "scv_jax.graph.buckets",
-    "BucketPlan": "scv_jax.graph.executable_cache",
+    "BucketPlan": "scv_jax.graph.bucket_plan",
     "ExecutableCache": "scv_jax.graph.executable_cache",
-    "GraphModeStats": "scv_jax.graph.executable_cache",
-    "WarmupReport": "scv_jax.graph.executable_cache",
-    "enable_persistent_cache": "scv_jax.graph.executable_cache",
+    "GraphModeStats": "scv_jax.graph.stats",
+    "WarmupReport": "scv_jax.graph.stats",
+    "enable_persistent_cache": "scv_jax.graph.persistent_cache",
     "CompileCounter": "scv_jax.graph.compile_counter",
     # the fused verify step
     "verify_step": "scv_jax.verify.step",

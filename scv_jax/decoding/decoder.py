@@ -33,7 +33,7 @@ from scv_jax.decoding.requests import check_eos, check_prompts, check_seed
 from scv_jax.decoding.runner import is_temperature
 from scv_jax.decoding.stats import GenerateStats
 from scv_jax.graph.compile_counter import CompileCounter
-from scv_jax.graph.executable_cache import GraphModeStats
+from scv_jax.graph.stats import GraphModeStats
 from scv_jax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

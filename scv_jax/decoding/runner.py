@@ -38,11 +38,14 @@ from scv_jax.decoding.proposers.base import Proposer
 from scv_jax.decoding.requests import RequestBatch
 from scv_jax.decoding.stats import GenerateStats
 from scv_jax.decoding.head_step import HeadChainVerifier, HeadTreeVerifier
-from scv_jax.decoding.verifiers import ChainVerifier, TreeVerifier
+from scv_jax.decoding.chain_verifier import ChainVerifier
 from scv_jax.decoding.step_inputs import decode_inputs, prefill_chunks
+from scv_jax.decoding.tree_verifier import TreeVerifier
+from scv_jax.graph.bucket_plan import BucketPlan
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.graph.compiler import CompileJob, Compiler, largest_first
-from scv_jax.graph.executable_cache import BucketPlan, ExecutableCache, GraphModeStats
+from scv_jax.graph.executable_cache import ExecutableCache
+from scv_jax.graph.stats import GraphModeStats
 from scv_jax.ops.registry import cuda_available
 from scv_jax.sampling_params import MAX_BAD_WORD_LEN
 

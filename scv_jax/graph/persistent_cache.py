@@ -1,5 +1,6 @@
-"""JAX's persistent compilation cache, on by default for the decoder: a user's second process loads
-the decoding steps' executables from disk instead of compiling them.
+"""JAX's persistent compilation cache (``enable_persistent_cache``), on by default for the decoder
+(``use_default_cache``): a user's second process loads the decoding steps' executables from disk instead
+of compiling them.
 
 Where: ``$SCV_JAX_CACHE_DIR`` when set (``off``, ``0`` or empty turns the cache off), else
 ``$XDG_CACHE_HOME/scv_jax`` (default ``~/.cache/scv_jax``). A user's own ``jax_compilation_cache_dir``
@@ -27,12 +28,24 @@ def default_cache_dir(env: Mapping[str, str], jax_cache_dir: str | None) -> str 
     return os.path.join(base, "scv_jax")
 
 
+def enable_persistent_cache(cache_dir: str, *, min_compile_time_secs: float = 0.0,
+                            min_entry_size_bytes: int = 0) -> None:
+    """Turns on JAX's persistent compilation cache in ``cache_dir`` (process-wide JAX config)."""
+    import jax
+
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_secs)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", min_entry_size_bytes)
+    if jax.config.jax_compilation_cache_dir != cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        from jax.experimental.compilation_cache import compilation_cache
+        compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used
+
+
 def use_default_cache() -> str | None:
     """Turns on JAX's persistent compilation cache in ``default_cache_dir`` (process-wide; every
     executable, however fast it compiled); returns the directory, or None when it changes nothing."""
     import jax
-
-    from scv_jax.graph.executable_cache import enable_persistent_cache
 
     cache_dir = default_cache_dir(os.environ, jax.config.jax_compilation_cache_dir)
     if cache_dir is not None:

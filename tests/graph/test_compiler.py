@@ -221,11 +221,11 @@ def test_a_priming_compiler_runs_each_executable_once_before_a_call_uses_it(no_p
     """``Compiler(prime=True)``: each compiled executable runs once on zeros (its donated arguments
     fresh) and is marked run, so the first call is not its first run; a plain compiler runs nothing;
     arguments over ``PRIME_MAX_BYTES`` are not primed."""
-    from scv_jax.graph import executable_cache
+    from scv_jax.graph import scheduling
     from scv_jax.graph.buckets import Pad
     from scv_jax.graph.executable_cache import ExecutableCache
 
-    for prime, max_bytes, want_runs in ((True, executable_cache.PRIME_MAX_BYTES, 2), (False, None, 0), (True, 4, 0)):
+    for prime, max_bytes, want_runs in ((True, scheduling.PRIME_MAX_BYTES, 2), (False, None, 0), (True, 4, 0)):
         runs = []
 
         def counted(x):
@@ -235,12 +235,12 @@ def test_a_priming_compiler_runs_each_executable_once_before_a_call_uses_it(no_p
 
         cache = ExecutableCache(counted, dims={"n": (2, 4)}, pads={"x": Pad("n")},
                                 donate_argnames=("x",))
-        original, executable_cache.PRIME_MAX_BYTES = executable_cache.PRIME_MAX_BYTES, max_bytes or 0
+        original, scheduling.PRIME_MAX_BYTES = scheduling.PRIME_MAX_BYTES, max_bytes or 0
         try:
             with caplog.at_level(logging.INFO, logger="scv_jax.graph.executable_cache"):
                 Compiler(1, prime=prime).run(cache.jobs(jnp.zeros(4, jnp.float32)) + cache.jobs(jnp.zeros(2, jnp.float32)))
         finally:
-            executable_cache.PRIME_MAX_BYTES = original
+            scheduling.PRIME_MAX_BYTES = original
         jax.effects_barrier()
         assert len(runs) == want_runs, (prime, max_bytes, runs)
         out = cache(jnp.arange(3, dtype=jnp.float32))
