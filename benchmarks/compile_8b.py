@@ -63,10 +63,10 @@ from flax import nnx  # noqa: E402
 
 from harness import publish  # noqa: E402
 from scv_jax import Engine, cli  # noqa: E402
+from scv_jax.decoding.chain_verifier import ChainVerifier  # noqa: E402
 from scv_jax.decoding.device_step import SplitModel, StepRow  # noqa: E402
 from scv_jax.decoding.plan import SamplingColumn  # noqa: E402
 from scv_jax.decoding.step_fn import make_decode_step  # noqa: E402
-from scv_jax.decoding.verifiers import ChainVerifier  # noqa: E402
 from scv_jax.graph.compiler import CompileJob, Compiler, largest_first  # noqa: E402
 from scv_jax.launch import Models  # noqa: E402
 from scv_jax.models import Llama3RopeScaling, Transformer, TransformerConfig  # noqa: E402

@@ -1,22 +1,14 @@
 """Host-side speculation-length controller: the k (drafts per request per step) of most tokens per second.
 
-With conditional acceptance a_j (the chance draft j is accepted given drafts 1..j-1 were), a step with k
-drafts emits on average E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens per request. The controller keeps
-
-* a_j per draft position: decayed counts over the batch's requests (``acceptance_decay`` per step),
-  each position shrunk toward the one before (position 1 toward ``prior_acceptance``), so positions
-  past the held k extrapolate and, while k = 0 runs no drafts, drift back to the prior;
-* the measured seconds of a step of each allowed k per batch bucket (``cost_model.StepCostTable``).
-
-Every ``decide_every`` steps, and at once when the batch changes (another bucket or other requests), it
-picks the k maximising E(k) / T(k) (E: the mean over the step's requests, each capped at the tokens it
-has left, ``remaining_tokens``), switching only for a gain above ``switch_margin``. A k never timed in a bucket is run there first (up to 3 tries: a try may be an untimed compile),
-and every ``probe_every`` steps the runner-up runs one step, so a held k = 0 is left when drafting would
-pay again and the costs of other k follow the machine.
+A step with k drafts emits E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j tokens per request (a_j: the chance
+draft j is accepted given drafts 1..j-1 were). The controller estimates a_j per draft position and the
+seconds T(k) of a step of each allowed k per batch bucket (``cost_model.StepCostTable``) and holds the k
+of the most E(k) / T(k); docs/adaptive.md describes the estimates, the decisions and the probes.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -73,9 +65,8 @@ class ControllerConfig:
 
         if self.mode not in ("goodput", "fixed"):
             fail("mode", 'one of "goodput", "fixed"')
-        for name in ("k_min", "k_max", "probe_every"):
-            require_int("ControllerConfig", name, getattr(self, name), minimum=0)
-        require_int("ControllerConfig", "decide_every", self.decide_every, minimum=1)
+        for name, minimum in (("k_min", 0), ("k_max", 0), ("probe_every", 0), ("decide_every", 1)):
+            require_int("ControllerConfig", name, getattr(self, name), minimum=minimum)
         if self.k_min > self.k_max:
             raise ValueError(f"ControllerConfig: k_min ({self.k_min}) must be <= k_max ({self.k_max})")
         if self.allowed_k is not None:
@@ -115,7 +106,7 @@ def _int_vector(where: str, name: str, value: Any, longest: int) -> np.ndarray:
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether int64 vectors ``a`` and ``b`` hold the same values in the same order."""
+    """Whether vectors ``a`` and ``b`` of one dtype hold the same values in the same order."""
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
@@ -163,14 +154,10 @@ class _Requests:
 
 
 class AdaptiveController:
-    """Chooses the drafts per request of each step (see the module doc). Host-side, numpy only.
+    """Chooses the drafts per request of each step (see the module doc; its host cost: docs/adaptive.md).
 
     Build with a ``ControllerConfig`` and/or its fields as keywords: ``AdaptiveController(k_max=6)``.
     Call ``next_k(batch_size)`` before each step and ``update(...)`` with the step's counts after.
-
-    Per step it costs a few dozen small numpy calls: the acceptance estimates are worked out once per
-    update (``_estimates``), the step costs once per timed step (``StepCostTable.predicted``), and a
-    batch of the same requests as the last update is matched by comparing the ids' bytes.
     """
 
     def __init__(self, config: ControllerConfig | None = None, **overrides: Any):
@@ -197,14 +184,12 @@ class AdaptiveController:
         """(float64[k_max] a_j, float64[k_max + 1] their cumulative sums from 0): kept until the next update."""
         if self._estimated is None:
             cfg = self.config
-            strength, prior, total = cfg.prior_strength, cfg.prior_acceptance, 0.0
-            acceptance, cumulative = [], [0.0]
+            strength, prior, acceptance = cfg.prior_strength, cfg.prior_acceptance, []
             for success, trials in zip(*self._counts.tolist()):
                 prior = (success + strength * prior) / (trials + strength)
                 prior = _MAX_ACCEPTANCE if _MAX_ACCEPTANCE < prior else prior     # min(prior, _MAX_ACCEPTANCE)
-                total += prior
                 acceptance.append(prior)
-                cumulative.append(total)
+            cumulative = [0.0, *itertools.accumulate(acceptance)]
             self._estimated = (np.array(acceptance, np.float64), np.array(cumulative, np.float64))
         return self._estimated
 
@@ -216,11 +201,6 @@ class AdaptiveController:
         """float64[len(allowed)] measured seconds of a step of each allowed k at ``batch_size`` (nan: never)."""
         return self._table.seconds(batch_size)
 
-    def _request_counts(self, ids: np.ndarray) -> np.ndarray:
-        """float64[2, n] the last update's (accepted, expected) counts of requests ``ids`` (0 for others);
-        may be the controller's own array: not to be modified."""
-        return self._requests.lookup(ids)
-
     def rates(self, batch_size: int, request_ids: np.ndarray | None = None,
               remaining_tokens: np.ndarray | None = None) -> np.ndarray:
         """float64[len(allowed)] expected tokens per request per second of each allowed k (nan: never timed).
@@ -229,14 +209,13 @@ class AdaptiveController:
         request's tokens are capped at those it has left (a step's drafts never pass a request's budget)."""
         a = self._estimates()[0][None, :]
         if request_ids is not None and request_ids.size:
-            counts = self._request_counts(request_ids) + self.config.prior_strength
+            counts = self._requests.lookup(request_ids) + self.config.prior_strength
             a = np.minimum((counts[0] / counts[1])[:, None] * a, _MAX_ACCEPTANCE)
         elif remaining_tokens is not None and remaining_tokens.size:
             a = np.broadcast_to(a, (remaining_tokens.size, a.shape[1]))
         # accepted drafts of a request with k drafts: sum_{j<=k} reach_j, capped at the tokens it has left
         rows, width = a.shape[0], a.shape[1] + 1
-        mean = np.empty((rows, width))
-        mean[:, 0] = 0.0
+        mean = np.zeros((rows, width))
         np.multiply.accumulate(a, axis=1, out=mean[:, 1:])     # reach_j = a_1 ... a_j
         np.add.accumulate(mean, axis=1, out=mean)
         if remaining_tokens is None or not remaining_tokens.size or rows != remaining_tokens.size:
@@ -296,8 +275,7 @@ class AdaptiveController:
         they hold the same values again (compared by content: a static batch's ids, given anew each step)."""
         raw = request_ids if isinstance(request_ids, np.ndarray) else np.asarray(request_ids)
         last_raw, last_sorted, last_order = self._last_ids
-        if (raw.dtype == last_raw.dtype and raw.shape == last_raw.shape and raw.size <= batch_size
-                and raw.tobytes() == last_raw.tobytes()):
+        if raw.dtype == last_raw.dtype and raw.size <= batch_size and _same(raw, last_raw):
             return last_sorted, last_order
         checked = _int_vector("AdaptiveController.next_k", "request_ids", raw, batch_size)
         order = np.argsort(checked, kind="stable")
@@ -308,12 +286,10 @@ class AdaptiveController:
     def _decide(self, rates: np.ndarray) -> None:
         """Holds the allowed k of the best ``rates`` where it beats the held k's by ``switch_margin``."""
         values = rates.tolist()
-        best = None                    # the first of the largest non-nan rates (np.nanargmax)
-        for i, rate in enumerate(values):
-            if rate == rate and (best is None or rate > values[best]):
-                best = i
-        if best is None:               # all nan
+        measured = [i for i, rate in enumerate(values) if rate == rate]
+        if not measured:               # all nan
             return
+        best = max(measured, key=values.__getitem__)    # the first of the largest (np.nanargmax)
         held = values[self._column[self._k]]
         if held != held or values[best] > held * (1.0 + self.config.switch_margin):
             self._k = self._allowed_k[best]

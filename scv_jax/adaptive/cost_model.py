@@ -19,15 +19,10 @@ def batch_bucket(batch_size: int) -> int:
 
 
 class StepCostTable:
-    """Predicted seconds of a step with each of ``k_values`` drafts per request, per batch bucket.
-
-    A step's seconds are modelled as load x cost(bucket, k): one load factor for the machine (other
-    processes, clock changes) moved by every step, and a cost per shape moved only by its own steps,
-    both as moving means of log seconds (weight ``rate`` for a shape's cost, a plain mean of its first
-    1 / rate steps). A small k that runs rarely (at requests' ends, as a probe) is then compared with the
-    held k at the same load. Predictions are non-decreasing in k (a k that measured dearer than a larger
-    k is lowered to it: timing noise is a pause, never a speed-up) and ``nan`` for a k never measured in
-    a bucket (the controller measures it before choosing it).
+    """Predicted seconds of a step with each of ``k_values`` drafts per request, per batch bucket: load x
+    cost(bucket, k), both moving means of log seconds (a shape's cost of weight ``rate``, after a plain
+    mean of its first 1 / rate steps; docs/adaptive.md, "Step cost"); non-decreasing in k, ``nan`` for a
+    k never measured in a bucket.
 
     The rows are Python lists (a step updates one entry: list arithmetic is the same IEEE double
     arithmetic as numpy's, at a fraction of the per-call cost); ``seconds`` keeps each bucket's
@@ -90,10 +85,6 @@ class StepCostTable:
     def seconds(self, batch_size: int) -> np.ndarray:
         """float64[len(k_values)] predicted seconds of a step with each k at ``batch_size`` (nan: never timed)."""
         return self.predicted(batch_size).copy()
-
-    def tries(self, batch_size: int) -> np.ndarray:
-        """int64[len(k_values)] steps run with each k at ``batch_size``'s bucket (timed or not)."""
-        return np.array(self._row(self._tries, batch_size, 0), np.int64)
 
     def untimed(self, batch_size: int, max_tries: int) -> list[bool]:
         """Per k: never timed at ``batch_size``'s bucket and run fewer than ``max_tries`` steps there

@@ -27,9 +27,9 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
                      placement: SingleDevice, verifier: Verifier, lag_rule: LagRule, max_lag: int
                      ) -> tuple[ExecutableCache, ExecutableCache]:
     """(prefill, decode) ``ExecutableCache``s for a target (and optional draft) model; decode steps
-    (verified by ``verifier``: ``verifiers.ChainVerifier`` or ``TreeVerifier``) are compiled per k in
-    ``k_values``; the placement (one device or a mesh) wraps the step functions and sets the batch buckets;
-    ``lag_rule``, ``max_lag``: the proposer's, for the carry (``decoding.carry``)."""
+    (verified by ``verifier``: ``chain_verifier.ChainVerifier`` or ``tree_verifier.TreeVerifier``) are compiled
+    per k in ``k_values``; the placement (one device or a mesh) wraps the step functions and sets the batch
+    buckets; ``lag_rule``, ``max_lag``: the proposer's, for the carry (``decoding.carry``)."""
     dims = {"batch": Buckets(placement.batch_buckets(config.batch_buckets)), "blocks": config.block_buckets()}
     common = dict(dims=dims, masks={"request_mask": "batch"},
                   fallback={"backend": "xla"} if config.backend == "auto" else None)

@@ -10,9 +10,9 @@ token) and, for every verified position, its feature and accepted draft. Each st
 1. ``propose``: the head's catch-up over its ``lag`` missing rows, at least one (features and tokens
    read from its cache, the pending token last; at lag 0 the last committed row, run again for its
    hidden state, not committed), then k - 1 one-row forwards, each feeding the head its own
-   ``hidden_out`` and its last draft (``verifiers.draft_chain``). A request at position 0 (a one-token
+   ``hidden_out`` and its last draft (``chain_verifier.draft_chain``). A request at position 0 (a one-token
    prompt: no feature yet) proposes nothing that step.
-2. ``score``: the chain verifier's target forward, dense or packed (``verifiers.score_chain``), asking for
+2. ``score``: the chain verifier's target forward, dense or packed (``chain_verifier.score_chain``), asking for
    the taps of every token it scores.
 3. ``accept``: the chain verifier's.
 4. ``commit_draft``: the catch-up rows' K/V (rows from the head's own hidden states are never
@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from scv_jax.decoding.caches import HeadCache
+from scv_jax.decoding.chain_verifier import ChainScored, ChainVerifier, draft_chain, score_chain
 from scv_jax.decoding.device_step import SplitModel, commit_positions
-from scv_jax.decoding.verifiers import (ChainScored, ChainVerifier, TreeScored, TreeVerifier, draft_chain, grow_tree,
-                                        score_chain, score_tree)
+from scv_jax.decoding.tree_verifier import TreeScored, TreeVerifier, grow_tree, score_tree
 from scv_jax.models.protocol import StagedKV
 from scv_jax.ops.commit.api import slots_from_block_table
 from scv_jax.sharding.mesh import REQUESTS, active_mesh, per_shard
@@ -204,7 +204,7 @@ class HeadTreeProposal(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class HeadTreeVerifier(TreeVerifier):
-    """EAGLE-2 dynamic trees from an EAGLE head (``verifiers.grow_tree``, each node's hidden input its
+    """EAGLE-2 dynamic trees from an EAGLE head (``tree_verifier.grow_tree``, each node's hidden input its
     parent's ``hidden_out``); ``aux_layers``, ``width`` as ``HeadChainVerifier``'s (width: max_depth + 1)."""
 
     aux_layers: tuple[int, ...] = ()

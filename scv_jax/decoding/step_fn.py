@@ -1,5 +1,6 @@
 """The decode step: one straight sequence of stages inside one executable, the same for every k and
-every verifier (``verifiers.ChainVerifier``: chains of drafts; ``verifiers.TreeVerifier``: token trees):
+every verifier (``chain_verifier.ChainVerifier``: chains of drafts; ``tree_verifier.TreeVerifier``: token
+trees):
 
 0. ``step_inputs``: the per-request row int32[B, StepRow.WIDTH] unpacked once (``StepInputs``: lag,
    context lengths, num_drafts / depth caps, the last MAX_CATCH_UP tokens, the draft's lag tokens and
@@ -94,8 +95,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           logprobs: also return the log-probabilities of the emitted tokens and the top MAX_LOGPROBS
             (at most V; static; dense chain steps only).
           packed_k: 0 (a dense [B, k + 1] target forward) or in [1, k): the target scores B *
-            (packed_k + 1) tokens packed (``verifiers.score_packed``), at most B * packed_k drafts in all
-            (static; chain steps only; the last requests' ``num_drafts`` are cut to fit).
+            (packed_k + 1) tokens packed (``chain_verifier.score_packed``), at most B * packed_k drafts in
+            all (static; chain steps only; the last requests' ``num_drafts`` are cut to fit).
         Returns:
           (target_cache, draft_cache, ``StepSummary``), with ``logprobs`` then ``TokenLogprobs`` of the
           [B, k + 1] emitted tokens (-inf past each request's last; of the target's raw logits, as

@@ -32,7 +32,7 @@ def sharded_verify_step(kv_cache, new_keys, new_values, slot_mapping, draft_toke
 
     Requests, their draft slots and K/V rows split evenly over "data": the requests of shard s own
     draft slots at the start of ``[s * T / D, (s + 1) * T / D)`` (the decode step compacts its ragged
-    drafts shard by shard: ``verifiers.ragged_slots``; ``cu``'s differences count them) and their
+    drafts shard by shard: ``chain_verifier.ragged_slots``; ``cu``'s differences count them) and their
     slots are local to the shard's blocks. One key is first split per request
     (``fold_in(key, b)``, as ``verify_step`` does), so each request's randomness is the one-device one.
     """

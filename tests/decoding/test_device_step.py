@@ -8,16 +8,17 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import scv_jax
 from pallas_kernels.tree_mask import ancestor_mask, depths
+from scv_jax.decoding.chain_verifier import ChainVerifier, compact_drafts, fitting_drafts, packed_layout, ragged_slots
 from scv_jax.decoding.device_step import (SamplingColumn, SplitModel, StepRow, drafts_previous, latest,
                                           make_prefill_step)
 from scv_jax.decoding.step_fn import make_decode_step
-from scv_jax.decoding.verifiers import (ChainVerifier, compact_drafts, fitting_drafts, packed_layout, path_previous,
-                                       ragged_slots)
+from scv_jax.decoding.tree_verifier import path_previous
 from tests.models.fixtures import TINY, tiny_model
 
 BLOCK, BLOCKS_PER_REQUEST, BATCH, K = 8, 4, 4, 3
@@ -93,6 +94,7 @@ def ragged_drafts(draw):
 
 
 @given(ragged_drafts())
+@pytest.mark.slow
 def test_each_request_verifies_its_own_drafts(case):
     drafts, num_drafts = case
     _, _, _, _, prompts, forward = setup()
@@ -158,6 +160,7 @@ def test_packed_sampling_step_equals_the_dense_step():
 
 
 @given(st.lists(st.integers(0, 5), max_size=6), st.integers(0, 40), st.integers(0, 12))
+@pytest.mark.slow
 def test_packed_layout_and_fitting_drafts(num_drafts, extra_tokens, capacity):
     """Request b's tokens are offsets 0..n_b at tokens cu[b] + b..., the rest padding (offset = width);
     fitting_drafts keeps each request's drafts while the running sum fits ``capacity``."""
@@ -179,6 +182,7 @@ def test_packed_layout_and_fitting_drafts(num_drafts, extra_tokens, capacity):
 
 
 @given(st.data())
+@pytest.mark.slow
 def test_ragged_slots_compact_each_part_within_its_own_slots(data):
     """Part s's drafts, request by request, fill the start of its B * k / shards slots; ``cu`` counts them."""
     shards = data.draw(st.sampled_from([1, 2, 4]))

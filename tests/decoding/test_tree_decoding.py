@@ -17,7 +17,7 @@ from scv_jax.decoding.device_step import SamplingColumn, SplitModel, StepRow
 from scv_jax.decoding.proposers.ngram import NgramDrafter as _Drafter
 from scv_jax.decoding.proposers.ngram_trie import build_trie, continuations, propose_tries
 from scv_jax.decoding.step_fn import make_decode_step
-from scv_jax.decoding.verifiers import TreeVerifier, tree_inputs
+from scv_jax.decoding.tree_verifier import TreeVerifier, tree_inputs
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.ops.commit.kv_cache import PagedKVCache
 from tests.decoding.common import MAX_NEW, SMALL, prompts
@@ -36,6 +36,7 @@ def tree_decoders(target, partial_draft):
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.slow
 def test_greedy_trees_equal_autoregressive_decoding(tree_decoders, autoregressive, drafter):
     """Greedy requests of odd lengths and budgets, some arriving while others run (6 > 4 rows: one waits),
     one sampled request in the batch: each greedy one is its autoregressive output, trees accept drafts."""
@@ -138,6 +139,7 @@ def test_a_step_writes_the_pending_token_and_the_accepted_path_only(target, sour
         assert new_draft is draft_cache or _written(draft_cache, new_draft, tables, block_size) == [set(), set()]
 
 
+@pytest.mark.slow
 def test_a_draft_equal_to_the_target_accepts_everything_and_caches_what_the_target_does(target):
     """The target as its own draft: every step accepts its whole depth cap, and the draft cache ends up
     holding the target cache's K/V at every position but the last ones its lag leaves out (the accepted
@@ -184,6 +186,7 @@ def test_ngram_trie():
     assert propose_tries([index], 6, np.array([1]))[0].tokens == [3, 4]
 
 
+@pytest.mark.slow
 def test_no_compile_after_warmup(target):
     """Warm-up compiles every node bucket of n-gram tries, greedy and sampled; a run with requests joining
     and leaving then compiles nothing."""
@@ -209,6 +212,7 @@ def sampling_tree_decoders(target):
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.slow
 def test_sampled_tree_tokens_follow_the_filtered_target(target_logits, autoregressive, sampling_tree_decoders,
                                                         drafter):
     """Tokens 1 and 2 of many seeded requests (one in four greedy, in the same batches) against the filtered
@@ -244,6 +248,7 @@ def test_tree_refusals(target, partial_draft):
     assert SpeculativeDecoder(target, None, config=TREE_CONFIG).config.tree is None   # no drafter: plain decoding
 
 
+@pytest.mark.slow
 def test_greedy_trees_are_lossless_with_every_kernel_interpreted():
     """The Mosaic kernels in interpret mode (tree attention, the tree walk, the commit) give the XLA path's
     tokens; head_dim 64 and kv_heads * head_dim = 128 put every op on its kernel."""
