@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_bench_attention_dry_run():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_attention.py"), "--dry-run",
                            "--cache-dtypes", "fp8"], capture_output=True, text=True, timeout=600,

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,6 +27,7 @@ def test_bench_controller_reports_each_batch_and_mode():
         assert 0 < float(median) <= float(p90) <= float(p99) and float(mean) > 0
 
 
+@pytest.mark.slow
 def test_bench_host_step_reports_every_mode():
     rows = _run("bench_host_step.py", "--batch-sizes", "2", "--max-new-tokens", "12", "--repeats", "1",
                 "--cold-caches-mb", "0", "4")
@@ -54,6 +57,7 @@ def test_adaptive_summary_compares_with_the_best_fixed_k_round_by_round():
     assert cells[4:] == ["adaptive", "k=2", f"{80 / 100:.2f}", f"{60 / 120:.2f}", "0.89 [0.50-1.10]"]
 
 
+@pytest.mark.slow
 def test_bench_engine_dry_run_reports_every_mode():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_engine.py"), "--dry-run"],
                           capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))

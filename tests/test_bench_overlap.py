@@ -4,9 +4,12 @@ tokens in each."""
 
 import json
 
+import pytest
+
 from tests.benchmark_modules import benchmark_module
 
 
+@pytest.mark.slow
 def test_bench_overlap_measures_each_row_both_ways(tmp_path):
     bench_overlap = benchmark_module("bench_overlap")
     out = tmp_path / "rows.json"

@@ -11,6 +11,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("flags, rows", [([], 15), (["--host-cost"], 1)], ids=["workloads", "host-cost"])
+@pytest.mark.slow
 def test_bench_suffix_dry_run(flags, rows):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_suffix.py"), "--dry-run", *flags],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))

@@ -4,9 +4,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_bench_tree_dry_run():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_tree.py"), "--dry-run"],
                           capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"))

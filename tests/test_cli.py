@@ -37,12 +37,14 @@ def test_demo_prints_text_and_table(tiny_demo, capsys):
     assert "greedy outputs identical  yes" in out
 
 
+@pytest.mark.slow
 def test_demo_sampling_and_adaptive(tiny_demo, capsys):
     assert cli.main(["demo", "--max-new-tokens", "6", "--temperature", "1.0", "--adaptive"]) == 0
     out = capsys.readouterr().out
     assert "speculative (adaptive k)" in out and "n/a (sampling" in out
 
 
+@pytest.mark.slow
 def test_bench_appends_table(tiny_demo, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("scv_jax.demo.e2e.benchmark_prompts", lambda batch, **_: [[100, 101, 102]] * batch)
     results = tmp_path / "RESULTS.md"
@@ -150,6 +152,7 @@ def test_generate_mistakes_are_one_line_errors(capsys, monkeypatch, tmp_path):
     assert err.count("\n") == 1 and f"--draft {other} has vocab_size 300" in err and "must share the vocabulary" in err
 
 
+@pytest.mark.slow
 def test_generate_with_hub_ids(capsys, monkeypatch, tmp_path):
     """--model and --draft (at --draft-revision) as Hugging Face Hub ids, from an offline cache: the text
     of the model's directory."""
@@ -197,6 +200,7 @@ def _text_and_drafting(out: str) -> tuple[str, list[str]]:
     return text, [row.split("  ")[0] if row.startswith("speculative") else row for row in rows]
 
 
+@pytest.mark.slow
 def test_generate_with_an_eagle3_head(capsys, monkeypatch, tmp_path, eagle3_head):
     """--eagle3 DIR drafts with the head and prints the target's greedy text (--compare: the target
     alone), in --dtype, with --packed-verify too; the head as a Hub id at a revision, named by

@@ -100,6 +100,7 @@ import pytest  # noqa: E402  (the page runner above needs only the standard libr
 
 @pytest.mark.parametrize("page", [p for p in pages() if python_blocks(p.read_text())],
                          ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.slow
 def test_page_snippets_run_and_their_claims_hold(page):
     result = _run_in_subprocess(page)
     assert result.returncode == 0, f"{page.relative_to(ROOT)}:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"

@@ -5,11 +5,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.benchmark_modules import benchmark_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_gpu_suite_dry_run(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_suite.py"), "--dry-run",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
@@ -63,6 +66,7 @@ def test_peer_runs_when_its_script_is_present(tmp_path, monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_gpu_loop_run_dry_run(tmp_path):
     """The decoding loop's one-command device run (benchmarks/gpu_loop_run.sh) on CPU at tiny sizes: every
     step finishes within its limit and leaves its table in $OUT, and a dry run appends nothing."""

@@ -38,7 +38,8 @@ def _parse() -> argparse.Namespace:
 
 
 ARGS = _parse()
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS.devices}"
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
+                                                  f"--xla_force_host_platform_device_count={ARGS.devices}"]))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

@@ -30,6 +30,7 @@ def mixed_prompts(seed: int) -> list[list[int]]:
     return [p for pair in zip(long, short) for p in pair]
 
 
+@pytest.mark.slow
 def test_running_requests_emit_every_step_while_a_long_prompt_prefills(target, partial_draft, autoregressive):
     engine = Engine(SpeculativeDecoder(target, partial_draft, config=CHUNKED))
     short = prompts(3, 2, alphabet=16)
@@ -80,6 +81,7 @@ TREE = TreeConfig(max_depth=3, branching=2, max_nodes=6)
 
 
 @pytest.mark.parametrize("drafter, fields", [("draft", {}), ("draft", {"tree": TREE}), ("ngram", {}), ("head", {})])
+@pytest.mark.slow
 def test_chunk_boundaries_keep_every_output_exact(target, partial_draft, head, odd, autoregressive, drafter, fields):
     """Chunks of 5 over blocks of 8, a draft model's cache, n-gram indexes, EAGLE-head features, prefix
     hits and preemptions in a pool of 12 blocks: greedy equals autoregressive."""
@@ -94,6 +96,7 @@ def test_chunk_boundaries_keep_every_output_exact(target, partial_draft, head, o
     assert engine.stats.num_preemptions > 0 and engine.stats.prefix_cache_hits > 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_unchanged_by_the_budget(odd):
     """Chunked (a 5-token chunk a step) and whole-prompt prefill draw the same tokens, with logit
     controls (written when a request is admitted) and through preemptions (a pool of 12 blocks)."""
@@ -116,6 +119,7 @@ def test_aborting_during_a_chunked_prefill_frees_everything(odd):
     assert engine.num_free_blocks == engine.num_blocks and not engine.has_unfinished()
 
 
+@pytest.mark.slow
 def test_nothing_compiles_after_warmup_with_chunks(target, partial_draft):
     """Chunks run the prefill executable at the batch buckets warm-up compiles (a fresh decoder)."""
     config = DecoderConfig(**{**vars(ODD), "batch_buckets": (2, 4)})

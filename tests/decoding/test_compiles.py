@@ -28,6 +28,7 @@ def demo():
 
 
 @pytest.mark.parametrize("with_draft", [False, True], ids=["autoregressive", "k4"])
+@pytest.mark.slow
 def test_warmup_then_generate_compiles_nothing(demo, with_draft):
     """The regression: ``SpeculativeDecoder(target, None).warmup(1, 91)`` then a 48-token generate of a
     41-byte prompt compiled the seed's key (2 executables) in the first call."""
@@ -40,6 +41,7 @@ def test_warmup_then_generate_compiles_nothing(demo, with_draft):
     assert out.stats.compiled == [] and len(out.tokens[0]) == 48
 
 
+@pytest.mark.slow
 def test_the_running_batch_never_exceeds_the_largest_bucket(target, autoregressive, monkeypatch):
     """10 prompts and no max_num_seqs with batch buckets up to 4: 4 run at once, the others wait (no step
     at an unbucketed size compiled by plain jit), and the output is that of running them alone."""
@@ -69,6 +71,7 @@ def test_a_compile_after_warmup_is_counted_and_logged_once(target, caplog):
     assert len(warnings) == 2 and any("batch=4, blocks=8, k=0, greedy=True" in w for w in warnings), warnings
 
 
+@pytest.mark.slow
 def test_warmup_covers_greedy_and_sampled_steps_when_asked(target, no_persistent_cache):
     decoder = SpeculativeDecoder(target, None, config=SMALL)
     decoder.warmup(4, SMALL.max_seq_len)                          # greedy only (temperatures=0.0)
@@ -79,6 +82,7 @@ def test_warmup_covers_greedy_and_sampled_steps_when_asked(target, no_persistent
         assert decoder.generate(prompts(4, 3), MAX_NEW, temperature=temperature).stats.compile_count == 0
 
 
+@pytest.mark.slow
 def test_a_batch_mixing_every_logit_control_compiles_nothing_after_warmup(target, partial_draft):
     """The logit controls are data: after a greedy and sampled warm-up, 16 requests (each control alone and
     all of them together, plain, each greedy and sampled), 4 running at once in every mix, compile and
@@ -155,6 +159,7 @@ def test_context_widths_are_geometric():
         Buckets.halving(4, min_size=8)
 
 
+@pytest.mark.slow
 def test_a_long_generation_compiles_a_handful_of_widths(target):
     """One request growing from 1 to 128 positions of 1 (128 blocks) crosses 4 widths (16, 32, 64, 128
     blocks): 4 decode executables, where multiples of 16 blocks compiled 8; a warm-up to max_seq_len

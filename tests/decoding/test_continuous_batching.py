@@ -33,6 +33,7 @@ def _running_sizes(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("drafter, config", [("model", DecoderConfig(**{**vars(SMALL), "k": 3})),
                                              ("ngram", ADAPTIVE_PACKED), ("model", ADAPTIVE_PACKED)],
                          ids=["model-k3", "ngram-adaptive-packed", "model-adaptive-packed"])
+@pytest.mark.slow
 def test_greedy_output_does_not_depend_on_max_num_seqs(target, partial_draft, autoregressive, drafter, config,
                                                       monkeypatch):
     draft = NgramDrafter(1, 3) if drafter == "ngram" else partial_draft
@@ -52,6 +53,7 @@ def test_greedy_output_does_not_depend_on_max_num_seqs(target, partial_draft, au
 
 
 @pytest.mark.parametrize("drafter", [None, "model"])
+@pytest.mark.slow
 def test_sampled_output_does_not_depend_on_max_num_seqs(target, partial_draft, drafter):
     """Each request's random stream is keyed by its index in the call and its position, so the schedule
     changes nothing."""
@@ -63,6 +65,7 @@ def test_sampled_output_does_not_depend_on_max_num_seqs(target, partial_draft, d
     assert decoder.generate(batch_prompts, MAX_NEW, temperature=1.0, seed=4, max_num_seqs=2).tokens != together
 
 
+@pytest.mark.slow
 def test_a_stream_larger_than_the_cache_runs_a_few_at_a_time(target, monkeypatch):
     """A pool that holds 2 of these requests' worst cases: the requests share their prompt's cached blocks
     and take the rest on demand, so more than 2 run at once (none is refused, a step never runs out of
@@ -83,6 +86,7 @@ def test_bad_max_num_seqs(autoregressive, value):
         autoregressive.generate([[1, 2]], 4, max_num_seqs=value)
 
 
+@pytest.mark.slow
 def test_the_controller_is_told_each_running_requests_remaining_tokens(target, partial_draft, autoregressive):
     """While requests wait for a slot and once none wait, ``next_k`` gets each running request's remaining
     tokens (its E(k) is capped there), one per request id, never more than the call's budget."""
@@ -96,6 +100,7 @@ def test_the_controller_is_told_each_running_requests_remaining_tokens(target, p
         assert remaining.shape == ids.shape and (remaining >= 1).all() and (remaining <= MAX_NEW).all()
 
 
+@pytest.mark.slow
 def test_warmup_of_the_running_batch_and_one_admission_compiles_everything(target, partial_draft):
     from scv_jax.graph.compile_counter import CompileCounter
 

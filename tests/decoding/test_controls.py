@@ -85,6 +85,7 @@ def test_bad_words_of_several_tokens_are_the_oracles(target_logits, autoregressi
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "tree", "tree-model", "packed"])
+@pytest.mark.slow
 def test_greedy_with_controls_equals_autoregressive(decoders, autoregressive, drafter):
     """Each control beside plain requests in one batch (prompts from a small alphabet: n-grams match)."""
     decoder = decoders[drafter]
@@ -131,6 +132,7 @@ MOVED = {"presence": (1,), "frequency": (1,), "repetition": (0, 1), "logit_bias"
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "tree"])
 @pytest.mark.parametrize("name", list(CONTROLS))
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_controlled_target(target_logits, autoregressive, decoders, drafter,  # noqa: F811
                                                      name):
     """Tokens 1 and 2 of seeded controlled requests against the controlled target distribution (token 2's

@@ -95,6 +95,7 @@ def test_same_seed_same_output(target, partial_draft):
     assert decoder.generate(prompts, 10, temperature=1.0, seed=43).tokens != first
 
 
+@pytest.mark.slow
 def test_no_recompilation_after_warmup_adaptive(target, partial_draft):
     config = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 2, 4)})
     decoder = SpeculativeDecoder(target, partial_draft, config=config)
@@ -164,6 +165,7 @@ def test_long_prefill_reports_progress(target, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("k, with_draft", [(0, False), (0, True), (3, True)])
+@pytest.mark.slow
 def test_decode_steps_update_the_caches_in_place(target, partial_draft, k, with_draft):
     config = DecoderConfig(**{**vars(SMALL), "k": k, "batch_buckets": (1, 2)})
     decoder = SpeculativeDecoder(target, partial_draft if with_draft else None, config=config)
@@ -172,6 +174,7 @@ def test_decode_steps_update_the_caches_in_place(target, partial_draft, k, with_
         assert stats.compiles >= 2 and stats.unaliased_donations == stats.copied_donations == 0, name
 
 
+@pytest.mark.slow
 def test_greedy_is_lossless_with_every_kernel_interpreted():
     """The Pallas kernels (attention, acceptance, commit) in interpret mode give the XLA path's tokens;
     head_dim 64 and kv_heads * head_dim = 128 put every op on its kernel."""

@@ -62,6 +62,7 @@ FIT_PROMPTS = [p[:6] + [0] * (6 - len(p[:6])) for p in prompts(40, 8)]
 
 
 @pytest.mark.parametrize("config", [CHAIN, ADAPTIVE, TREE, PACKED], ids=["chain", "adaptive", "tree", "packed"])
+@pytest.mark.slow
 def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregressive, fitted, config):
     engine = Engine(target, fitted[0], config=config, eos_token_id=None)
     batch = FIT_PROMPTS[:2] + prompts(31, 2) + [[5]]     # 1 to 19 tokens (prefill chunks of 16), and one
@@ -77,6 +78,7 @@ def test_greedy_output_is_the_targets_as_requests_come_and_go(target, autoregres
 @pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 4}), TREE,
                                     DecoderConfig(**{**vars(SMALL), "k": 4, "packed_verify": True})],
                          ids=["chain", "tree", "packed"])
+@pytest.mark.slow
 def test_the_head_cache_holds_verified_rows_only(target, fitted, config):
     """One request with accepted and rejected drafts, alone in a fresh engine (its blocks are the pool's first,
     in order, so position p is slot p): the head's cache holds the target's combined taps of each
@@ -106,6 +108,7 @@ def test_the_head_cache_holds_verified_rows_only(target, fitted, config):
 
 
 @pytest.mark.parametrize("config", [DecoderConfig(**{**vars(SMALL), "k": 2}), TREE], ids=["chain", "tree"])
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_filtered_target(target, target_logits, head, config):  # noqa: F811
     engine = Engine(target, head, config=config)
     prompt, count = [3, 1, 4, 3, 1], 400
@@ -116,6 +119,7 @@ def test_sampled_tokens_follow_the_filtered_target(target, target_logits, head, 
     first_two_tokens_follow_the_target(sampled, prompt, params, target_logits)
 
 
+@pytest.mark.slow
 def test_packed_verification_is_the_dense_steps(target, autoregressive, fitted):
     """A head's chains verified packed (its next catch-up reads the taps of the packed tokens): greedy
     output is the target's alone, and every step and acceptance is the dense steps' for fewer scored
@@ -155,6 +159,7 @@ def test_greedy_with_logit_controls_equals_autoregressive(target, autoregressive
     assert accepted > 0
 
 
+@pytest.mark.slow
 def test_warmup_then_generate_compiles_nothing_and_updates_the_caches_in_place(target, head):
     config = DecoderConfig(**{**vars(SMALL), "adaptive": True, "k_values": (0, 2)})
     decoder = SpeculativeDecoder(target, head, config=config)

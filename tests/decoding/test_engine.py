@@ -73,6 +73,7 @@ def target_logits(target):
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.slow
 def test_requests_added_mid_flight_decode_as_alone(with_draft, with_ngram, autoregressive, drafter):
     """Requests join a running batch at different steps with different budgets and sampling; each greedy
     one equals its autoregressive output, each ends at its own max_tokens, and every block comes back."""
@@ -123,6 +124,7 @@ def test_abort_frees_blocks_at_once(with_draft):
     assert not engine.has_unfinished()
 
 
+@pytest.mark.slow
 def test_no_compile_after_warmup_while_requests_join_leave_and_change_the_mix(target):
     engine = Engine(target, NgramDrafter(1, 3), config=DecoderConfig(**{**vars(SMALL), "k": 2}))
     engine.warmup(4, SMALL.max_seq_len, temperatures=(0.0, 1.0), logprobs=True)
@@ -139,6 +141,7 @@ def test_no_compile_after_warmup_while_requests_join_leave_and_change_the_mix(ta
     assert len(outputs) == 7 and engine.num_free_blocks == engine.num_blocks
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_targets_unfiltered_ones(with_draft, target_logits):
     prompt = prompts(91, 1)[0]
     params = SamplingParams(temperature=0.9, top_k=4, seed=3, max_tokens=6, logprobs=3)
@@ -201,6 +204,7 @@ def sampling_decoders(target):
 
 @pytest.mark.parametrize("drafter", ["model", "ngram"])
 @pytest.mark.parametrize("name", list(FILTERS))
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_filtered_target(target_logits, autoregressive, sampling_decoders, drafter, name):
     """Tokens 1 and 2 of many seeded requests (one in four greedy, in the same batches) against the
     filtered target distribution: token 1's, and token 2's after the most frequent token 1."""

@@ -84,6 +84,7 @@ assert {(d, s) for d, s, _, _ in CASES} == {(d, s) for d in DTYPES for s in SCAL
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, scale_mode, drafter, k", CASES)
+@pytest.mark.slow
 def test_greedy_speculative_equals_autoregressive_with_fp8_cache(demo, autoregressive, dtype, scale_mode,
                                                                  drafter, k):
     target, draft = demo

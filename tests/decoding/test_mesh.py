@@ -13,6 +13,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).parents[2]
 SHARDED_PARAMETERS = ("blocks/attn/q/kernel", "blocks/attn/k/kernel", "blocks/attn/v/kernel", "blocks/attn/q/bias",
                       "blocks/attn/k/bias", "blocks/attn/v/bias", "blocks/attn/o/kernel", "blocks/mlp/gate/kernel",
@@ -69,6 +71,7 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
     assert max(size for _, size in run["collectives"]) < pages, (spec, pages, run["collectives"])
 
 
+@pytest.mark.slow
 def test_demo_pair_on_meshes_decodes_as_on_one_device():
     """The demo target has 6 query and 2 KV heads: on a model axis of 8 (or 4) each KV head is
     replicated 4 (2) times and each query group padded to 4 heads; on (8, 1) it is data parallel only.
@@ -93,6 +96,7 @@ def test_demo_pair_on_meshes_decodes_as_on_one_device():
                                     "axis: ShardingConfig.draft must be 'replicated', got 'model'")
 
 
+@pytest.mark.slow
 def test_qwen_style_pair_on_meshes_greedy_and_sampled():
     """q/k/v biases, an untied LM head (vocabulary-parallel), 2 KV heads on model axes of 8 and 4 (the
     draft tensor-parallel too on (2, 4)); sampling with the same seed gives the one-device tokens. (A
@@ -112,6 +116,7 @@ def test_qwen_style_pair_on_meshes_greedy_and_sampled():
     assert "data * model = 2 * 8 = 16 devices, but only 8 are available" in errors["too_many_devices"]
 
 
+@pytest.mark.slow
 def test_two_processes_decode_as_one_device():
     """``jax.distributed.initialize`` with 2 processes of 4 CPU devices each (gloo collectives), a (2, 4)
     mesh over all 8: both processes get the one-device tokens."""

@@ -122,6 +122,7 @@ def test_overlap_is_the_default_on_one_device(decoders):
 
 @settings(max_examples=6, deadline=None)
 @given(st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_overlapped_engine_emits_what_the_synchronous_one_does(decoders, seed):
     """Random arrivals, budgets, stop ids, sampled and greedy requests, and aborts: every request not
     aborted gets the same tokens with one step in flight as without; an aborted one a prefix of them, and
@@ -131,6 +132,7 @@ def test_overlapped_engine_emits_what_the_synchronous_one_does(decoders, seed):
 
 @settings(max_examples=4, deadline=None)
 @given(st.integers(0, 2**31 - 1))
+@pytest.mark.slow
 def test_host_chains_drafted_ahead_emit_what_the_synchronous_loop_does(ngram_decoders, seed):
     """The same with n-gram drafts, made past the step in flight's drafts assumed accepted (right or
     wrong): greedy requests get the same tokens (sampled ones verify other drafts, so other draws)."""

@@ -69,6 +69,7 @@ def test_packed_verify_needs_one_device_and_a_packed_forward(target):
 
 
 @pytest.mark.parametrize("config", [PACKED, PACKED_ADAPTIVE], ids=["k3", "adaptive"])
+@pytest.mark.slow
 def test_no_recompilation_after_warmup_with_packed_steps(target, config):
     """``warmup`` compiles every packed step a decoder may run: ragged n-gram steps compile nothing more."""
     from scv_jax.graph.compile_counter import CompileCounter

@@ -57,6 +57,7 @@ def large(target, partial_draft):
     return SpeculativeDecoder(target, partial_draft, config=LARGE)
 
 
+@pytest.mark.slow
 def test_greedy_outputs_equal_autoregressive_through_preemptions(tight, autoregressive):
     requests = stream(1)
     engine = Engine(tight)
@@ -66,6 +67,7 @@ def test_greedy_outputs_equal_autoregressive_through_preemptions(tight, autoregr
     assert most > WORST_CASE_CONCURRENCY and engine.stats.num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_requests_that_stop_early_leave_room_for_more(tight):
     """Requests that stop at an eos long before max_tokens never held blocks for the rest."""
     engine = Engine(tight)
@@ -79,6 +81,7 @@ def test_requests_that_stop_early_leave_room_for_more(tight):
                                     dict(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5,
                                          presence_penalty=0.4, logit_bias={5: 2.0}, min_tokens=4)],
                          ids=["sampled", "sampled-penalties"])
+@pytest.mark.slow
 def test_seeded_sampled_outputs_equal_a_large_pool(tight, large, params):
     """A resumed request draws from its own stream at each position, and its penalties see its whole
     output so far (the control state is rebuilt from its tokens)."""
@@ -153,6 +156,7 @@ TREE = TreeConfig(max_depth=3, branching=2, max_nodes=6)
 
 @pytest.mark.parametrize("drafter, tree", [("model", TREE), ("head", None), ("head", TREE)],
                          ids=["model-tree", "head-chain", "head-tree"])
+@pytest.mark.slow
 def test_trees_and_eagle_heads_resume_with_the_same_output(target, partial_draft, autoregressive, tmp_path_factory,
                                                            drafter, tree):
     """A resumed request's prefill rebuilds the draft cache (and an EAGLE head's features) from its

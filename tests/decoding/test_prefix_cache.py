@@ -98,6 +98,7 @@ def test_a_shared_block_is_never_written(with_draft):
     ("model", DecoderConfig(**{**vars(CACHED), "cache_dtype": "fp8"}), GREEDY),
     (None, DecoderConfig(**{**vars(CACHED), "k": 0}), GREEDY),
 ], ids=["model", "model-sampled", "ngram", "tree", "fp8", "target-only"])
+@pytest.mark.slow
 def test_outputs_are_identical_with_the_cache_on_and_off(target, partial_draft, drafter, config, params):
     """A multi-turn chat: each turn after the first finds at least the last turn's prompt blocks cached."""
     draft = {"model": partial_draft, "ngram": NgramDrafter(1, 3), None: None}[drafter]

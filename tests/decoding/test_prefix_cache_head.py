@@ -50,6 +50,7 @@ def text(autoregressive):
     return prompt, autoregressive.generate([prompt], MAX_NEW).tokens[0]
 
 
+@pytest.mark.slow
 def test_a_cached_prefix_serves_the_head_and_drafts_are_unchanged(target, head, text):
     """The same prompt again (every block cached: the head's rows reach its pending token), one with
     another last token (the last block's head row pairs it with the old one: not reused), one that
@@ -128,6 +129,7 @@ def test_a_chat_with_a_head_is_unchanged_by_the_cache(target, head, config):
     assert cached[0] == 0 and all(c >= len(prompt) // 8 * 8 for c, (prompt, *_) in zip(cached[1:], runs[True]))
 
 
+@pytest.mark.slow
 def test_seeded_sampling_with_a_head_through_chunks_and_preemptions_is_unchanged_by_the_cache(target, head):
     """Chunks of 5 over blocks of 8, eight seeded sampled requests sharing 24-token prefixes in a pool of
     12 blocks: prefix hits and preemptions happen, and tokens and drafts are the cache-off run's (greedy:

@@ -16,7 +16,7 @@ import pytest
 from scv_jax import DecoderConfig, Engine, SamplingParams
 from scv_jax.graph.compile_counter import CompileCounter
 from scv_jax.graph.compiler import Compiler, largest_first
-from scv_jax.graph.executable_cache import enable_persistent_cache
+from scv_jax.graph.persistent_cache import enable_persistent_cache
 from tests.decoding.common import prompts
 from tests.graph.test_compiler import CompileThreads, Parked
 from tests.models.fixtures import TINY, perturbed_copy, tiny_model
@@ -70,6 +70,7 @@ def reference(models):
     return _serve(Engine(*models, config=CONFIG))
 
 
+@pytest.mark.slow
 def test_steps_padded_to_the_largest_buckets_give_their_own_buckets_tokens(models, reference):
     """Only the prefill of the smallest batch bucket and the largest context, and the largest sampled
     decode steps with logprobs are compiled, every other bucket is scheduled and never gets compiled:
@@ -168,6 +169,7 @@ def _warm(models, config, **engine_args) -> tuple[int, int]:
     return compiles.compiled, compiles.loads
 
 
+@pytest.mark.slow
 def test_the_persistent_cache_holds_unless_a_shape_changes(models, own_cache_dir):
     config = dataclasses.replace(CONFIG, batch_buckets=(2,), k=2)
     compiled, loaded = _warm(models, config)

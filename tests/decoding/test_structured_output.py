@@ -95,6 +95,7 @@ PROMPTS = [[7, 8, 7, 8, 7], [0, 2, 7, 2, 3], [9, 9, 1, 12]]
 
 
 @pytest.mark.parametrize("drafter", ["target", "ngram", "model", "tree"])
+@pytest.mark.slow
 def test_greedy_constrained_equals_the_oracle(target_logits, tokenizer, decoders, drafter):  # noqa: F811
     """Every constraint, three prompts each, in one batch with a plain request: greedy outputs equal the
     llguidance-only oracle's, the constrained ones are valid (complete ones end "stop"), the plain one
@@ -163,6 +164,7 @@ def _masked_distribution(target_logits, prompt, output, ok) -> np.ndarray:  # no
 
 
 @pytest.mark.parametrize("drafter", ["ngram"])
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_masked_target(target_logits, tokenizer, decoders, drafter):  # noqa: F811
     """Tokens 1 and 2 of 320 seeded requests under ``[ab12]{2}[yes]`` (4 tokens allowed at positions 1
     and 2) against the target's distribution restricted to them (token 2's after the most frequent token

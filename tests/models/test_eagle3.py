@@ -176,6 +176,7 @@ HEAD_SHAPES = [dict(heads=4, kv_heads=2, head_dim=8, ffn=24), dict(heads=2, kv_h
 @given(layout=st.sampled_from(["eagle3", "speculators"]), norm_before_residual=st.sampled_from([None, False, True]),
        shape=st.sampled_from(HEAD_SHAPES), draft_vocab=st.sampled_from([5, 12, 24]), batch=st.integers(1, 2),
        num_tokens=st.integers(1, 6), scaled=st.booleans(), seed=st.integers(0, 2 ** 16))
+@pytest.mark.slow
 def test_head_matches_numpy_reference(target, layout, norm_before_residual, shape, draft_vocab, batch,
                                       num_tokens, scaled, seed):
     """Logits (mapped through d2t) and hidden_out of both layouts, both residual variants, GQA/MHA
@@ -304,6 +305,7 @@ def test_paged_config_sizes_a_one_layer_cache(paged_head):
 @settings(max_examples=6, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(0, COMMITTED), st.integers(0, STAGED), st.integers(1, NEW)),
                         min_size=2, max_size=2), seed=st.integers(0, 2 ** 16))
+@pytest.mark.slow
 def test_paged_chunks_equal_one_dense_pass(paged_head, lengths, seed):
     """An empty-cache paged pass equals the dense call; committed + staged + new chunks (the first
     committed with scv_jax's commit op through shuffled block tables) equal one dense pass."""

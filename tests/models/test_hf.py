@@ -153,6 +153,7 @@ def test_packed_forward_matches_transformers():
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(name):
     """32 greedy tokens, autoregressive and speculative (partial acceptance), equal transformers'."""
     autoregressive, speculative = decoders(name)
@@ -209,6 +210,7 @@ def divergence_is_near_tie(name: str, prompt: list[int], first: list[int], secon
 @settings(max_examples=4)
 @given(prompts=prompt_lists)
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow
 def test_bfloat16_speculative_equals_autoregressive_up_to_near_ties(name, prompts):
     """The README's bfloat16 statement: speculative and autoregressive greedy outputs (same target,
     same bfloat16 weights and cache) differ only where the top logits are tied within bf16 rounding."""

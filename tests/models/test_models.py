@@ -46,6 +46,7 @@ def jitted(model):
 @given(lengths=st.lists(st.tuples(st.integers(0, COMMITTED), st.integers(0, STAGED), st.integers(1, NEW)),
                         min_size=2, max_size=2),
        layout=st.sampled_from(["NHD", "HND"]), seed=st.integers(0, 2 ** 16))
+@pytest.mark.slow
 def test_paged_staged_forward_matches_full_forward(jitted, lengths, layout, seed):
     """Committed prefix (paged, shuffled blocks) + staged tokens + new tokens == one full forward."""
     full_forward, paged_forward = jitted
@@ -132,6 +133,7 @@ AUX = (1, 0, 1)         # TINY's last layer, the embeddings, a layer asked twice
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.slow
 def test_paged_and_packed_taps_are_the_dense_taps(model, per_layer):
     """``forward_paged`` and ``forward_packed`` give every token they score the taps of
     ``model(tokens, aux_layers)`` at its position: a prefill in one pass or in chunks (committed, staged,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -41,6 +42,7 @@ def root_path(parents: list[int], node: int) -> list[int]:
 
 @settings(max_examples=6, deadline=None)
 @given(committed=st.integers(0, COMMITTED), staged_n=st.integers(0, STAGED), seed=st.integers(0, 2 ** 16))
+@pytest.mark.slow
 def test_tree_nodes_see_their_root_path_only(committed, staged_n, seed):
     if not FORWARDS:
         FORWARDS.append(_forwards())

@@ -101,6 +101,7 @@ def graph_cache(layout):
 
 @given(num_requests=st.integers(0, 4), max_drafts=st.integers(1, 4), seed=st.integers(0, 2**16),
        layout=st.sampled_from(["drafts", "query"]), sampling=st.booleans())
+@pytest.mark.slow
 def test_padding_does_not_change_results(num_requests, max_drafts, seed, layout, sampling):
     args = random_step(seed, num_requests, max_drafts, layout=layout, sampling=sampling)
     want_cache, want = plain_verify(random_cache(seed), **args, backend="xla")

@@ -39,6 +39,7 @@ def test_greedy_matches_oracle(backend, batch):
 @given(batch=draft_batches(spec_lens=(1, 6), batch_sizes=(2, 6), vocab_sizes=(12,)),
        kind=st.sampled_from(["dirichlet", "sparse", "onehot", "none"]),
        seed=st.integers(0, 2**20))
+@pytest.mark.slow
 def test_rejection_matches_oracle(backend, batch, kind, seed):
     rng = np.random.default_rng(seed)
     t, v = len(batch.draft), batch.vocab_size

@@ -179,6 +179,7 @@ def cases(draw, kernel: bool = False) -> Case:
 
 @settings(max_examples=12)
 @given(case=cases())
+@pytest.mark.slow
 def test_xla_matches_oracle(case):
     check(case, "xla")
 
@@ -214,6 +215,7 @@ def kernel_supports(case: Case) -> bool:
 @with_kernel
 @settings(max_examples=5)   # interpret mode compiles a simulator per shape (~3-6 s on 2 cores)
 @given(case=cases(kernel=True))
+@pytest.mark.slow
 def test_kernel_matches_oracle_random(backend, case):
     if kernel_supports(case):
         check(case, backend)
@@ -460,6 +462,7 @@ def test_kernel_error_for_bfloat16_inputs_is_a_few_bf16_ulps(backend):
 @pytest.mark.parametrize("backend, cache_dtype, scale_mode", [
     *[("xla", dtype, mode) for dtype in FP8 for mode in (None, "tensor", "head", "token_head")],
     (KERNEL, "float8_e4m3fn", "token_head"), (KERNEL, "float8_e5m2", "tensor")])
+@pytest.mark.slow
 def test_in_flight_tokens_read_as_after_their_commit(backend, cache_dtype, scale_mode):
     """fp8 verification == autoregressive decoding: query t of a call with staged entries and T new tokens
     equals a 1-token call after the staged entries and new tokens 0..t-1 were committed to the cache

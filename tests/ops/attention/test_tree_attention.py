@@ -96,6 +96,7 @@ def check_tree(case: Case, backend: str, bad: bool = False) -> None:
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2**31), tokens=st.integers(1, 12), staged=st.sampled_from([None, 0, 3]),
        window=st.sampled_from([None, None, 3, 20]), group=st.sampled_from([1, 4]), bad=st.booleans())
+@pytest.mark.slow
 def test_xla_tree_matches_dense_oracle(seed, tokens, staged, window, group, bad):
     check_tree(Case(tokens=tokens, staged=staged, window=window, group=group, q_dtype="float32",
                     cache_dtype="float32", seed=seed), "xla", bad)

@@ -38,6 +38,7 @@ def _pages_as_bits(cache) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("op", ["greedy", "sampling"])
 @settings(max_examples=10)
 @given(tree=trees(bad=False, max_nodes=8), seed=st.integers(0, 2**31), dtype=st.sampled_from(["float32", "bfloat16"]))
+@pytest.mark.slow
 def test_only_the_accepted_path_is_written(op, tree, seed, dtype):
     tokens, parents, num_nodes, max_depth = tree
     batch, n = tokens.shape

@@ -93,6 +93,7 @@ def _random_probs(rng, shape, kind: str) -> np.ndarray:
 @settings(max_examples=30)
 @given(tree=trees(vocab_size=4), kind=st.sampled_from(["dirichlet", "sparse", "unnormalised"]),
        seed=st.integers(0, 2**31))
+@pytest.mark.slow
 def test_sampling_matches_walk(tree, kind, seed):
     tokens, parents, num_nodes, max_depth = tree
     rng = np.random.default_rng(seed)
