@@ -27,7 +27,8 @@ splits them (``graph.compiler.largest_first``: the executables serve waits for b
 rest compiled in the background). Counts: every executable (what a server waited for before issue 40),
 the largest bucket of each kind without stand-ins (what it waited for before them), and with them (what
 serve waits for now). Then they are compiled in that order (those serve waits for, the other largest
-buckets, the rest smallest first as serve compiles them in the background; ``--limit``: the first N) on a
+buckets, the rest smallest first as serve compiles them in the background; ``--match``: those whose bucket
+names every TEXT; ``--limit``: the first N) on a
 ``graph.compiler.Compiler`` of ``--workers`` threads: seconds each (trace, lower and compile), the sums
 of the two waited-for sets, summed and wall. ``--dry-run``: the counts alone. ``--target qwen2.5-7b``:
 a Qwen2.5-7B-shaped target (vocabulary 152064) with a Qwen2.5-0.5B-shaped draft of its vocabulary, or an
@@ -344,7 +345,8 @@ def serve_table(args: argparse.Namespace) -> tuple[str, str, str]:
             if args.dry_run:
                 rows.append(f"| {drafter} | {layers} | {counts} | 0 | - | - | - | - |")
                 continue
-            chosen = found.jobs[:args.limit]
+            chosen = [job for job in found.jobs if all(text in job.cache.describe(job.key) for text in args.match)]
+            chosen = chosen[:args.limit]
             done, wall = compile_jobs(chosen, args.workers)
             seconds = [s for _, s in done]
             waits = [summed_seconds(done, found.jobs[:n]) for n in (found.first, found.kinds)]
@@ -366,6 +368,8 @@ def serve_table(args: argparse.Namespace) -> tuple[str, str, str]:
                  "largest temporaries | largest vocabulary-sized |\n|---|---|---|---:|---:|---:|---:|---|---|\n"
                  + "\n".join(memory))
     limit = "every executable" if args.limit is None else f"the first {args.limit} in the order above"
+    if args.match:
+        limit += " of those whose bucket names " + " and ".join(repr(text) for text in args.match)
     return (f"Compile time{' and memory' if memory else ''} of serve's executables at {args.target} sizes "
             "(abstract shapes)",
             f"`scv-jax serve` defaults{' with ' + args.serve_args if args.serve_args else ''}; {args.target}-shaped "
@@ -387,6 +391,9 @@ def main(argv=None) -> None:
     parser.add_argument("--serve-args", default="", help="--set serve: serve flags beyond its defaults")
     parser.add_argument("--limit", type=int, default=None,
                         help="--set serve: compile the first N executables in serve's order (default: all)")
+    parser.add_argument("--match", action="append", default=[], metavar="TEXT",
+                        help="--set serve: compile only the executables whose bucket names TEXT (repeatable: "
+                             "all of them), e.g. 'k=4' 'logprobs=False'")
     parser.add_argument("--workers", type=int, default=None,
                         help="--set serve: compile threads (default: graph.compiler.default_workers())")
     parser.add_argument("--dry-run", action="store_true", help="--set serve: count the executables, compile none")

@@ -25,10 +25,11 @@ from scv_jax.decoding.plan import MAX_CATCH_UP, CarryColumn, SamplingColumn, Ste
 LagRule = Callable[[jax.Array, jax.Array, int], jax.Array]    # (lag, num_accepted, k) -> the lag after a step
 
 
-def zeros(num_slots: int) -> jax.Array:
-    """int32[num_slots, CarryColumn.WIDTH] a carry no step wrote (every row is exact before the first);
-    copied from the host (``jnp.zeros`` would compile a computation at an engine's first step)."""
-    return jax.device_put(np.zeros((num_slots, CarryColumn.WIDTH), np.int32))
+def zeros(num_slots: int) -> np.ndarray:
+    """int32[num_slots, CarryColumn.WIDTH] a carry no step wrote (every row is exact before the first), on the
+    host: the placement puts it on its devices (``jnp.zeros`` would compile a computation at an engine's
+    first step)."""
+    return np.zeros((num_slots, CarryColumn.WIDTH), np.int32)
 
 
 def carried_inputs(carry: jax.Array, rows: jax.Array, sampling: jax.Array, block_tables: jax.Array

@@ -65,9 +65,10 @@ class DecoderConfig:
         fetches the one before, the host's bookkeeping of that one overlapping the device's work on the
         next (vLLM's async scheduling, SGLang's overlap scheduler); stops take effect a step late, the
         device's work past a request's end discarded. Steps that need the host to know the last tokens
-        first run synchronously (host drafters unless ``draft_ahead``, structured output, a draft's
-        catch-up after k = 0 steps), as does everything on a mesh. False: every step is fetched before
-        the next is planned (the loop to A/B against, and to debug).
+        first run synchronously (host drafters unless ``draft_ahead``, batches more than a quarter
+        constrained by structured output, a draft's catch-up after k = 0 steps); a constrained request
+        in a batch that overlaps runs every other step. On a mesh too. False: every step is fetched
+        before the next is planned (the loop to A/B against, and to debug).
       draft_ahead: with ``overlap``, a host drafter's chains (n-gram, suffix, predicted outputs, your
         ``HostDrafter``) are proposed while the step before runs, past that step's drafts assumed
         accepted, so their steps overlap too; a request whose step turns out otherwise verifies drafts

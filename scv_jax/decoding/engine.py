@@ -291,7 +291,7 @@ class Engine:
             keys = (stream_keys(params.seed) if params.seed is not None
                     else self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32).view(np.int32))
             scheduler.add(Request(request_id, prompt, params, sampling, keys, stops, runner.new_request_id(),
-                                  np.zeros(runner.proposer.max_depth, np.int64), matcher=matcher))
+                                  [0] * runner.proposer.max_depth, matcher=matcher))
             self.stats.prompt_tokens += len(prompt)
         return request_id
 
@@ -346,17 +346,17 @@ class Engine:
                 runner.write_controls(batch, admitted)
             prefill = scheduler.prefill()
             if prefill is not None:
-                runner.prefill(prefill, batch, stats, progress=self.progress)
+                runner.prefill(prefill, batch, stats, progress=self.progress, wait=before is None)
             pending, rows = None, scheduler.decode_rows()
             if rows.size:
                 started, layout = time.perf_counter(), runner.layout(batch, rows)
                 work = scheduler.schedule(rows, layout.computed)
                 if work.catch_up is not None:
-                    runner.prefill(work.catch_up, batch, stats)
+                    runner.prefill(work.catch_up, batch, stats, wait=before is None)
                 pending = runner.dispatch(work, batch, layout, stats, started, self._carry)
                 self._carry = pending.carry
             if before is not None:
-                outputs += self._finish(before)
+                outputs += self._finish(before, wait=pending is None)
             if pending is not None:
                 scheduler.while_device_runs(pending.work, layout.computed)   # (it learns from ``before`` too)
                 if not (runner.overlaps and scheduler.may_run_ahead(pending.work)):
@@ -367,9 +367,10 @@ class Engine:
                     scheduler.in_flight = None
             return outputs
 
-    def _finish(self, pending: PendingStep) -> list[RequestOutput]:
+    def _finish(self, pending: PendingStep, wait: bool = True) -> list[RequestOutput]:
         """Fetches a dispatched step and applies it: the outputs of its requests still running, the draft
-        top-up and ending of those that finished, the acceptance tally and the step's statistics."""
+        top-up and ending of those that finished, the acceptance tally and the step's statistics.
+        ``wait``: False while the next step is in flight (the top-up is not waited for)."""
         runner, scheduler = self.runner, self._scheduler
         result = runner.fetch(pending, self._fetched if runner.overlaps else 0.0)
         fetched = self._fetched = time.perf_counter()
@@ -377,7 +378,7 @@ class Engine:
         outputs = scheduler.update(pending.work, result)
         top_up = scheduler.top_up()
         if top_up is not None:
-            runner.prefill(top_up, scheduler.batch, self.stats)
+            runner.prefill(top_up, scheduler.batch, self.stats, wait=wait)
         scheduler.retire()
         if live.any():
             kept = result.subset(live) if not live.all() else result

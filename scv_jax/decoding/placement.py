@@ -174,6 +174,10 @@ class SingleDevice:
     def batch_buckets(self, sizes: Sequence[int]) -> tuple[int, ...]:
         return tuple(sorted(set(sizes)))
 
+    def replicated(self, array: np.ndarray) -> jax.Array:
+        """``array`` on the device (on a mesh: a copy on every device)."""
+        return jax.device_put(array)
+
     def step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (a step function returning ``(target_cache, draft_cache, *outputs)``) as it runs here."""
         return fn
@@ -241,6 +245,10 @@ class OnMesh(SingleDevice):
             return cache if features is None else HeadCache.wrap(cache, num_blocks, block_size, *features)
 
         return jax.jit(create, out_shardings=any_cache_shardings(jax.eval_shape(create), self.mesh))()
+
+    def replicated(self, array: np.ndarray) -> jax.Array:
+        # (from every process's own copy: a mesh may span processes)
+        return jax.make_array_from_callback(array.shape, NamedSharding(self.mesh, P()), lambda index: array[index])
 
     def batch_buckets(self, sizes: Sequence[int]) -> tuple[int, ...]:
         """Batch sizes rounded up to multiples of the data axis (every data shard gets the same rows)."""

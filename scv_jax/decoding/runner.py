@@ -125,8 +125,7 @@ class StepRunner:
         self.has_controls = mesh is None
         self._controls: ControlState | None = None
         self._control_writer = None
-        # one step in flight (one device: on a mesh every step is fetched before the next is planned)
-        self.overlaps = cfg.overlap and mesh is None
+        self.overlaps = cfg.overlap          # one step in flight
         self.lock = threading.RLock()        # one step at a time (engines on this decoder, threads)
         self.warmed_up = False
         self.controllers = {"greedy": self._make_controller(), "sampling": self._make_controller()} \
@@ -169,7 +168,7 @@ class StepRunner:
 
     def new_carry(self) -> jax.Array | None:
         """A carry for an engine's steps (``decoding.carry``; None when steps do not overlap)."""
-        return carry.zeros(self.largest_batch) if self.overlaps else None
+        return self.placement.replicated(carry.zeros(self.largest_batch)) if self.overlaps else None
 
     def _writer(self):
         """``ControlState.write`` compiled once (ahead of time: at warm-up, or the first request with controls)."""
@@ -228,11 +227,14 @@ class StepRunner:
         self.caches.put(new_target if use_target else target_cache, new_draft if use_draft else draft_cache)
         return outputs
 
-    def prefill(self, work: PrefillWork, batch: RequestBatch, stats: GenerateStats, *, progress: bool = False) -> None:
+    def prefill(self, work: PrefillWork, batch: RequestBatch, stats: GenerateStats, *, progress: bool = False,
+                wait: bool = True) -> None:
         """Commits ``work``'s tokens to both caches (the draft's alone when ``draft_only``: a catch-up,
-        counted in ``stats.catch_up_calls``), ``prefill_chunk`` tokens a call, and waits for the last chunk
-        (its time goes to ``stats.prefill_seconds``, a catch-up's to its step). The blocks of its positions
-        are allocated (``Scheduler.prefill``'s chunks; a catch-up's and a top-up's lie below the pending token)."""
+        counted in ``stats.catch_up_calls``), ``prefill_chunk`` tokens a call, and with ``wait`` waits for
+        the last chunk (its time goes to ``stats.prefill_seconds``, a catch-up's to its step). Without
+        (a decode step in flight, which the prefill queues behind: waiting would hold the next step's
+        dispatch until both ran) only the calls' host time counts. The blocks of its positions are
+        allocated (``Scheduler.prefill``'s chunks; a catch-up's and a top-up's lie below the pending token)."""
         rows, begin, count = work.rows, work.begin, work.count
         longest = int(count.max(initial=0))
         start = reported = time.perf_counter()
@@ -245,7 +247,7 @@ class StepRunner:
             layout = self.placement.rows(batch.shards[sub], self.prefill_executable)
             self._call(self.prefill_executable, stats, use_target=not work.draft_only,
                        use_draft=self.draft is not None, **layout.arrange(self.prefill_executable, **inputs))
-            if done >= longest:
+            if done >= longest and wait:
                 self.caches.put(*jax.block_until_ready(self.caches.take()))
             now = time.perf_counter()
             if progress and now - reported > PREFILL_PROGRESS_SECONDS:
@@ -558,7 +560,7 @@ class StepRunner:
                 if self.has_controls:
                     step["controls"] = _abstract(controls)
                 if self.overlaps:
-                    step["carry"] = jax.eval_shape(self.new_carry)
+                    step["carry"] = _abstract(self.new_carry())
                 if self.proposer.host is not None:
                     step["drafts"] = self._host_drafts(1, k)
                 models_k = {**models, **(draft if self.uses_draft(k) else no_draft)}

@@ -25,8 +25,11 @@ applied only to the requests still running as it was planned (``live``): one tha
 preempted since is dropped. With ``draft_ahead``, a host drafter's chains for such a request continue
 its tokens and the drafts of the step in flight, assumed accepted, after a guess of the token that step
 ends with (the drafter's first proposal; ``DecodeWork.assumed``); where that step turns out otherwise
-they are rejected, and the next step assumes none of them accepted. Steps whose planning needs the last
-tokens (``may_run_ahead``) are fetched first.
+they are rejected, and the next step assumes none of them accepted. A constrained request (structured
+output) sits out the step after one it runs in (``decode_rows``): its masks follow its grammar, which the
+host moves on only once that step is fetched; it runs again in the step after, its masks computed while the
+device runs. When constrained requests are more than a quarter of the batch, its steps run synchronously
+instead (``may_run_ahead``). Steps whose planning needs the last tokens (``may_run_ahead``) are fetched first.
 """
 
 from __future__ import annotations
@@ -64,6 +67,11 @@ class BlockPools(Protocol):
     def pick(self, need: Sequence[int], load: Sequence[int], growth: Sequence[int], per_shard: int) -> int | None: ...
 
 
+# the largest share of the running requests that may be constrained for steps to overlap (each constrained
+# request sitting out every other step); more make the steps synchronous (docs/engine.md, "One step in flight")
+CONSTRAINED_SIT_OUT_SHARE = 0.25
+
+
 @dataclasses.dataclass
 class Request:
     """A request's own state beside its ``RequestBatch`` row."""
@@ -75,7 +83,7 @@ class Request:
     keys: np.ndarray                # int32[2] its random stream
     stops: tuple[int, ...]
     controller_id: int
-    accepted_at: np.ndarray         # int64[max_depth] accepted drafts at each position
+    accepted_at: list[int]          # [max_depth] accepted drafts at each position
     row: int = -1                   # its RequestBatch row while it runs
     num_cached_tokens: int = 0      # prompt tokens its first admission found in the prefix cache
     token_ids: list[int] = dataclasses.field(default_factory=list)      # generated so far
@@ -88,7 +96,7 @@ class Request:
         stop_token = self.token_ids[-1] if reason == "stop" and self.token_ids[-1:] and \
             self.token_ids[-1] in self.stops else None
         return RequestOutput(self.request_id, tuple(new), tuple(self.token_ids), reason is not None, reason,
-                             self.drafted, int(self.accepted_at.sum()), tuple(self.accepted_at.tolist()), logprobs,
+                             self.drafted, sum(self.accepted_at), tuple(self.accepted_at), logprobs,
                              self.num_cached_tokens, self.prediction_accepted, self.prediction_rejected,
                              stop_token_id=stop_token)
 
@@ -195,10 +203,13 @@ class Scheduler:
     def may_run_ahead(self, work: DecodeWork) -> bool:
         """Whether the step after ``work`` may be planned before ``work``'s results are known: not with a
         host drafter (its drafts continue the tokens), unless its chains are drafted ahead (``draft_ahead``:
-        past ``work``'s drafts assumed accepted, ``_host_views``), a constrained request (its masks follow
-        its grammar) or a draft model after a k = 0 step (its catch-up reads the lag)."""
+        past ``work``'s drafts assumed accepted, ``_host_views``), a draft model after a k = 0 step (its
+        catch-up reads the lag), or while constrained requests are more than a quarter of the running ones:
+        each would sit out every other step (``decode_rows``), which costs more than the host's share of a
+        synchronous step unless that share is large (docs/engine.md, "One step in flight")."""
+        constrained = sum(r.matcher is not None for r in self.running.values())
         return ((self.proposer.host is None or (self.draft_ahead and self.proposer.host_chains))
-                and not any(r.matcher is not None for r in self.running.values())
+                and constrained <= CONSTRAINED_SIT_OUT_SHARE * len(self.running)
                 and not (self.proposer.has_draft_model and (work.drafts.step_k == 0 or self.batch.may_lag)))
 
     def _growth(self, rows: np.ndarray) -> np.ndarray:
@@ -372,11 +383,14 @@ class Scheduler:
 
     def decode_rows(self) -> np.ndarray:
         """int64[n] the requests the next decode step runs: those prefilled (``RequestBatch.decoding``) but
-        those the step in flight surely ends (it emits at least one token: their last)."""
+        those the step in flight surely ends (it emits at least one token: their last) and the constrained
+        ones it runs (their grammars move on when it is fetched: they run in the step after)."""
         rows = self.batch.decoding
         if self.in_flight is None:
             return rows
-        return rows[(self._ahead(rows) == 0) | (self.batch.budget[rows] > 1)]
+        ahead = self._ahead(rows) > 0
+        constrained = np.array([self.running[row].matcher is not None for row in rows.tolist()], np.bool_)
+        return rows[~ahead | ((self.batch.budget[rows] > 1) & ~constrained)]
 
     def schedule(self, rows: np.ndarray, computed_rows: int) -> DecodeWork:
         """The next decode step, of the requests at ``rows`` (``decode_rows``); ``computed_rows``: the rows
@@ -581,26 +595,32 @@ class Scheduler:
     def _outputs(self, work: DecodeWork, requests: list[Request], appended: np.ndarray, done: np.ndarray,
                  stopped: np.ndarray, result: StepResult) -> list[RequestOutput]:
         """Each request's output of the step (those that emitted or ended), after recording its tokens."""
-        outputs, state, host, predicted = [], self.batch, self.proposer.host, work.drafts.predicted
+        outputs, host, predicted = [], self.proposer.host, work.drafts.predicted
+        # one conversion per array: per-row numpy indexing is what a step's host time at batch 256 was
+        emitted, counts, ended, by_stop = (result.output_token_ids.tolist(), appended.tolist(), done.tolist(),
+                                           stopped.tolist())
+        verified, accepted = result.num_verified.tolist(), result.num_accepted.tolist()
         for i, request in enumerate(requests):
-            row, count = request.row, int(appended[i])
-            request.drafted += int(result.num_verified[i])
-            request.accepted_at[:int(result.num_accepted[i])] += 1
+            count, verified_i, accepted_i = counts[i], verified[i], accepted[i]
+            request.drafted += verified_i
+            at = request.accepted_at
+            for position in range(accepted_i):
+                at[position] += 1
             if predicted is not None and predicted[i]:
-                request.prediction_accepted += int(result.num_accepted[i])
-                request.prediction_rejected += int(result.num_verified[i] - result.num_accepted[i])
-            new = state.tokens[row, state.length[row] - count:state.length[row]].tolist()
+                request.prediction_accepted += accepted_i
+                request.prediction_rejected += verified_i - accepted_i
+            new = emitted[i][:count]            # what ``RequestBatch.advance`` appended
             request.token_ids += new
             if host is not None and new:
                 host.extend(request.request_id, new)
-            if not (count or done[i]):
+            if not (count or ended[i]):
                 continue
             n, logprobs = request.params.logprobs, result.logprobs
             token_logprobs = None if n is None else tuple(
                 TokenLogprob(token, float(logprobs.logprob[i, j]),
                              tuple(zip(logprobs.top_ids[i, j, :n].tolist(), logprobs.top_logprobs[i, j, :n].tolist())))
                 for j, token in enumerate(new))
-            reason = ("stop" if stopped[i] else "length") if done[i] else None
+            reason = ("stop" if by_stop[i] else "length") if ended[i] else None
             outputs.append(request.output(new, reason, token_logprobs))
         return outputs
 

@@ -20,7 +20,8 @@ class GenerateStats:
       tokens_per_second: generated tokens / (wall_seconds - compile_seconds): decoding speed with
         compilation excluded.
       wall_seconds: the whole call; prefill_seconds: its prefill part (compilation included; with
-        ``max_num_seqs``, the prefills of the requests admitted later too).
+        ``max_num_seqs``, the prefills of the requests admitted later too: of those dispatched behind a
+        step in flight, only the host's part, their device time falling in the next step's).
       step_seconds: {(padded batch, k): [steps, seconds, host seconds]} the decode steps by shape,
         steps that compiled or ran their executable for the first time excluded (one-off costs):
         their wall time (host work, device work and the one fetch of each step; with the device

@@ -163,7 +163,7 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
     return dict(
         tokens={mode: out.tokens for mode, out in outputs.items()},
         preemptions=outputs["tight"].stats.num_preemptions, prefix_hits=outputs["tight"].stats.prefix_cache_hits,
-        acceptance=outputs["greedy"].stats.acceptance_rate, warmup_compiles=warmup,
+        acceptance=outputs["greedy"].stats.acceptance_rate, warmup_compiles=warmup, overlaps=decoder.runner.overlaps,
         compiles_after_warmup=compiles.count + compiles.loads,
         graph={k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)
                for k, s in decoder.graph_stats.items()},

@@ -1,6 +1,6 @@
-"""The decoder on meshes of CPU devices (each run in its own interpreter, ``mesh_worker``): greedy (all at
-once, two at a time (``max_num_seqs=2``) and through preemptions in a tight pool) and sampled tokens
-identical to one device, the shardings
+"""The decoder on meshes of CPU devices (each run in its own interpreter, ``mesh_worker``), one step in
+flight (the default): greedy (all at once, two at a time (``max_num_seqs=2``) and through preemptions in a
+tight pool) and sampled tokens identical to one device, the shardings
 (bytes per device), zero compiles after warm-up, in-place donations, clear errors, and one
 ``generate`` over two processes."""
 
@@ -48,6 +48,7 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
     assert run["preemptions"] > 0 or data == 8, spec      # 8 shards: each runs about one request
     assert run["prefix_hits"] > 0 or data > 1, spec        # one pool: the repeated prompts reuse their blocks
     assert run["warmup_compiles"] > 0 and run["compiles_after_warmup"] == 0, spec
+    assert run["overlaps"], spec                           # one step in flight (the default) on a mesh too
     assert all(v == 0 for stats in run["graph"].values() for v in stats.values()), run["graph"]
     assert run["free_blocks"] == 64
     target_kv, draft_kv = kv_heads
@@ -67,7 +68,9 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
     # never of a cache (they are as large as a device's share of the target cache's pages / 4 at most here)
     pages = run["target_cache"]["k_pages"]["device_bytes"][0] // 4
     kinds = {op for op, _ in run["collectives"]}
-    assert run["collectives"] and kinds <= {"all-reduce", "all-gather"}, run["collectives"]
+    assert run["collectives"] and kinds <= {"all-reduce", "all-gather", "collective-permute"}, run["collectives"]
+    # (sampled steps moving a request's rows on by the carry permute a few of their per-request values)
+    assert all(size <= 4 for op, size in run["collectives"] if op == "collective-permute"), run["collectives"]
     assert max(size for _, size in run["collectives"]) < pages, (spec, pages, run["collectives"])
 
 

@@ -86,7 +86,8 @@ def test_rows_not_carried_and_padding_are_left_alone():
     """A row not marked carried reads nothing from the carry, and padding rows (no budget) write nothing."""
     rows = np.zeros((3, StepRow.WIDTH), np.int32)
     rows[:, StepRow.SLOT], rows[:, StepRow.BUDGET], rows[:, StepRow.CONTEXT] = [0, 1, 2], [5, 0, 5], 7
-    full = carry.zeros(SLOTS).at[:, CarryColumn.EMITTED].set(3).at[:, CarryColumn.DONE].set(1)
+    full = carry.zeros(SLOTS)
+    full[:, CarryColumn.EMITTED], full[:, CarryColumn.DONE] = 3, 1
     sampling, tables = np.zeros((3, SamplingColumn.WIDTH), np.float32), np.arange(6, dtype=np.int32).reshape(3, 2)
     moved, _, moved_tables = carried_inputs(full, rows, sampling, tables)
     assert np.array_equal(moved, rows) and np.array_equal(moved_tables, tables)

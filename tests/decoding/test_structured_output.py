@@ -119,6 +119,47 @@ def test_greedy_constrained_equals_the_oracle(target_logits, tokenizer, decoders
     assert engine.num_free_blocks == engine.num_blocks
 
 
+@pytest.mark.parametrize("drafter, num_constrained", [("target", 1), ("model", 1), ("target", 2)])
+def test_constrained_requests_sit_out_every_other_step_in_flight(target_logits, tokenizer, decoders, drafter,  # noqa: F811
+                                                                 num_constrained):
+    """One step in flight with constrained requests a quarter of the batch: the plain requests emit every
+    step, each constrained one every other step (its grammar moves on when its step is fetched, and its
+    masks are computed while the step after runs); with half the batch constrained the steps are
+    synchronous, every request emitting every step. Greedy outputs equal the oracle's and the plain
+    requests' autoregressive ones."""
+    engine = Engine(decoders[drafter], tokenizer=tokenizer)
+    assert engine.overlaps
+    constrained = {"c0": (PROMPTS[0], "json"), "c1": (PROMPTS[1], "regex")}
+    constrained = dict(list(constrained.items())[:num_constrained])
+    for request_id, (prompt, name) in constrained.items():
+        engine.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS[name]),
+                           request_id)
+    plain = {f"p{i}" for i in range(4 - num_constrained)}          # (SMALL runs 4 requests at most)
+    for request_id in sorted(plain):
+        engine.add_request(PROMPTS[int(request_id[1])], SamplingParams(max_tokens=MAX_TOKENS), request_id)
+    outputs, emitted = {}, []                 # emitted: per step, the requests that emitted
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        step = engine.step()
+        emitted.append({out.request_id for out in step if out.new_token_ids})
+        for out in step:
+            outputs.setdefault(out.request_id, []).append(out)
+    plain_running = [i for i, ids in enumerate(emitted) if plain <= ids]
+    window = range(plain_running[0], plain_running[-1])      # (their last step ends them: the batch changes)
+    assert len(window) >= 4 and all(plain <= emitted[i] for i in window)
+    for request_id in constrained:
+        steps = [i for i in window if request_id in emitted[i]]
+        gap = 2 if num_constrained == 1 else 1
+        assert len(steps) >= 2 and all(b - a == gap for a, b in zip(steps, steps[1:])), (request_id, steps)
+    for request_id, (prompt, name) in constrained.items():
+        assert tokens(outputs, request_id) == oracle(target_logits, tokenizer, prompt, CONSTRAINTS[name])
+    for request_id in plain:
+        prompt = PROMPTS[int(request_id[1])]
+        assert tokens(outputs, request_id) == decoders["target"].generate([prompt], MAX_TOKENS).tokens[0]
+    assert engine.num_free_blocks == engine.num_blocks
+
+
 class Forbidden(HostDrafter):
     """Proposes ``a`` ``1`` ``a`` every step: under the regex ``[ab]+`` (no token forced) ``1`` is forbidden."""
 
