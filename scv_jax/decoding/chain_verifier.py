@@ -208,6 +208,11 @@ def compact_drafts(x: jax.Array, source: jax.Array) -> jax.Array:
     return gathered.reshape(shards * slots, *x.shape[2:])
 
 
+def greedy_ids(logits: jax.Array) -> jax.Array:
+    """int32[...] the argmax of float[..., V] ``logits`` (the first of tied maxima)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, proposal: ChainProposal,
                       num_drafts: jax.Array, keys: jax.Array, sampling: jax.Array, block_tables: jax.Array,
                       context_lens: jax.Array, request_mask: jax.Array, *, block_size: int, greedy: bool,
@@ -237,7 +242,7 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
     if packed is None:
         mesh = active_mesh()
         cu, source = ragged_slots(num_drafts, k, 1 if mesh is None else mesh.shape[DATA])
-        draft_logits = lambda: compact_drafts(scored.logits[:, :k], source)  # noqa: E731
+        target_ids = lambda: compact_drafts(greedy_ids(scored.logits[:, :k]), source)  # noqa: E731
         target_probs = lambda: compact_drafts(  # noqa: E731
             filtered_probs(scored.logits[:, :k], *sampling_filters(sampling), backend="xla"), source)
         after_last = row_at(scored.logits, num_drafts)
@@ -249,6 +254,7 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
         token_of_slot = jnp.minimum(jnp.arange(num_tokens - batch, dtype=jnp.int32) + source[0] // k,
                                     num_tokens - 1)
         draft_logits = lambda: scored.logits[token_of_slot]  # noqa: E731
+        target_ids = lambda: greedy_ids(scored.logits)[token_of_slot]  # noqa: E731
         target_probs = lambda: filtered_probs(  # noqa: E731
             draft_logits(), *sampling_filters(sampling), rows=packed.rows[token_of_slot], backend="xla")
         after_last = scored.logits[cu[1:] + jnp.arange(batch, dtype=jnp.int32)]
@@ -260,9 +266,8 @@ def accept_and_commit(target_cache: PagedKVCache, scored: PagedForwardOutput, pr
     # logits): with k = 0 the acceptance does not depend on them, and XLA:CPU would copy the donated
     # cache instead of updating it in place (tests/decoding: test_decode_steps_update_the_caches_in_place)
     target_cache, _ = jax.lax.optimization_barrier((target_cache, bonus))
-    if greedy:        # the argmax is fused into the acceptance (with no draft slot there is none to take)
-        acceptance = (dict(target_logits=draft_logits()) if k
-                      else dict(target_token_ids=jnp.zeros((0,), jnp.int32)))
+    if greedy:        # the target's argmax at each draft slot (the argmax before the slots are gathered: ids, not logits)
+        acceptance = dict(target_token_ids=target_ids() if k else jnp.zeros((0,), jnp.int32))
     else:
         acceptance = dict(target_probs=target_probs(),
                           draft_probs=None if proposal.probs is None else compact(proposal.probs),
