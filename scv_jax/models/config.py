@@ -61,6 +61,12 @@ class TransformerConfig:
     the LM head is the embedding matrix. ``max_position_embeddings``: None or the most positions
     (prompt + generated) the model was trained for (Hugging Face's field of that name); ``generate``
     refuses longer requests.
+
+    Mixture of experts (Qwen3-MoE, Mixtral; ``scv_jax.models.moe``): ``num_experts`` 0 (default) is
+    the dense SwiGLU of ``ffn_dim`` units; E >= 1 replaces it in every layer by E SwiGLU experts of
+    ``moe_ffn_dim`` units (None: ``ffn_dim``), of which each token uses ``num_experts_per_tok`` (k,
+    1 <= k <= E) chosen by a softmax router; ``norm_topk_prob``: the k weights are renormalised to
+    sum to 1 (Mixtral always; Qwen3-MoE's field of that name).
     """
 
     vocab_size: int = 256
@@ -79,6 +85,10 @@ class TransformerConfig:
     rope_scaling: Llama3RopeScaling | None = None
     sliding_window: int | None = None
     max_position_embeddings: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_ffn_dim: int | None = None
+    norm_topk_prob: bool = True
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim",
@@ -97,11 +107,26 @@ class TransformerConfig:
         for name in ("sliding_window", "max_position_embeddings"):
             if getattr(self, name) is not None and not is_int(getattr(self, name), 1):
                 raise ValueError(f"TransformerConfig.{name} must be None or an int >= 1, got {getattr(self, name)!r}")
+        if not is_int(self.num_experts, 0):
+            raise ValueError(f"TransformerConfig.num_experts must be an int >= 0, got {self.num_experts!r}")
+        k = self.num_experts_per_tok
+        if not is_int(k, 1) or (self.num_experts and k > self.num_experts):
+            raise ValueError(f"TransformerConfig.num_experts_per_tok must be an int in [1, num_experts "
+                             f"({self.num_experts})], got {k!r}")
+        if self.moe_ffn_dim is not None and not is_int(self.moe_ffn_dim, 1):
+            raise ValueError(f"TransformerConfig.moe_ffn_dim must be None or an int >= 1, got {self.moe_ffn_dim!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"TransformerConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
 
     @property
     def jnp_dtype(self) -> jnp.dtype:
         """The parameter and activation dtype as a ``jnp.dtype``."""
         return jnp.dtype(self.dtype)
+
+    @property
+    def expert_ffn_dim(self) -> int:
+        """Each expert's SwiGLU width: ``moe_ffn_dim``, or ``ffn_dim`` when that is None."""
+        return self.ffn_dim if self.moe_ffn_dim is None else self.moe_ffn_dim
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict; ``TransformerConfig.from_dict`` reads it back."""

@@ -1,5 +1,5 @@
-"""Loading Hugging Face checkpoints (Llama 2/3/3.1/3.2, Qwen2, Qwen3, Mistral) from a local directory
-or the Hugging Face Hub (``scv_jax.models.hub``).
+"""Loading Hugging Face checkpoints (Llama 2/3/3.1/3.2, Qwen2, Qwen3, Mistral, and the mixtures of
+experts Qwen3-MoE and Mixtral) from a local directory or the Hugging Face Hub (``scv_jax.models.hub``).
 
     model = scv_jax.models.load_hf("/path/to/Llama-3.2-1B", dtype="bfloat16")
     model = scv_jax.models.load_hf("meta-llama/Llama-3.2-1B", revision="main")
@@ -9,6 +9,21 @@ The directory holds ``config.json`` and ``model.safetensors`` or a sharded
 cast to the model dtype and written into preallocated stacked arrays, so loading needs about the
 model's size in memory. A config field or tensor the model cannot honour raises ``ValueError``
 naming it: nothing is silently approximated.
+
+Mixtures of experts (``Qwen3MoeForCausalLM``, ``MixtralForCausalLM``; ``scv_jax.models.moe``): the
+router (Qwen3-MoE ``mlp.gate.weight``, Mixtral ``block_sparse_moe.gate.weight``, [E, hidden]) and
+each expert's SwiGLU (Qwen3-MoE ``mlp.experts.{e}.{gate,up,down}_proj.weight``, Mixtral
+``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``) are read, the experts of a layer stacked on a
+leading [E] axis. Config fields read: ``num_experts`` (Qwen3-MoE) / ``num_local_experts``
+(Mixtral), ``num_experts_per_tok``, the expert width ``moe_intermediate_size`` (Qwen3-MoE) /
+``intermediate_size`` (Mixtral), ``norm_topk_prob`` (Qwen3-MoE, default false; Mixtral always
+renormalises). Refused: Qwen3-MoE ``decoder_sparse_step`` other than 1 and a non-empty
+``mlp_only_layers`` (dense layers among the MoE ones), as is Qwen3's ``use_sliding_window``.
+Ignored, as they only matter in training: ``router_aux_loss_coef``, ``output_router_logits``
+(the load-balancing loss) and Mixtral's ``router_jitter_noise`` (noise on the router input, applied
+by transformers in training mode only); Qwen3-MoE's ``max_window_layers`` only matters with
+``use_sliding_window``, which is refused. Qwen3-MoE's dense ``intermediate_size`` is kept as
+``ffn_dim`` but unused (every layer is MoE).
 """
 
 from __future__ import annotations
@@ -26,7 +41,9 @@ from scv_jax.models.config import Llama3RopeScaling, TransformerConfig, canonica
 from scv_jax.models.hub import checkpoint_dir
 from scv_jax.models.transformer import Transformer
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                 "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -48,6 +65,15 @@ _LAYER_TENSORS = {
     "mlp/up/kernel": ("mlp.up_proj.weight", True),
     "mlp/down/kernel": ("mlp.down_proj.weight", True),
 }
+# Mixture-of-experts layer tensors, per architecture: the router ([E, hidden], transposed to our
+# [hidden, E]) and each expert's projections (our stacked "mlp/experts_*" [E, in, out] from E tensors
+# "<experts>.{e}.<name>" stored [out, in]).
+_MOE_TENSORS = {
+    "Qwen3MoeForCausalLM": ("mlp.gate.weight", "mlp.experts",
+                            {"experts_gate": "gate_proj", "experts_up": "up_proj", "experts_down": "down_proj"}),
+    "MixtralForCausalLM": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts",
+                           {"experts_gate": "w1", "experts_up": "w3", "experts_down": "w2"}),
+}
 _GLOBAL_TENSORS = {
     "embed/embedding": ("model.embed_tokens.weight", False),
     "final_norm/scale": ("model.norm.weight", False),
@@ -55,12 +81,26 @@ _GLOBAL_TENSORS = {
 }
 
 
-def hf_tensor_name(name: str, layer: int | None) -> tuple[str, bool]:
-    """(Hugging Face tensor name, transposed?) of our parameter ``name`` (of ``layer``)."""
+def hf_tensor_name(name: str, layer: int | None, architecture: str | None = None,
+                   expert: int | None = None) -> tuple[str, bool]:
+    """(Hugging Face tensor name, transposed?) of our parameter ``name`` (of ``layer``; of ``expert``
+    for the stacked expert weights ``blocks/mlp/experts_*``, whose names ``architecture``, one of
+    ``MOE_ARCHITECTURES``, decides, as it does the router's ``blocks/mlp/router/kernel``)."""
     if layer is None:
         return _GLOBAL_TENSORS[name]
-    hf_name, transposed = _LAYER_TENSORS[name[len(LAYER_PREFIX):]]
-    return f"model.layers.{layer}.{hf_name}", transposed
+    local = name[len(LAYER_PREFIX):]
+    if local in _LAYER_TENSORS:
+        hf_name, transposed = _LAYER_TENSORS[local]
+        return f"model.layers.{layer}.{hf_name}", transposed
+    router, experts, projections = _MOE_TENSORS[architecture]
+    if local == "mlp/router/kernel":
+        return f"model.layers.{layer}.{router}", True
+    return f"model.layers.{layer}.{experts}.{expert}.{projections[local[len('mlp/'):]]}.weight", True
+
+
+def _is_expert(name: str) -> bool:
+    """Whether parameter ``name`` is a stacked expert weight ([layers, E, in, out])."""
+    return name.startswith(f"{LAYER_PREFIX}mlp/experts_")
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -106,7 +146,17 @@ def _reject_unsupported(hf: dict, architecture: str) -> None:
                   "Qwen3ForCausalLM": ("attention_bias",)}.get(architecture, ()):
         if hf.get(field):
             raise ValueError(f"{field}: true is not supported for {architecture}")
-    if hf.get("use_sliding_window") and architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture == "Qwen3MoeForCausalLM":
+        if hf.get("attention_bias"):
+            raise ValueError(f"attention_bias: true is not supported for {architecture}")
+        if hf.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(f"decoder_sparse_step {hf['decoder_sparse_step']!r} is not supported (only 1: "
+                             "every layer a mixture of experts)")
+        if hf.get("mlp_only_layers"):
+            raise ValueError(f"mlp_only_layers {hf['mlp_only_layers']!r} is not supported (only []: every layer "
+                             "a mixture of experts)")
+    if hf.get("use_sliding_window") and architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                                         "Qwen3MoeForCausalLM"):
         raise ValueError(f"use_sliding_window: true (sliding-window layers) is not supported for {architecture}")
     other_layers = sorted({t for t in hf.get("layer_types") or [] if t != "full_attention"})
     if other_layers:
@@ -150,15 +200,31 @@ def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
     # with use_sliding_window (rejected above); Llama never.
     window = _optional({"sliding_window": 4096, **hf}, "sliding_window", None) \
         if architecture == "MistralForCausalLM" else None
+    moe = {}
+    if architecture == "MixtralForCausalLM":       # Mixtral: sliding_window honoured, null by default
+        window = _optional(hf, "sliding_window", None)
+        moe = dict(num_experts=_required(hf, "num_local_experts"),
+                   num_experts_per_tok=_required(hf, "num_experts_per_tok"),
+                   moe_ffn_dim=_required(hf, "intermediate_size"), norm_topk_prob=True)
+    elif architecture == "Qwen3MoeForCausalLM":
+        norm = hf.get("norm_topk_prob", False)
+        if not isinstance(norm, bool):
+            raise ValueError(f"norm_topk_prob must be true or false, got {norm!r}")
+        moe = dict(num_experts=_required(hf, "num_experts"), num_experts_per_tok=_required(hf, "num_experts_per_tok"),
+                   moe_ffn_dim=_required(hf, "moe_intermediate_size"), norm_topk_prob=norm)
+    if moe and moe["num_experts_per_tok"] > moe["num_experts"]:
+        raise ValueError(f"num_experts_per_tok ({moe['num_experts_per_tok']}) must be at most the number of experts "
+                         f"({moe['num_experts']})")
     return TransformerConfig(
         vocab_size=_required(hf, "vocab_size"), num_layers=_required(hf, "num_hidden_layers"), d_model=hidden,
         num_heads=heads, num_kv_heads=_optional(hf, "num_key_value_heads", heads),
         head_dim=_optional(hf, "head_dim", hidden // heads), ffn_dim=_required(hf, "intermediate_size"),
         rope_theta=rope_theta, norm_eps=_number(hf, "rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
-        qkv_bias=architecture == "Qwen2ForCausalLM", qk_norm=architecture == "Qwen3ForCausalLM",
+        qkv_bias=architecture == "Qwen2ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         rope_scaling=rope_scaling, sliding_window=window,
-        max_position_embeddings=_optional(hf, "max_position_embeddings", None))
+        max_position_embeddings=_optional(hf, "max_position_embeddings", None), **moe)
 
 
 # ---------------------------------------------------------------------------------------- tensors
@@ -193,15 +259,19 @@ def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
         return {name: single for name in f.keys()}
 
 
-def _expected_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
-    """{Hugging Face tensor name: its shape in the checkpoint} for every parameter of the model."""
+def _expected_shapes(config: TransformerConfig, architecture: str) -> dict[str, tuple[int, ...]]:
+    """{Hugging Face tensor name: its shape in the checkpoint} for every parameter of the model (one
+    tensor per expert for the stacked expert weights)."""
     expected = {}
     for name, spec in parameter_shapes(config).items():
         stacked = name.startswith(LAYER_PREFIX)
         shape = spec.shape[1:] if stacked else spec.shape
+        experts = range(shape[0]) if _is_expert(name) else [None]
+        shape = shape[1:] if _is_expert(name) else shape
         for layer in range(spec.shape[0]) if stacked else [None]:
-            hf_name, transposed = hf_tensor_name(name, layer)
-            expected[hf_name] = tuple(reversed(shape)) if transposed else tuple(shape)
+            for expert in experts:
+                hf_name, transposed = hf_tensor_name(name, layer, architecture, expert)
+                expected[hf_name] = tuple(reversed(shape)) if transposed else tuple(shape)
     return expected
 
 
@@ -230,7 +300,8 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16", revision: str 
       path: a local model directory with ``config.json`` and ``model.safetensors`` or
         ``model.safetensors.index.json`` plus its shards, or a Hugging Face Hub id (``org/name``) of
         one. Architectures: LlamaForCausalLM (incl. ``rope_scaling`` type "llama3"), Qwen2ForCausalLM,
-        Qwen3ForCausalLM (q/k norms), MistralForCausalLM (sliding window honoured).
+        Qwen3ForCausalLM (q/k norms), MistralForCausalLM (sliding window honoured),
+        Qwen3MoeForCausalLM and MixtralForCausalLM (mixtures of experts, ``scv_jax.models.moe``).
       dtype: parameter and activation dtype, "bfloat16" (default), "float16" or "float32"; the
         checkpoint's tensors are cast one at a time.
       revision: a Hub id's branch, tag or commit hash (None: its default branch).
@@ -255,12 +326,21 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16", revision: str 
     files = _weight_files(directory)
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(open_safetensors(file)) for file in sorted(set(files.values()))}
-        _check_tensors(directory, _expected_shapes(config), files, handles, config)
+        architecture = hf["architectures"][0]
+        _check_tensors(directory, _expected_shapes(config, architecture), files, handles, config)
 
-        def read(name: str, layer: int | None) -> tuple[np.ndarray, str]:
-            hf_name, transposed = hf_tensor_name(name, layer)
+        def read_one(name: str, layer: int | None, expert: int | None = None) -> tuple[np.ndarray, str]:
+            hf_name, transposed = hf_tensor_name(name, layer, architecture, expert)
             tensor = handles[files[hf_name]].get_tensor(hf_name)
             return (tensor.T if transposed else tensor), f"load_hf: tensor {hf_name} in {files[hf_name]}"
+
+        def read(name: str, layer: int | None) -> tuple[np.ndarray, str]:
+            if not _is_expert(name):
+                return read_one(name, layer)
+            # one layer's experts stacked [E, in, out]
+            hf_name = hf_tensor_name(name, layer, architecture, "{e}")[0]    # type: ignore[arg-type]
+            return (np.stack([read_one(name, layer, e)[0] for e in range(config.num_experts)]),
+                    f"load_hf: tensors {hf_name} (e < {config.num_experts})")
 
         return assemble_transformer(config, read)
 

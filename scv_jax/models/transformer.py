@@ -15,6 +15,7 @@ from flax import nnx
 
 from scv_jax.models.attention import causal_attention
 from scv_jax.models.config import TransformerConfig
+from scv_jax.models.moe import MoE
 from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
 from scv_jax.models.rope import apply_rope, inverse_frequencies
 from scv_jax.ops.attention.api import tree_depths
@@ -93,13 +94,14 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One decoder layer (pre-norm attention and SwiGLU, residual connections)."""
+    """One decoder layer (pre-norm attention and SwiGLU, residual connections); the SwiGLU is a
+    mixture of experts (``scv_jax.models.moe.MoE``) when ``config.num_experts > 0``."""
 
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, config.jnp_dtype)
         self.attn = Attention(config, rngs)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps, config.jnp_dtype)
-        self.mlp = SwiGLU(config, rngs)
+        self.mlp = MoE(config, rngs) if config.num_experts else SwiGLU(config, rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend):
         attn_out, k, v = self.attn(self.attn_norm(x), positions, attend)

@@ -5,6 +5,8 @@ all-reduces (after o and after down), which XLA's SPMD partitioner inserts from 
 attention is local to a shard's heads. Norms are replicated (Qwen3's q/k norms too: one scale
 shared by all heads). The embedding and the LM head are vocabulary-parallel (rows / columns split
 over "model", when the vocabulary divides) or replicated. Everything is replicated over "data".
+A mixture of experts' router and expert weights (``scv_jax.models.moe``) are replicated: every
+shard runs the whole MoE block on the (replicated) activations; no expert or tensor parallelism yet.
 
 KV heads: with at least as many KV heads as shards, each shard holds ``kv_heads / model`` of them;
 with fewer, each KV head is replicated ``model / kv_heads`` times (vLLM's rule) so every shard holds
@@ -62,7 +64,7 @@ class HeadLayout:
             raise ValueError(f"{who}: num_kv_heads ({kv}) cannot be split over the mesh's model axis "
                              f"({model_size}): KV heads are divided among the shards, or replicated when "
                              "fewer, so one must be a multiple of the other")
-        if config.ffn_dim % model_size:
+        if not config.num_experts and config.ffn_dim % model_size:       # MoE: experts replicated
             raise ValueError(f"{who}: ffn_dim ({config.ffn_dim}) must be a multiple of the mesh's model axis "
                              f"({model_size}) (gate/up columns and down rows are split over it)")
         group = heads // kv

@@ -4,7 +4,10 @@ For each architecture (``llama``: Llama 2 style, sharded float32; ``llama3_scale
 style, GQA, explicit head_dim, rope_scaling "llama3", tied embeddings, bfloat16 on disk; ``qwen2``:
 q/k/v biases, tied embeddings; ``mistral``: GQA, sliding window shorter than the sequences,
 bfloat16 on disk; ``qwen3``: q/k RMS norms, GQA, head_dim 16 (not hidden / heads), tied embeddings,
-bfloat16 on disk) it writes ``<name>/`` with
+bfloat16 on disk; ``qwen3_moe``: Qwen3-MoE, every layer 4 experts of width 32 (the dense
+intermediate_size 64 unused), top-2 without renormalisation (norm_topk_prob false), q/k norms,
+untied, sharded bfloat16; ``mixtral``: 4 experts of width 32, top-2 (renormalised), GQA (1 KV head),
+sliding window 12, bfloat16 on disk) it writes ``<name>/`` with
 
 - ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards + index),
 - ``tokenizer.json``: a tiny BPE tokenizer (``tokenizers``) whose vocabulary is the model's,
@@ -32,7 +35,8 @@ deterministic for a given torch/transformers version), from the repository root:
 committed checkpoint and ``expected.json``, after checking that the logits of that forward are
 ``logits.npz``'s (how those files were added, with torch 2.13.0+cpu). Made with
 torch 2.13.0+cpu, transformers 4.57.6, tokenizers 0.22.2; ``qwen3`` later, alone, with torch
-2.14.1+cu130 (PyPI's wheel, run on the CPU, Python 3.12), transformers 4.57.6, tokenizers 0.22.2
+2.14.1+cu130 (PyPI's wheel, run on the CPU, Python 3.12), transformers 4.57.6, tokenizers 0.22.2;
+``qwen3_moe`` and ``mixtral`` later, with torch 2.14.1 (Python 3.11), transformers 4.57.6
 (each fixture's ``expected.json`` records its versions).
 """
 
@@ -89,6 +93,17 @@ FIXTURES = {
         config=transformers.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
                                         rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=True),
         dtype=torch.bfloat16, shard_size=None, style="bytelevel"),
+    "qwen3_moe": dict(
+        config=transformers.Qwen3MoeConfig(**COMMON, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
+                                           rms_norm_eps=1e-6, attention_bias=False, tie_word_embeddings=False,
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+        dtype=torch.bfloat16, shard_size="40KB", style="bytelevel"),
+    "mixtral": dict(
+        config=transformers.MixtralConfig(**{**COMMON, "intermediate_size": 32}, num_key_value_heads=1,
+                                          rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=12,
+                                          tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+        dtype=torch.bfloat16, shard_size=None, style="metaspace"),
 }
 
 
@@ -160,7 +175,8 @@ def make(name: str, spec: dict, seed: int) -> dict | None:
     torch.manual_seed(seed)
     config = spec["config"]
     config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                             "mistral": "MistralForCausalLM"}[config.model_type]]
+                             "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                             "mixtral": "MixtralForCausalLM"}[config.model_type]]
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     randomize(model, seed)
     model.generation_config.eos_token_id = None       # always 32 new tokens
