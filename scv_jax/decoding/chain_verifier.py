@@ -320,11 +320,10 @@ def score_chain(target, target_cache: PagedKVCache, block_tables: jax.Array, inp
     return ChainScored(out, num_drafts, packed)
 
 
-@dataclasses.dataclass(frozen=True)
-class ChainVerifier:
-    """Chains of drafts: host drafts int32[B, k] or a draft model's (``propose``), see the module docstring."""
+class DraftModelVerifier:
+    """What the verifiers of host drafts or a draft model's (not an EAGLE head's) share: their prefill
+    (``make_prefill_step``) and their k = 0 steps (a ``ChainVerifier``'s, with no drafts)."""
 
-    name = "chain"
     every_step = False
 
     def stages(self, k: int) -> "Verifier":
@@ -332,6 +331,13 @@ class ChainVerifier:
 
     def prefill_step(self, target: SplitModel, draft: SplitModel | None, block_size: int):
         return make_prefill_step(target, draft, block_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainVerifier(DraftModelVerifier):
+    """Chains of drafts: host drafts int32[B, k] or a draft model's (``propose``), see the module docstring."""
+
+    name = "chain"
 
     def drafts_shape(self, k: int) -> tuple[int, ...]:
         return (k,)

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 
 from pallas_kernels.sampling_math import argmax_ignoring_nan
 from pallas_kernels.tree_mask import ancestor_mask, depths
-from scv_jax.decoding.chain_verifier import ChainVerifier
-from scv_jax.decoding.device_step import (ACCEPT_TAG, LogitControls, SplitModel, StepInputs, controlled, flatten_rows,
-                                          make_prefill_step, sampling_filters, tagged_keys)
+from scv_jax.decoding.chain_verifier import DraftModelVerifier
+from scv_jax.decoding.device_step import (ACCEPT_TAG, LogitControls, StepInputs, controlled, flatten_rows,
+                                          sampling_filters, tagged_keys)
 from scv_jax.decoding.positions import MAX_CATCH_UP
 from scv_jax.decoding.tree_config import TreeConfig
-from scv_jax.decoding.verifiers import Verifier, row_at
+from scv_jax.decoding.verifiers import row_at
 from scv_jax.models.protocol import PagedForwardOutput, StagedKV
 from scv_jax.ops.commit.api import slots_from_block_table
 from scv_jax.ops.commit.kv_cache import PagedKVCache
@@ -259,19 +259,12 @@ class TreeScored(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeVerifier:
+class TreeVerifier(DraftModelVerifier):
     """Token trees of ``tree``'s shape: host trees int32[B, 2, N] or a draft model's (``draft_tree``), see
     the module docstring. k is the node count N."""
 
     tree: TreeConfig
     name = "tree"
-    every_step = False
-
-    def stages(self, k: int) -> "Verifier":
-        return self if k else ChainVerifier()
-
-    def prefill_step(self, target: SplitModel, draft: SplitModel | None, block_size: int):
-        return make_prefill_step(target, draft, block_size)
 
     def drafts_shape(self, k: int) -> tuple[int, ...]:
         return (2, k)
