@@ -6,7 +6,8 @@ decodes the same arrivals in one process, after a warm-up that compiles every ex
 
     python benchmarks/bench_engine.py --rate 8 --num-requests 48 --append
 
-``--dry-run``: 4 requests of 8 tokens, no warm-up, nothing appended (a check that the script runs).
+``--dry-run``: 4 requests of 8 tokens, one batch bucket, no warm-up, nothing appended (a check that the script
+runs).
 """
 
 from __future__ import annotations
@@ -89,17 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
     if args.dry_run:
-        args.num_requests, args.max_output, args.rate = 4, 8, 0.0
+        args.num_requests, args.max_output, args.rate, args.max_num_seqs = 4, 8, 0.0, 4
     from scv_jax.models import load_demo
 
     target, draft = load_demo()
     requests = workload(args.num_requests, args.rate, args.seed, args.max_output, args.sampled)
     longest = max(len(p) + s.max_tokens for _, p, s in requests)
     rows = []
+    # a dry run pads every step to one batch bucket: each executable compiles once, not again as requests finish
+    buckets = (args.max_num_seqs,) if args.dry_run else (1, 2, 4, 8)
     for name in args.modes:
         mode = MODES[name]
         config = DecoderConfig(k=mode.get("k", 4), adaptive=mode.get("adaptive", False), max_seq_len=256,
-                               num_blocks=512, batch_buckets=(1, 2, 4, 8))
+                               num_blocks=512, batch_buckets=buckets)
         drafter = {"model": draft, "ngram": "ngram", None: None}[mode["draft"]]
         engine = Engine(target, drafter, config=config, max_num_seqs=args.max_num_seqs)
         if not args.dry_run:

@@ -37,7 +37,7 @@ if [ "$DRY" = 1 ]; then
     device=cpu
     host_args=(--batch-sizes 1 --max-new-tokens 16 --repeats 1)
     controller_args=(--steps 200)
-    e2e_args=(--quick --max-new-tokens 8 --repeats 1)
+    e2e_args=(--quick --max-new-tokens 8 --repeats 1 --modes 2 adaptive --k-values 0 2)
     suite_args=(--dry-run --budget-s 60)
     append=()
 else

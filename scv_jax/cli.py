@@ -267,6 +267,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="temperatures to run (0 = greedy)")
     bench.add_argument("--modes", nargs="+", default=["2", "4", "8", "adaptive"],
                        help="fixed k values and/or 'adaptive'")
+    bench.add_argument("--k-values", type=_int_at_least(0), nargs="+", default=[0, 2, 4, 6, 8],
+                       help="the k an adaptive mode may pick (DecoderConfig.k_values; one executable each)")
     bench.add_argument("--max-new-tokens", type=_int_at_least(1), default=96, help="tokens per request")
     bench.add_argument("--repeats", type=_int_at_least(1), default=3, help="interleaved timed runs per configuration")
     bench.add_argument("--ngram", action="store_true", help="draft by prompt lookup instead of the draft model")
@@ -508,7 +510,7 @@ def run_bench(args: argparse.Namespace) -> int:
     rows = run_e2e(target, draft, batch_sizes=batch_sizes, temperatures=temperatures, modes=modes,
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                    drafter="ngram" if args.ngram else "model",
-                   workloads=args.workloads, packed=args.packed)
+                   workloads=args.workloads, packed=args.packed, k_values=args.k_values)
     table, summary = format_table(rows), adaptive_summary(rows)
     load = f"load average at the end {os.getloadavg()[0]:.1f}"
     print(f"{table}\n\n{summary}\n({load})")

@@ -11,6 +11,7 @@ compiling it again. Tests that need a real compile take the ``no_persistent_cach
 
 import gc
 import os
+import pathlib
 import shutil
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("SCV_JAX_CACHE_DIR", "off")   # tests write no user cache (scv_jax.graph.persistent_cache)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")         # a Hub id never reaches the network (tests/models/hub_cache.py)
+TESTS = pathlib.Path(__file__).parent
 _RUN_CACHE = "SCV_JAX_TEST_RUN_CACHE"                # set by the process that made the run's cache directory
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:    # the first pytest process (the xdist controller)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="scv_jax_tests_")
@@ -43,8 +45,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fast tier first, then the tests marked ``slow`` (docs/contributing.md, "Two tiers"): a failure in
-    the fast tier shows within its ~10 minutes, and both tiers share the run's compilation cache."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    the fast tier shows within its ~10 minutes, and both tiers share the run's compilation cache. In the slow
+    tier the top-level modules go first (the benchmarks' and the GPU suite's dry runs, the commands, the docs'
+    pages: its longest single tests), so that the run ends on the packages' shorter tests and one xdist worker
+    does not sit idle while the other finishes a long one."""
+    def order(item: pytest.Item) -> tuple[bool, bool]:
+        slow = item.get_closest_marker("slow") is not None
+        return slow, slow and item.path.parent != TESTS
+
+    items.sort(key=order)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.benchmark_modules import benchmark_module
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -58,10 +60,9 @@ def test_adaptive_summary_compares_with_the_best_fixed_k_round_by_round():
 
 
 @pytest.mark.slow
-def test_bench_engine_dry_run_reports_every_mode():
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_engine.py"), "--dry-run"],
-                          capture_output=True, text=True, timeout=600, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| mode")]
+def test_bench_engine_dry_run_reports_every_mode(capsys):
+    assert benchmark_module("bench_engine").main(["--dry-run"]) == 0          # in-process: no JAX start-up
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and not line.startswith("| mode")]
     assert [r.split("|")[1].strip() for r in rows] == ["target only", "draft model k=4", "n-gram k=4",
                                                        "draft model adaptive"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 from scv_jax import cli
+from scv_jax.decoding.config import DecoderConfig
 from scv_jax.models import TransformerConfig, load_tokenizer
 from tests.models.eagle3_fixtures.heads import head_config, head_tensors
 from tests.models.fixtures import tiny_model
@@ -38,7 +40,9 @@ def test_demo_prints_text_and_table(tiny_demo, capsys):
 
 
 @pytest.mark.slow
-def test_demo_sampling_and_adaptive(tiny_demo, capsys):
+def test_demo_sampling_and_adaptive(tiny_demo, capsys, monkeypatch):
+    config = cli._decoder_config        # adaptive over k in (0, 2): the default k values compile 3 more steps
+    monkeypatch.setattr(cli, "_decoder_config", lambda *a, **kw: dataclasses.replace(config(*a, **kw), k_values=(0, 2)))
     assert cli.main(["demo", "--max-new-tokens", "6", "--temperature", "1.0", "--adaptive"]) == 0
     out = capsys.readouterr().out
     assert "speculative (adaptive k)" in out and "n/a (sampling" in out
@@ -48,16 +52,18 @@ def test_demo_sampling_and_adaptive(tiny_demo, capsys):
 def test_bench_appends_table(tiny_demo, capsys, tmp_path, monkeypatch):
     monkeypatch.setattr("scv_jax.demo.e2e.benchmark_prompts", lambda batch, **_: [[100, 101, 102]] * batch)
     results = tmp_path / "RESULTS.md"
-    argv = ["bench", "--batch-sizes", "2", "--temperatures", "0", "--modes", "2", "adaptive", "--max-new-tokens", "5",
-            "--repeats", "1", "--packed", "--workloads", "stdlib", "--append", str(results)]
+    # adaptive picks k from (0, 2), the k=2 rows' executables (the default k values: 15 more decode steps to
+    # compile for "adaptive packed" alone); batch 8: the stream's running batch below
+    argv = ["bench", "--batch-sizes", "8", "--temperatures", "0", "--modes", "2", "adaptive", "--k-values", "0", "2",
+            "--max-new-tokens", "5", "--repeats", "1", "--packed", "--workloads", "stdlib", "--append", str(results)]
     assert cli.main(argv) == 0
     table, err = capsys.readouterr()
-    assert "stdlib] batch 2 T=0 case 1/1: compiling and warming up autoregressive (1/" in err   # progress
-    assert "stdlib] batch 2 T=0 timed round 1/1" in err
-    assert "| 2 | 0 | autoregressive |" in table and "| 2 | 0 | k=2 |" in table and "| 2 | 0 | k=2 packed |" in table
+    assert "stdlib] batch 8 T=0 case 1/1: compiling and warming up autoregressive (1/" in err   # progress
+    assert "stdlib] batch 8 T=0 timed round 1/1" in err
+    assert "| 8 | 0 | autoregressive |" in table and "| 8 | 0 | k=2 |" in table and "| 8 | 0 | k=2 packed |" in table
     written = results.read_text()
-    assert "End-to-end" in written and "| 2 | 0 | k=2 |" in written and f"`scv-jax {' '.join(argv)}`" in written
-    assert "Adaptive vs the best fixed k" in written and "| stdlib | model | 2 | 0 | adaptive packed | k=2" in written
+    assert "End-to-end" in written and "| 8 | 0 | k=2 |" in written and f"`scv-jax {' '.join(argv)}`" in written
+    assert "Adaptive vs the best fixed k" in written and "| stdlib | model | 8 | 0 | adaptive packed | k=2" in written
     # the stream workload (32 requests, 8 running at once) with one fixed k: adaptive there compiles every
     # k at every batch bucket up to 8 (most of this test's former 8 minutes) and is the same code as above
     assert cli.main(["bench", "--temperatures", "0", "--modes", "2", "--max-new-tokens", "5", "--repeats", "1",
@@ -113,7 +119,9 @@ def test_user_mistakes_are_one_line_errors_before_loading_weights(argv, message,
 
 
 def test_help_shows_every_default():
-    for command, defaults in (("demo", ["192", "6", "0.0", "1", "3"]), ("bench", ["[1, 4, 16]", "96", "3"])):
+    assert cli.parse_args(["bench"]).k_values == list(DecoderConfig.k_values)
+    for command, defaults in (("demo", ["192", "6", "0.0", "1", "3"]),
+                              ("bench", ["[1, 4, 16]", "96", "3", "[0, 2, 4, 6, 8]"])):
         out = subprocess.run([sys.executable, "-m", "scv_jax", command, "--help"], capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 0

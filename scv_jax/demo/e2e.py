@@ -97,11 +97,12 @@ def wall_minus_device_us(decoder: SpeculativeDecoder, stats: GenerateStats, gree
 def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatures: Sequence[float] = (0.0, 1.0),
             modes: Sequence[int | str] = (2, 4, 8, "adaptive"), max_new_tokens: int = 96, repeats: int = 3,
             drafter: str = "model", workloads: Sequence[str] = ("stdlib",), packed: bool = False,
-            progress: bool = True) -> list[E2ERow]:
+            k_values: Sequence[int] = DecoderConfig.k_values, progress: bool = True) -> list[E2ERow]:
     """Tokens/s of autoregressive decoding and of speculative decoding per mode, per workload, batch and
     temperature (the mixed and stream workloads: batch 8, greedy), with ``draft`` ("model") or prompt lookup
     ("ngram") drafting; ``repeats`` interleaved timed runs each. ``packed``: every speculative mode
-    also runs with ``DecoderConfig(packed_verify=True)`` (modes "k=4 packed", "adaptive packed")."""
+    also runs with ``DecoderConfig(packed_verify=True)`` (modes "k=4 packed", "adaptive packed"). ``k_values``:
+    the k the adaptive modes may pick."""
     if drafter not in ("model", "ngram"):
         raise ValueError(f"run_e2e: drafter must be 'model' or 'ngram', got {drafter!r}")
     if not workloads or not set(workloads) <= set(WORKLOADS):
@@ -111,7 +112,7 @@ def run_e2e(target, draft, *, batch_sizes: Sequence[int] = (1, 4, 16), temperatu
     cases = [(w, b, t) for w in workloads for b in shapes[w][0] for t in shapes[w][1]]
     # a stream admits requests one by one: their prefill runs at batch 1, not padded to the running batch
     buckets = tuple(sorted({b for _, b, _ in cases} | ({1} if "stream" in workloads else set())))
-    base = DecoderConfig(batch_buckets=buckets)
+    base = DecoderConfig(batch_buckets=buckets, k_values=tuple(k_values))
     configs = {"autoregressive": base}
     for packing in (False, True) if packed else (False,):
         for mode in modes:

@@ -19,7 +19,6 @@ from scv_jax.graph.compiler import Compiler, largest_first
 from scv_jax.graph.persistent_cache import enable_persistent_cache
 from tests.decoding.common import prompts
 from tests.graph.test_compiler import CompileThreads, Parked
-from tests.models.fixtures import TINY, perturbed_copy, tiny_model
 
 CONFIG = DecoderConfig(block_size=8, num_blocks=64, max_seq_len=64, prefill_chunk=16, batch_buckets=(2, 4),
                        context_buckets=(8,), k=2)
@@ -27,9 +26,8 @@ MAX_LEN = 40
 
 
 @pytest.fixture(scope="module")
-def models():
-    target = tiny_model(TINY, seed=0)
-    return target, perturbed_copy(target, noise=0.6)
+def models(target, partial_draft):
+    return target, partial_draft
 
 
 def _requests():
