@@ -79,7 +79,8 @@ def new_head(target: Transformer, *, draft_to_target: np.ndarray | None,
     if len(aux) != 3 or not all(0 <= i < layers for i in aux):
         raise ValueError(f"--aux-layers must be 3 layer ids in [0, {layers}), got {list(aux)}")
     config = dataclasses.replace(target.config, num_layers=1, tie_embeddings=False, qkv_bias=False,
-                                 qk_norm=False, sliding_window=None)
+                                 qk_norm=False, sliding_window=None, sliding_layers=None, attention_sinks=False,
+                                 attention_out_bias=False, num_experts=0, moe_bias=False, swiglu_limit=None)
     draft_vocab = config.vocab_size if draft_to_target is None else len(draft_to_target)
     return Eagle3Head(config, target.embed, draft_vocab_size=draft_vocab, draft_to_target=draft_to_target,
                       aux_layers=tuple(aux), norm_before_residual=False, rngs=nnx.Rngs(seed))

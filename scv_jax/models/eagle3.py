@@ -21,7 +21,7 @@ from flax import nnx
 
 from scv_jax.arguments import is_int
 from scv_jax.models.attention import causal_attention
-from scv_jax.models.config import TransformerConfig, canonical_dtype
+from scv_jax.models.config import TransformerConfig, canonical_dtype, rope_scaling_type
 from scv_jax.models.hf import config_from_hf, open_safetensors, read_json
 from scv_jax.models.hub import checkpoint_dir
 from scv_jax.models.protocol import StagedKV
@@ -174,7 +174,7 @@ class Eagle3Head(nnx.Module):
         normed = self.hidden_norm(hidden)
         x = jnp.concatenate([self.input_norm(self.embed(token_ids).astype(dtype)), normed], axis=-1)
         rows = None if out_rows is None else out_rows[:, None]
-        attn_out, keys, values = self.attn(x, positions, attend, rows)
+        attn_out, keys, values = self.attn(x, positions, lambda q, k, v, _sinks: attend(q, k, v), rows)
         residual = normed if self.norm_before_residual else hidden
         if rows is not None:
             residual = jnp.take_along_axis(residual, rows[:, :, None], axis=1)
@@ -501,7 +501,9 @@ def save_eagle3(head: Eagle3Head, path: str | pathlib.Path, *, dtype: str = "flo
     tensors["d2t"] = (target_ids - np.arange(draft_vocab)).astype(np.int64)
     tensors["t2d"] = np.isin(np.arange(c.vocab_size), target_ids)
     save_file(tensors, str(directory / "model.safetensors"))
-    rope_scaling = None if c.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(c.rope_scaling)}
+    rope_scaling = None if c.rope_scaling is None else {
+        "rope_type": rope_scaling_type(c.rope_scaling),
+        **{k: v for k, v in dataclasses.asdict(c.rope_scaling).items() if v is not None}}
     config = {"architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
               "hidden_size": c.d_model, "intermediate_size": c.ffn_dim, "num_attention_heads": c.num_heads,
               "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,

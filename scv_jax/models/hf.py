@@ -1,5 +1,6 @@
 """Loading Hugging Face checkpoints (Llama 2/3/3.1/3.2, Qwen2, Qwen3, Mistral, and the mixtures of
-experts Qwen3-MoE and Mixtral) from a local directory or the Hugging Face Hub (``scv_jax.models.hub``).
+experts Qwen3-MoE, Mixtral and gpt-oss) from a local directory or the Hugging Face Hub
+(``scv_jax.models.hub``).
 
     model = scv_jax.models.load_hf("/path/to/Llama-3.2-1B", dtype="bfloat16")
     model = scv_jax.models.load_hf("meta-llama/Llama-3.2-1B", revision="main")
@@ -18,12 +19,26 @@ leading [E] axis. Config fields read: ``num_experts`` (Qwen3-MoE) / ``num_local_
 (Mixtral), ``num_experts_per_tok``, the expert width ``moe_intermediate_size`` (Qwen3-MoE) /
 ``intermediate_size`` (Mixtral), ``norm_topk_prob`` (Qwen3-MoE, default false; Mixtral always
 renormalises). Refused: Qwen3-MoE ``decoder_sparse_step`` other than 1 and a non-empty
-``mlp_only_layers`` (dense layers among the MoE ones), as is Qwen3's ``use_sliding_window``.
-Ignored, as they only matter in training: ``router_aux_loss_coef``, ``output_router_logits``
-(the load-balancing loss) and Mixtral's ``router_jitter_noise`` (noise on the router input, applied
-by transformers in training mode only); Qwen3-MoE's ``max_window_layers`` only matters with
-``use_sliding_window``, which is refused. Qwen3-MoE's dense ``intermediate_size`` is kept as
-``ffn_dim`` but unused (every layer is MoE).
+``mlp_only_layers`` (dense layers among the MoE ones). Ignored, as they only matter in training:
+``router_aux_loss_coef``, ``output_router_logits`` (the load-balancing loss) and Mixtral's
+``router_jitter_noise`` (noise on the router input, applied by transformers in training mode only).
+Qwen3-MoE's dense ``intermediate_size`` is kept as ``ffn_dim`` but unused (every layer is MoE).
+
+gpt-oss (``GptOssForCausalLM``): q/k/v/o biases, a sink logit per head (``self_attn.sinks``), the
+router's bias, every expert's projections in one tensor per layer (``mlp.experts.gate_up_proj``
+[E, hidden, 2 * width], gate and up interleaved in its last axis, and ``down_proj`` [E, width,
+hidden], stored [in, out], with ``*_bias``), the clamped SwiGLU (``swiglu_limit``, default 7), and
+``layer_types`` alternating 128-token windows with full layers. Experts published in MXFP4
+(``quantization_config`` ``quant_method: "mxfp4"``: ``*_blocks`` and ``*_scales`` tensors) are
+dequantized on load (``scv_jax.models.mxfp4``) to ``dtype``: no kernel here reads MXFP4, and the
+values are exact in bfloat16 (gpt-oss-20b then takes about 42 GB in bfloat16).
+
+Sliding windows: Mistral and Mixtral window every layer (``sliding_window``); Qwen2 and Qwen3 with
+``use_sliding_window`` window the layers ``layer_types`` names "sliding_attention" (derived as
+transformers does when absent: the layers from ``max_window_layers`` on); Qwen3-MoE with
+``use_sliding_window`` windows every layer (as transformers does); gpt-oss per ``layer_types``.
+RoPE scaling: ``rope_scaling`` (or ``rope_parameters``) of type "llama3" or "yarn" (``type`` or
+``rope_type``).
 """
 
 from __future__ import annotations
@@ -31,19 +46,23 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from scv_jax.arguments import is_int
 from scv_jax.models.assemble import LAYER_PREFIX, assemble_transformer, parameter_shapes
-from scv_jax.models.config import Llama3RopeScaling, TransformerConfig, canonical_dtype
+from scv_jax.models.config import (Llama3RopeScaling, RopeScaling, TransformerConfig, YarnRopeScaling,
+                                   canonical_dtype)
 from scv_jax.models.hub import checkpoint_dir
+from scv_jax.models.mxfp4 import BLOCK, dequantize_mxfp4
 from scv_jax.models.transformer import Transformer
 
+GPT_OSS = "GptOssForCausalLM"
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                 "Qwen3MoeForCausalLM", "MixtralForCausalLM")
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                 "Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", GPT_OSS)
+SLIDING, FULL = "sliding_attention", "full_attention"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -59,6 +78,8 @@ _LAYER_TENSORS = {
     "attn/k/bias": ("self_attn.k_proj.bias", False),
     "attn/v/bias": ("self_attn.v_proj.bias", False),
     "attn/o/kernel": ("self_attn.o_proj.weight", True),
+    "attn/o/bias": ("self_attn.o_proj.bias", False),
+    "attn/sinks": ("self_attn.sinks", False),
     "attn/q_norm/scale": ("self_attn.q_norm.weight", False),
     "attn/k_norm/scale": ("self_attn.k_norm.weight", False),
     "mlp/gate/kernel": ("mlp.gate_proj.weight", True),
@@ -73,6 +94,16 @@ _MOE_TENSORS = {
                             {"experts_gate": "gate_proj", "experts_up": "up_proj", "experts_down": "down_proj"}),
     "MixtralForCausalLM": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts",
                            {"experts_gate": "w1", "experts_up": "w3", "experts_down": "w2"}),
+    GPT_OSS: ("mlp.router.weight", "mlp.experts", {}),
+}
+# gpt-oss: one tensor per layer holds all experts, stored [E, in, out] (not transposed): our expert
+# parameter -> (its tensor under "mlp.experts.", which interleaved half of the last axis: 0 = the even
+# columns (gate), 1 = the odd (up), None = all). The weights may be MXFP4 ("<tensor>_blocks" and
+# "<tensor>_scales", rows = the out axis, groups of 32 along the in axis).
+_GPT_OSS_EXPERTS = {
+    "experts_gate": ("gate_up_proj", 0), "experts_up": ("gate_up_proj", 1), "experts_down": ("down_proj", None),
+    "experts_gate_bias": ("gate_up_proj_bias", 0), "experts_up_bias": ("gate_up_proj_bias", 1),
+    "experts_down_bias": ("down_proj_bias", None),
 }
 _GLOBAL_TENSORS = {
     "embed/embedding": ("model.embed_tokens.weight", False),
@@ -95,16 +126,50 @@ def hf_tensor_name(name: str, layer: int | None, architecture: str | None = None
     router, experts, projections = _MOE_TENSORS[architecture]
     if local == "mlp/router/kernel":
         return f"model.layers.{layer}.{router}", True
+    if local == "mlp/router/bias":
+        return f"model.layers.{layer}.{router.removesuffix('weight')}bias", False
     return f"model.layers.{layer}.{experts}.{expert}.{projections[local[len('mlp/'):]]}.weight", True
 
 
 def _is_expert(name: str) -> bool:
-    """Whether parameter ``name`` is a stacked expert weight ([layers, E, in, out])."""
+    """Whether parameter ``name`` is a stacked expert weight or bias ([layers, E, ...])."""
     return name.startswith(f"{LAYER_PREFIX}mlp/experts_")
 
 
+def _gpt_oss_expert_tensors(config: TransformerConfig, layer: int, mxfp4: bool) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of one gpt-oss layer's expert tensors (MXFP4 blocks and scales for the
+    weights when ``mxfp4``)."""
+    e, d, f = config.num_experts, config.d_model, config.expert_ffn_dim
+    prefix = f"model.layers.{layer}.mlp.experts."
+    shapes = {"gate_up_proj_bias": (e, 2 * f), "down_proj_bias": (e, d)}
+    for name, (rows, cols) in (("gate_up_proj", (2 * f, d)), ("down_proj", (d, f))):
+        if mxfp4:
+            shapes[f"{name}_blocks"] = (e, rows, cols // BLOCK, BLOCK // 2)
+            shapes[f"{name}_scales"] = (e, rows, cols // BLOCK)
+        else:
+            shapes[name] = (e, cols, rows)
+    return {prefix + name: shape for name, shape in shapes.items()}
+
+
+def _read_gpt_oss_expert(name: str, layer: int, get: Callable[[str], np.ndarray], mxfp4: bool) -> np.ndarray:
+    """Our stacked expert parameter ``name`` of ``layer`` ([E, in, out] or a bias [E, out]) from the
+    gpt-oss tensors ``get(tensor name)`` returns (MXFP4 weights dequantized to float32)."""
+    tensor, half = _GPT_OSS_EXPERTS[name[len(f"{LAYER_PREFIX}mlp/"):]]
+    prefix = f"model.layers.{layer}.mlp.experts.{tensor}"
+    if mxfp4 and not tensor.endswith("_bias"):    # [E, out, groups, 16]: pick the out rows, then transpose
+        rows = slice(None) if half is None else slice(half, None, 2)
+        blocks, scales = get(f"{prefix}_blocks")[:, rows], get(f"{prefix}_scales")[:, rows]
+        return dequantize_mxfp4(blocks, scales).transpose(0, 2, 1)
+    value = get(prefix)
+    return value if half is None else value[..., half::2]
+
+
 # ---------------------------------------------------------------------------------------- config
-def _rope_scaling(value: Any) -> Llama3RopeScaling | None:
+_YARN_FIELDS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "truncate",
+                "attention_factor", "mscale", "mscale_all_dim")
+
+
+def _rope_scaling(value: Any, max_position_embeddings: Any = None) -> RopeScaling | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -112,8 +177,18 @@ def _rope_scaling(value: Any) -> Llama3RopeScaling | None:
     kind = value.get("rope_type", value.get("type"))
     if kind == "default":
         return None
+    if kind == "yarn":
+        unknown = sorted(set(value) - {*_YARN_FIELDS, "rope_type", "type", "rope_theta"})
+        if unknown:
+            raise ValueError(f"rope_scaling of type 'yarn' has fields {unknown} this loader does not know")
+        fields = {f: value[f] for f in _YARN_FIELDS if value.get(f) is not None}
+        if "factor" not in fields:
+            raise ValueError("rope_scaling of type 'yarn' lacks ['factor']")
+        # transformers falls back to the model's max_position_embeddings
+        fields.setdefault("original_max_position_embeddings", max_position_embeddings)
+        return YarnRopeScaling(**fields)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: 'llama3', 'default')")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: 'llama3', 'yarn', 'default')")
     fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [f for f in fields if f not in value]
     if missing:
@@ -121,24 +196,73 @@ def _rope_scaling(value: Any) -> Llama3RopeScaling | None:
     return Llama3RopeScaling(**{f: value[f] for f in fields})
 
 
-def _rope(hf: dict) -> tuple[float, Llama3RopeScaling | None]:
-    """(rope_theta, llama3 scaling or None): from ``rope_parameters`` where the config has it (the
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling or None): from ``rope_parameters`` where the config has it (the
     transformers >= 5 form, ``rope_theta`` and ``rope_type`` inside one object, which then wins), else
     from the top-level ``rope_theta`` (default 10000) and ``rope_scaling``."""
     params = hf.get("rope_parameters")
+    positions = hf.get("max_position_embeddings")
     if params is None:
-        return _number(hf, "rope_theta", 10000.0), _rope_scaling(hf.get("rope_scaling"))
+        return _number(hf, "rope_theta", 10000.0), _rope_scaling(hf.get("rope_scaling"), positions)
     if not isinstance(params, dict) or "rope_theta" not in params:
         raise ValueError(f"rope_parameters must be an object with rope_theta (one set for all layers), got {params!r}")
-    return _number(params, "rope_theta", 10000.0), _rope_scaling({"rope_type": "default", **params})
+    return _number(params, "rope_theta", 10000.0), _rope_scaling({"rope_type": "default", **params}, positions)
+
+
+def _mxfp4(hf: dict, architecture: str) -> bool:
+    """Whether the checkpoint's experts are MXFP4 (gpt-oss's ``quantization_config``); ValueError for
+    any other quantization."""
+    quantization = hf.get("quantization_config")
+    if quantization is None:
+        return False
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if architecture != GPT_OSS or method != "mxfp4":
+        raise ValueError(f"quantization_config with quant_method {method!r} is not supported for {architecture} "
+                         "(only gpt-oss's 'mxfp4' experts)")
+    return True
+
+
+def _sliding(hf: dict, architecture: str, num_layers: int) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(sliding_window, sliding_layers) as ``TransformerConfig`` takes them, from the architecture's
+    fields (see the module docstring); ValueError naming a field it cannot honour."""
+    # transformers' default window where the field is absent (Mixtral's is null; Llama has none)
+    default = {"MistralForCausalLM": 4096, "Qwen2ForCausalLM": 4096, "Qwen3ForCausalLM": 4096,
+               "Qwen3MoeForCausalLM": 4096, GPT_OSS: 128}.get(architecture)
+    window = None
+    if architecture != "LlamaForCausalLM" and (hf.get("use_sliding_window") or architecture not in (
+            "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")):
+        window = _optional({"sliding_window": default, **hf}, "sliding_window", None)
+    types = hf.get("layer_types")
+    if types is None:
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and window is not None:
+            first = _optional({"max_window_layers": 28, **hf}, "max_window_layers", 28)
+            types = [SLIDING if i >= first else FULL for i in range(num_layers)]
+        elif architecture == GPT_OSS:
+            types = [SLIDING if i % 2 == 0 else FULL for i in range(num_layers)]
+        else:
+            types = [SLIDING if window is not None else FULL] * num_layers
+    if not (isinstance(types, list) and len(types) == num_layers and set(types) <= {SLIDING, FULL}):
+        raise ValueError(f"layer_types must be a list of num_hidden_layers ({num_layers}) entries "
+                         f"'{SLIDING}' or '{FULL}', got {types!r}")
+    if SLIDING in types and architecture == "LlamaForCausalLM":
+        raise ValueError(f"layer_types names '{SLIDING}' layers, which {architecture} does not have")
+    if SLIDING in types and window is None:
+        raise ValueError(f"layer_types names '{SLIDING}' layers but the config has no sliding window "
+                         "(sliding_window null, or use_sliding_window false)")
+    if SLIDING in types and architecture in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM") \
+            and FULL in types:
+        raise ValueError(f"layer_types mixing '{SLIDING}' and '{FULL}' layers is not supported for {architecture} "
+                         "(transformers windows all of its layers)")
+    if SLIDING not in types:
+        return None, None
+    return window, None if FULL not in types else tuple(t == SLIDING for t in types)
 
 
 def _reject_unsupported(hf: dict, architecture: str) -> None:
     """Raises ValueError naming the first config field the model cannot honour."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
-    if hf.get("quantization_config") is not None:
-        raise ValueError("quantization_config is set: quantized checkpoints are not supported")
+    _mxfp4(hf, architecture)
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor {hf['partial_rotary_factor']!r} is not supported (only 1.0)")
     # biases the model has no place for (Qwen3's attention_bias would add one to o_proj too)
@@ -155,12 +279,8 @@ def _reject_unsupported(hf: dict, architecture: str) -> None:
         if hf.get("mlp_only_layers"):
             raise ValueError(f"mlp_only_layers {hf['mlp_only_layers']!r} is not supported (only []: every layer "
                              "a mixture of experts)")
-    if hf.get("use_sliding_window") and architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                                                         "Qwen3MoeForCausalLM"):
-        raise ValueError(f"use_sliding_window: true (sliding-window layers) is not supported for {architecture}")
-    other_layers = sorted({t for t in hf.get("layer_types") or [] if t != "full_attention"})
-    if other_layers:
-        raise ValueError(f"layer_types {other_layers} are not supported (only 'full_attention')")
+    if architecture == GPT_OSS and hf.get("attention_bias", True) is not True:
+        raise ValueError(f"attention_bias {hf['attention_bias']!r} is not supported for {architecture} (always true)")
 
 
 def _required(hf: dict, field: str) -> int:
@@ -196,13 +316,15 @@ def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
     _reject_unsupported(hf, architecture)
     hidden, heads = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
     rope_theta, rope_scaling = _rope(hf)
-    # Mistral attends within a sliding window (MistralConfig's default is 4096); Qwen2 and Qwen3 only
-    # with use_sliding_window (rejected above); Llama never.
-    window = _optional({"sliding_window": 4096, **hf}, "sliding_window", None) \
-        if architecture == "MistralForCausalLM" else None
+    window, sliding_layers = _sliding(hf, architecture, _required(hf, "num_hidden_layers"))
     moe = {}
-    if architecture == "MixtralForCausalLM":       # Mixtral: sliding_window honoured, null by default
-        window = _optional(hf, "sliding_window", None)
+    if architecture == GPT_OSS:
+        moe = dict(num_experts=_required(hf, "num_local_experts"), num_experts_per_tok=_required(hf, "num_experts_per_tok"),
+                   moe_ffn_dim=_required(hf, "intermediate_size"), norm_topk_prob=True, moe_bias=True,
+                   swiglu_limit=_number(hf, "swiglu_limit", 7.0))
+        if _mxfp4(hf, architecture) and (hf["hidden_size"] % BLOCK or moe["moe_ffn_dim"] % BLOCK):
+            raise ValueError(f"MXFP4 experts need hidden_size and intermediate_size multiples of {BLOCK}")
+    elif architecture == "MixtralForCausalLM":
         moe = dict(num_experts=_required(hf, "num_local_experts"),
                    num_experts_per_tok=_required(hf, "num_experts_per_tok"),
                    moe_ffn_dim=_required(hf, "intermediate_size"), norm_topk_prob=True)
@@ -221,9 +343,10 @@ def config_from_hf(hf: dict, *, dtype: str = "bfloat16") -> TransformerConfig:
         head_dim=_optional(hf, "head_dim", hidden // heads), ffn_dim=_required(hf, "intermediate_size"),
         rope_theta=rope_theta, norm_eps=_number(hf, "rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=dtype,
-        qkv_bias=architecture == "Qwen2ForCausalLM",
+        qkv_bias=architecture in ("Qwen2ForCausalLM", GPT_OSS),
         qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        rope_scaling=rope_scaling, sliding_window=window,
+        attention_out_bias=architecture == GPT_OSS, attention_sinks=architecture == GPT_OSS,
+        rope_scaling=rope_scaling, sliding_window=window, sliding_layers=sliding_layers,
         max_position_embeddings=_optional(hf, "max_position_embeddings", None), **moe)
 
 
@@ -259,11 +382,15 @@ def _weight_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
         return {name: single for name in f.keys()}
 
 
-def _expected_shapes(config: TransformerConfig, architecture: str) -> dict[str, tuple[int, ...]]:
+def _expected_shapes(config: TransformerConfig, architecture: str, mxfp4: bool) -> dict[str, tuple[int, ...]]:
     """{Hugging Face tensor name: its shape in the checkpoint} for every parameter of the model (one
-    tensor per expert for the stacked expert weights)."""
+    tensor per expert for the stacked expert weights; gpt-oss: one per layer, MXFP4 when ``mxfp4``)."""
     expected = {}
     for name, spec in parameter_shapes(config).items():
+        if architecture == GPT_OSS and _is_expert(name):
+            for layer in range(config.num_layers):
+                expected.update(_gpt_oss_expert_tensors(config, layer, mxfp4))
+            continue
         stacked = name.startswith(LAYER_PREFIX)
         shape = spec.shape[1:] if stacked else spec.shape
         experts = range(shape[0]) if _is_expert(name) else [None]
@@ -301,7 +428,8 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16", revision: str 
         ``model.safetensors.index.json`` plus its shards, or a Hugging Face Hub id (``org/name``) of
         one. Architectures: LlamaForCausalLM (incl. ``rope_scaling`` type "llama3"), Qwen2ForCausalLM,
         Qwen3ForCausalLM (q/k norms), MistralForCausalLM (sliding window honoured),
-        Qwen3MoeForCausalLM and MixtralForCausalLM (mixtures of experts, ``scv_jax.models.moe``).
+        Qwen3MoeForCausalLM, MixtralForCausalLM and GptOssForCausalLM (mixtures of experts,
+        ``scv_jax.models.moe``; gpt-oss's MXFP4 experts dequantized), sliding-window layers and YaRN.
       dtype: parameter and activation dtype, "bfloat16" (default), "float16" or "float32"; the
         checkpoint's tensors are cast one at a time.
       revision: a Hub id's branch, tag or commit hash (None: its default branch).
@@ -327,16 +455,23 @@ def load_hf(path: str | pathlib.Path, *, dtype: str = "bfloat16", revision: str 
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(open_safetensors(file)) for file in sorted(set(files.values()))}
         architecture = hf["architectures"][0]
-        _check_tensors(directory, _expected_shapes(config, architecture), files, handles, config)
+        mxfp4 = _mxfp4(hf, architecture)
+        _check_tensors(directory, _expected_shapes(config, architecture, mxfp4), files, handles, config)
+
+        def get(hf_name: str) -> np.ndarray:
+            return handles[files[hf_name]].get_tensor(hf_name)
 
         def read_one(name: str, layer: int | None, expert: int | None = None) -> tuple[np.ndarray, str]:
             hf_name, transposed = hf_tensor_name(name, layer, architecture, expert)
-            tensor = handles[files[hf_name]].get_tensor(hf_name)
+            tensor = get(hf_name)
             return (tensor.T if transposed else tensor), f"load_hf: tensor {hf_name} in {files[hf_name]}"
 
         def read(name: str, layer: int | None) -> tuple[np.ndarray, str]:
             if not _is_expert(name):
                 return read_one(name, layer)
+            if architecture == GPT_OSS:
+                return (_read_gpt_oss_expert(name, layer, get, mxfp4),
+                        f"load_hf: layer {layer}'s gpt-oss expert tensors for {name}")
             # one layer's experts stacked [E, in, out]
             hf_name = hf_tensor_name(name, layer, architecture, "{e}")[0]    # type: ignore[arg-type]
             return (np.stack([read_one(name, layer, e)[0] for e in range(config.num_experts)]),

@@ -1,14 +1,18 @@
-"""A mixture-of-experts SwiGLU block (Qwen3-MoE, Mixtral) with the experts run as one grouped matmul.
+"""A mixture-of-experts SwiGLU block (Qwen3-MoE, Mixtral, gpt-oss) with the experts run as one grouped
+matmul.
 
-Routing: a linear router (d_model -> num_experts, no bias) gives float32 logits, their softmax is
-taken, the top ``num_experts_per_tok`` experts of each token kept, and (``norm_topk_prob``) their
-weights renormalised to sum to 1 (Mixtral's softmax over the top-k logits is the same thing).
+Routing: a linear router (d_model -> num_experts; with a bias for gpt-oss) gives float32 logits,
+their softmax is taken, the top ``num_experts_per_tok`` experts of each token kept, and
+(``norm_topk_prob``) their weights renormalised to sum to 1 (Mixtral's and gpt-oss's softmax over the
+top-k logits is the same thing).
 
 Experts: each expert is a SwiGLU whose weights are stacked over experts, ``experts_gate`` /
 ``experts_up`` [E, d_model, f] and ``experts_down`` [E, f, d_model]. The N tokens' N * k (token,
 slot) pairs are sorted by expert once (a stable argsort), so each expert's rows are contiguous, and
 the three products run as ``jax.lax.ragged_dot`` with the group sizes (a bincount over the experts):
 every pair costs one expert's FLOPs, whatever the routing, no expert capacity and no token dropped.
+gpt-oss adds a bias to every expert projection (each sorted row takes its expert's) and clamps its
+SwiGLU (``TransformerConfig.swiglu_limit``; ``swiglu``).
 The outputs are put back in (token, slot) order and summed with the routing weights. A token's
 output depends on that token alone, so prefill, draft scoring and verification (every forward of
 ``Transformer``) compute the same thing for it whatever else is in the batch.
@@ -16,11 +20,36 @@ output depends on that token alone, so prefill, draft scoring and verification (
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from scv_jax.models.config import TransformerConfig
+
+GPT_OSS_ALPHA = 1.702          # gpt-oss's sigmoid slope in its clamped SwiGLU
+
+
+class ExpertWeights(NamedTuple):
+    """One layer's experts: ``gate``, ``up`` [E, d, f], ``down`` [E, f, d] and, for gpt-oss, the biases
+    ``gate_bias``, ``up_bias`` [E, f], ``down_bias`` [E, d] (None without)."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    gate_bias: jax.Array | None = None
+    up_bias: jax.Array | None = None
+    down_bias: jax.Array | None = None
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float | None) -> jax.Array:
+    """``silu(gate) * up`` (``limit`` None), or gpt-oss's clamped form: g * sigmoid(1.702 g) * (u + 1),
+    g = min(gate, limit), u = up clipped to [-limit, limit]."""
+    if limit is None:
+        return jax.nn.silu(gate) * up
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(gate * GPT_OSS_ALPHA) * (up + 1)
 
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -35,59 +64,81 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
     return weights, experts.astype(jnp.int32)
 
 
-def experts_ragged(x: jax.Array, experts: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+def experts_ragged(x: jax.Array, experts: jax.Array, w: ExpertWeights, limit: float | None = None) -> jax.Array:
     """Each token's chosen experts' SwiGLU outputs, by grouped matmul.
 
-    x: [N, d]; experts: int32[N, k] (in [0, E)); gate, up: [E, d, f]; down: [E, f, d].
-    Returns [N, k, d] (x's dtype): row (n, j) is expert ``experts[n, j]`` applied to x[n].
+    x: [N, d]; experts: int32[N, k] (in [0, E)); ``w``: the layer's ``ExpertWeights``; ``limit``: as
+    ``swiglu``. Returns [N, k, d] (x's dtype): row (n, j) is expert ``experts[n, j]`` applied to x[n].
 
     The N * k (token, slot) pairs are sorted by expert, each of the three products is one
     ``jax.lax.ragged_dot`` over the sorted rows (group sizes: the number of pairs per expert, 0 for
     an expert no token chose), and the result is scattered back to (token, slot) order.
     """
     num_tokens, k = experts.shape
-    num_experts = gate.shape[0]
+    num_experts = w.gate.shape[0]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)                       # [N * k] pair indices, grouped by expert
     rows = x[order // k]                                         # [N * k, d]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    hidden = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    out = jax.lax.ragged_dot(hidden.astype(x.dtype), down, sizes)  # [N * k, d], sorted by expert
+    row_expert = flat[order]                                     # each sorted row's expert
+
+    def project(inputs: jax.Array, weight: jax.Array, bias: jax.Array | None) -> jax.Array:
+        out = jax.lax.ragged_dot(inputs, weight, sizes)
+        return out if bias is None else out + bias[row_expert].astype(out.dtype)
+
+    hidden = swiglu(project(rows, w.gate, w.gate_bias), project(rows, w.up, w.up_bias), limit)
+    out = project(hidden.astype(x.dtype), w.down, w.down_bias)   # [N * k, d], sorted by expert
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(num_tokens, k, -1)
 
 
-def moe_forward(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, k: int,
-                normalize: bool) -> jax.Array:
-    """The MoE block on x [..., d] (router [d, E], experts as in ``experts_ragged``) -> [..., d] in x's
-    dtype: the routing-weighted sum (float32) of each token's k experts' outputs."""
+def _routing(flat: jax.Array, router: jax.Array, router_bias: jax.Array | None, k: int,
+             normalize: bool) -> tuple[jax.Array, jax.Array]:
+    logits = jnp.matmul(flat, router, preferred_element_type=jnp.float32)
+    if router_bias is not None:
+        logits = logits + router_bias.astype(jnp.float32)
+    return route(logits, k, normalize)
+
+
+def moe_forward(x: jax.Array, router: jax.Array, w: ExpertWeights, k: int, normalize: bool, *,
+                router_bias: jax.Array | None = None, limit: float | None = None) -> jax.Array:
+    """The MoE block on x [..., d] (router [d, E] and ``router_bias`` [E] or None; experts ``w`` as in
+    ``experts_ragged``) -> [..., d] in x's dtype: the routing-weighted sum (float32) of each token's k
+    experts' outputs."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    logits = jnp.matmul(flat, router, preferred_element_type=jnp.float32)
-    weights, experts = route(logits, k, normalize)
-    outputs = experts_ragged(flat, experts, gate, up, down)
+    weights, experts = _routing(flat, router, router_bias, k, normalize)
+    outputs = experts_ragged(flat, experts, w, limit)
     combined = jnp.einsum("nk,nkd->nd", weights, outputs.astype(jnp.float32))
     return combined.astype(x.dtype).reshape(shape)
 
 
-def moe_dense_reference(x: jax.Array, router: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, k: int,
-                        normalize: bool) -> jax.Array:
+def moe_dense_reference(x: jax.Array, router: jax.Array, w: ExpertWeights, k: int, normalize: bool, *,
+                        router_bias: jax.Array | None = None, limit: float | None = None) -> jax.Array:
     """``moe_forward`` computed densely, for tests: every expert on every token ([N, E, d] outputs),
     summed with a [N, E] matrix holding each token's routing weight of its chosen experts (0 elsewhere)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    logits = jnp.matmul(flat, router, preferred_element_type=jnp.float32)
-    weights, experts = route(logits, k, normalize)
-    mask = jnp.zeros(logits.shape, jnp.float32).at[jnp.arange(flat.shape[0])[:, None], experts].add(weights)
-    hidden = jax.nn.silu(jnp.einsum("nd,edf->nef", flat, gate)) * jnp.einsum("nd,edf->nef", flat, up)
-    outputs = jnp.einsum("nef,efd->ned", hidden.astype(x.dtype), down)
+    weights, experts = _routing(flat, router, router_bias, k, normalize)
+    mask = jnp.zeros((flat.shape[0], w.gate.shape[0]), jnp.float32).at[
+        jnp.arange(flat.shape[0])[:, None], experts].add(weights)
+
+    def project(inputs: jax.Array, spec: str, weight: jax.Array, bias: jax.Array | None) -> jax.Array:
+        out = jnp.einsum(spec, inputs, weight)
+        return out if bias is None else out + bias[None].astype(out.dtype)
+
+    hidden = swiglu(project(flat, "nd,edf->nef", w.gate, w.gate_bias),
+                    project(flat, "nd,edf->nef", w.up, w.up_bias), limit)
+    outputs = project(hidden.astype(x.dtype), "nef,efd->ned", w.down, w.down_bias)
     return jnp.einsum("ne,ned->nd", mask, outputs.astype(jnp.float32)).astype(x.dtype).reshape(shape)
 
 
 class MoE(nnx.Module):
     """The mixture-of-experts MLP of a ``TransformerConfig`` with ``num_experts > 0``.
 
-    Parameters (``config.dtype``): ``router`` (``nnx.Linear`` kernel [d_model, E]), ``experts_gate``,
-    ``experts_up`` [E, d_model, f] and ``experts_down`` [E, f, d_model], f = ``config.expert_ffn_dim``.
+    Parameters (``config.dtype``): ``router`` (``nnx.Linear`` kernel [d_model, E], a bias [E] with
+    ``config.moe_bias``), ``experts_gate``, ``experts_up`` [E, d_model, f] and ``experts_down``
+    [E, f, d_model], f = ``config.expert_ffn_dim``, and with ``moe_bias`` ``experts_gate_bias``,
+    ``experts_up_bias`` [E, f] and ``experts_down_bias`` [E, d_model].
     ``model(x [..., d_model])`` -> [..., d_model] (``moe_forward``).
     """
 
@@ -96,12 +147,19 @@ class MoE(nnx.Module):
         e, d, f = config.num_experts, config.d_model, config.expert_ffn_dim
         self.num_experts_per_tok = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.router = nnx.Linear(d, e, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.swiglu_limit = config.swiglu_limit
+        self.router = nnx.Linear(d, e, use_bias=config.moe_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
         init = jax.nn.initializers.lecun_normal(batch_axis=(0,))      # fan-in per expert
         self.experts_gate = nnx.Param(init(rngs.params(), (e, d, f), dtype))
         self.experts_up = nnx.Param(init(rngs.params(), (e, d, f), dtype))
         self.experts_down = nnx.Param(init(rngs.params(), (e, f, d), dtype))
+        bias = (lambda *shape: nnx.Param(jnp.zeros(shape, dtype))) if config.moe_bias else (lambda *shape: None)
+        self.experts_gate_bias, self.experts_up_bias, self.experts_down_bias = bias(e, f), bias(e, f), bias(e, d)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return moe_forward(x, self.router.kernel[...], self.experts_gate[...], self.experts_up[...],
-                           self.experts_down[...], self.num_experts_per_tok, self.norm_topk_prob)
+        value = lambda p: None if p is None else p[...]  # noqa: E731
+        weights = ExpertWeights(*(value(p) for p in (self.experts_gate, self.experts_up, self.experts_down,
+                                                     self.experts_gate_bias, self.experts_up_bias,
+                                                     self.experts_down_bias)))
+        return moe_forward(x, self.router.kernel[...], weights, self.num_experts_per_tok, self.norm_topk_prob,
+                           router_bias=value(self.router.bias), limit=self.swiglu_limit)

@@ -17,13 +17,13 @@ from scv_jax.models.attention import causal_attention
 from scv_jax.models.config import TransformerConfig
 from scv_jax.models.moe import MoE
 from scv_jax.models.protocol import PackedTokens, PagedForwardOutput, StagedKV
-from scv_jax.models.rope import apply_rope, inverse_frequencies
+from scv_jax.models.rope import apply_rope, attention_factor, inverse_frequencies
 from scv_jax.ops.attention.api import tree_depths
 from scv_jax.ops.attention.sharded import sharded_paged_attention
 
-# attend(q [B, T, heads, D], k, v [B, T, kv_heads, D]) -> [B, T, heads, D]: one layer's attention of
-# the new tokens (RoPE applied) over whatever keys the forward pass provides.
-Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# attend(q [B, T, heads, D], k, v [B, T, kv_heads, D], sinks [heads] or None) -> [B, T, heads, D]: one
+# layer's attention of the new tokens (RoPE applied) over whatever keys the forward pass provides.
+Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]
 
 
 class RMSNorm(nnx.Module):
@@ -65,10 +65,12 @@ class Attention(nnx.Module):
         self.q = _linear(c, fan_in, c.num_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
         self.k = _linear(c, fan_in, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
         self.v = _linear(c, fan_in, c.num_kv_heads * c.head_dim, rngs, use_bias=c.qkv_bias)
-        self.o = _linear(c, c.num_heads * c.head_dim, c.d_model, rngs)
+        self.o = _linear(c, c.num_heads * c.head_dim, c.d_model, rngs, use_bias=c.attention_out_bias)
         # Qwen3: each query / key head RMS-normalised (one scale for all heads) before RoPE
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps, c.jnp_dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps, c.jnp_dtype) if c.qk_norm else None
+        # gpt-oss: a sink logit per query head
+        self.sinks = nnx.Param(jnp.zeros((c.num_heads,), c.jnp_dtype)) if c.attention_sinks else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, attend: Attend, query_rows: jax.Array | None = None):
         """x: [B, T, in_features] at positions int32[B, T]. Returns the output [B, T, d_model] and the new
@@ -79,6 +81,7 @@ class Attention(nnx.Module):
         c = self.config
         batch, num_tokens, _ = x.shape
         inv_freq = inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)
+        scale = attention_factor(c.rope_scaling)
         if query_rows is None:
             query_x, query_positions = x, positions
         else:
@@ -88,9 +91,10 @@ class Attention(nnx.Module):
         k = self.k(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, query_positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q, k = apply_rope(q, query_positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
         v = self.v(x).reshape(batch, num_tokens, c.num_kv_heads, c.head_dim)
-        return self.o(attend(q, k, v).reshape(batch, query_x.shape[1], -1)), k, v
+        sinks = None if self.sinks is None else self.sinks[...]
+        return self.o(attend(q, k, v, sinks).reshape(batch, query_x.shape[1], -1)), k, v
 
 
 class Block(nnx.Module):
@@ -179,9 +183,11 @@ class Transformer(nnx.Module):
 
     def _run_layers(self, x: jax.Array, positions: jax.Array, attend: Callable[..., jax.Array],
                     layer_inputs=None, aux_layers: tuple[int, ...] | None = None):
-        """Runs the blocks over x [B, T, d_model]; each layer attends with ``attend(inputs, q, k, v)``,
-        ``inputs`` being its slice of ``layer_inputs`` (a pytree of ``[num_layers, ...]`` arrays, or None).
-        Stacked blocks run under ``jax.lax.scan``; a ``per_layer`` model's blocks one after another.
+        """Runs the blocks over x [B, T, d_model]; each layer attends with ``attend(inputs, q, k, v, sinks,
+        window)``, ``inputs`` being its slice of ``layer_inputs`` (a pytree of ``[num_layers, ...]`` arrays, or
+        None) and ``window`` its sliding window (static; ``config.layer_window``). Stacked blocks run under
+        ``jax.lax.scan`` when every layer has the same window, else one after another (sliced from the
+        stacked parameters), as a ``per_layer`` model's blocks do.
 
         Returns the last layer's output, the new tokens' keys, values [layers, B, T, kv_heads, D] and the
         taps: the inputs of layers ``aux_layers`` concatenated, [B, T, len(aux_layers) * d_model] (None
@@ -189,13 +195,14 @@ class Transformer(nnx.Module):
         """
         if aux_layers is not None:
             _check_aux_layers(aux_layers, self.config.num_layers)
-        if isinstance(self.blocks, nnx.List):
+        windows = self.config.layer_windows
+        if isinstance(self.blocks, nnx.List) or len(set(windows)) > 1:
             keys, values, layer_taps = [], [], {}
-            for i, block in enumerate(self.blocks):
+            for i, block in enumerate(self._layer_blocks()):
                 if aux_layers is not None and i in aux_layers:
                     layer_taps[i] = x
                 inputs = jax.tree.map(lambda a: a[i], layer_inputs)
-                x, k, v = block(x, positions, lambda q, k, v: attend(inputs, q, k, v))
+                x, k, v = block(x, positions, lambda q, k, v, sinks: attend(inputs, q, k, v, sinks, windows[i]))
                 keys.append(k)
                 values.append(v)
             taps = None if aux_layers is None else _concat_taps(layer_taps, aux_layers)
@@ -208,7 +215,7 @@ class Transformer(nnx.Module):
             if acc is not None:         # slot len(asked) (a layer not asked) is out of range: no write
                 acc = acc.at[slot].set(x, mode="drop")
             block = nnx.merge(graphdef, params)
-            x, k, v = block(x, positions, lambda q, k, v: attend(inputs, q, k, v))
+            x, k, v = block(x, positions, lambda q, k, v, sinks: attend(inputs, q, k, v, sinks, windows[0]))
             return (x, acc), (k, v)
 
         acc = slots = None
@@ -221,6 +228,14 @@ class Transformer(nnx.Module):
         taps = None if acc is None else _concat_taps(dict(zip(asked, acc)), aux_layers)
         return x, keys, values, taps
 
+    def _layer_blocks(self) -> list[Block]:
+        """The blocks one by one: a ``per_layer`` model's, or each layer's slice of the stacked ones."""
+        if isinstance(self.blocks, nnx.List):
+            return list(self.blocks)
+        graphdef, stacked = nnx.split(self.blocks)
+        return [nnx.merge(graphdef, jax.tree.map(lambda a: _layer_of(a, i), stacked))
+                for i in range(self.config.num_layers)]
+
     def per_layer(self) -> "Transformer":
         """This model with each layer's parameters in arrays of their own (``blocks`` an ``nnx.List`` of
         ``num_layers`` ``Block`` modules, sliced from the stacked ones; the other parameters shared), for the
@@ -231,9 +246,7 @@ class Transformer(nnx.Module):
         if isinstance(self.blocks, nnx.List):
             return self
         model = nnx.merge(*nnx.split(self))
-        graphdef, stacked = nnx.split(self.blocks)
-        model.blocks = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda a: _layer_of(a, i), stacked))
-                                 for i in range(self.config.num_layers)])
+        model.blocks = nnx.List(self._layer_blocks())
         return model
 
 
@@ -243,10 +256,9 @@ class Transformer(nnx.Module):
         ``aux_layers`` (i, j, ...) -> (logits, taps [B, S, len(aux_layers) * d_model]): the input of
         layer i (0: the embeddings; transformers' ``hidden_states[i]``), of layer j, ... concatenated."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        window = self.config.sliding_window
 
-        def attend(_, q, k, v):
-            return causal_attention(q, k, v, positions, sliding_window=window)
+        def attend(_, q, k, v, sinks, window):
+            return causal_attention(q, k, v, positions, sliding_window=window, sinks=sinks)
 
         x, _, _, taps = self._run_layers(self.embed(tokens), positions, attend, aux_layers=aux_layers)
         return self._logits(x) if aux_layers is None else (self._logits(x), taps)
@@ -263,16 +275,15 @@ class Transformer(nnx.Module):
         context_lens, staged_lens, positions = paged_positions(tokens.shape[1], context_lens, staged, tree_parents)
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         staged_kv = None if staged is None else (staged.keys, staged.values)
-        window = self.config.sliding_window
 
-        def attend(inputs, q, k, v):
+        def attend(inputs, q, k, v, sinks, window):
             layer, layer_staged = inputs
             staged_keys, staged_values = (None, None) if layer_staged is None else layer_staged
             return sharded_paged_attention(q, cache, layer, block_tables, context_lens, staged_keys=staged_keys,
                                            staged_values=staged_values,
                                            staged_lens=None if staged is None else staged_lens, new_keys=k,
                                            new_values=v, sliding_window=window, new_token_parents=tree_parents,
-                                           backend=backend)
+                                           sinks=sinks, backend=backend)
 
         x, keys, values, taps = self._run_layers(self.embed(tokens), positions, attend, (layers, staged_kv),
                                                  aux_layers)
@@ -299,16 +310,15 @@ class Transformer(nnx.Module):
         cell = jnp.where(real, rows * width + offsets, batch * width)        # batch * width: dropped
         positions = (context_lens[rows] + jnp.clip(offsets, 0, width - 1))[None]
         layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        window = self.config.sliding_window
 
         def to_grid(x: jax.Array) -> jax.Array:      # [1, N, heads, D] -> [B, width, heads, D]
             grid = jnp.zeros((batch * width, *x.shape[2:]), x.dtype).at[cell].set(x[0], mode="drop")
             return grid.reshape(batch, width, *x.shape[2:])
 
-        def attend(layer, q, k, v):
+        def attend(layer, q, k, v, sinks, window):
             out = sharded_paged_attention(to_grid(q), cache, layer, block_tables, context_lens,
                                           new_keys=to_grid(k), new_values=to_grid(v), sliding_window=window,
-                                          backend=backend)
+                                          sinks=sinks, backend=backend)
             return out.reshape(batch * width, *out.shape[2:])[jnp.minimum(cell, batch * width - 1)][None]
 
         x, keys, values, taps = self._run_layers(self.embed(tokens.astype(jnp.int32)[None]), positions, attend,

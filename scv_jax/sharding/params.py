@@ -2,7 +2,7 @@
 
 q/k/v and gate/up are split by columns (heads, FFN units), o and down by rows, so a layer needs two
 all-reduces (after o and after down), which XLA's SPMD partitioner inserts from these shardings;
-attention is local to a shard's heads. Norms are replicated (Qwen3's q/k norms too: one scale
+attention is local to a shard's heads (gpt-oss's sinks split with them). Norms are replicated (Qwen3's q/k norms too: one scale
 shared by all heads). The embedding and the LM head are vocabulary-parallel (rows / columns split
 over "model", when the vocabulary divides) or replicated. Everything is replicated over "data".
 A mixture of experts' router and expert weights (``scv_jax.models.moe``) are replicated: every
@@ -33,7 +33,7 @@ _COLUMNS = P(None, None, MODEL)      # [layers, d_in, d_out] split by output col
 _ROWS = P(None, MODEL, None)         # [layers, d_in, d_out] split by input rows
 _LAYER_SPECS = {"attn/q/kernel": _COLUMNS, "attn/k/kernel": _COLUMNS, "attn/v/kernel": _COLUMNS,
                 "attn/q/bias": P(None, MODEL), "attn/k/bias": P(None, MODEL), "attn/v/bias": P(None, MODEL),
-                "attn/o/kernel": _ROWS, "mlp/gate/kernel": _COLUMNS, "mlp/up/kernel": _COLUMNS,
+                "attn/sinks": P(None, MODEL), "attn/o/kernel": _ROWS, "mlp/gate/kernel": _COLUMNS, "mlp/up/kernel": _COLUMNS,
                 "mlp/down/kernel": _ROWS}
 _VOCAB_SPECS = {"embed/embedding": P(MODEL, None), "lm_head/kernel": P(None, MODEL)}
 
@@ -100,6 +100,8 @@ class HeadLayout:
             return self.queries(x, -1)
         if name == "blocks/attn/o/kernel":
             return self.queries(x, -2)
+        if name == "blocks/attn/sinks":          # [layers, heads]: one value per query head
+            return dataclasses.replace(self, head_dim=1).queries(x, -1)
         if name in ("blocks/attn/k/kernel", "blocks/attn/k/bias", "blocks/attn/v/kernel", "blocks/attn/v/bias"):
             return self.keys_values(x, -1)
         return x

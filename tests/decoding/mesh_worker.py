@@ -57,15 +57,19 @@ from scv_jax import DecoderConfig, ShardingConfig, SpeculativeDecoder  # noqa: E
 from scv_jax.graph.compile_counter import CompileCounter  # noqa: E402
 from scv_jax.decoding import head_step  # noqa: E402
 from scv_jax.decoding.caches import HeadCache  # noqa: E402
-from scv_jax.models import TransformerConfig, load_demo, load_demo_head  # noqa: E402
+from scv_jax.models import TransformerConfig, YarnRopeScaling, load_demo, load_demo_head  # noqa: E402
 from scv_jax.ops.commit.sharded import sharded_commit_draft_kv  # noqa: E402
 from scv_jax.sharding.mesh import cache_shardings, tracing_on  # noqa: E402
 from tests.models.fixtures import perturbed_copy, tiny_model  # noqa: E402
 
 # Qwen2-style: q/k/v biases, 2 KV heads (fewer than a model axis of 4 or 8: replicated); an LM head of its
-# own (the demo pair ties theirs), so that greedy decoding of random weights does not repeat one token
+# own (the demo pair ties theirs), so that greedy decoding of random weights does not repeat one token; and
+# gpt-oss's attention: sinks (split over "model" with their heads), an output bias, a windowed layer and a
+# full one, YaRN
 QWEN_TINY = TransformerConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=8, num_kv_heads=2, head_dim=8,
-                              ffn_dim=128, qkv_bias=True, tie_embeddings=False)
+                              ffn_dim=128, qkv_bias=True, tie_embeddings=False, attention_sinks=True,
+                              attention_out_bias=True, sliding_window=6, sliding_layers=(True, False),
+                              rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=16))
 CONFIG = DecoderConfig(k=3, block_size=8, num_blocks=64, max_seq_len=64, prefill_chunk=16, batch_buckets=(4,),
                        context_buckets=(8,))
 MAX_NEW = 12
@@ -80,6 +84,8 @@ def _pair(name: str):
     if name == "demo":
         return load_demo()
     target = tiny_model(QWEN_TINY, seed=0)
+    sinks = target.blocks.attn.sinks
+    sinks.set_value(jax.random.normal(jax.random.key(7), sinks.get_value().shape))   # a sink worth attending to
     return target, perturbed_copy(target, noise=0.1)          # accepts about half of the drafts
 
 

@@ -18,7 +18,8 @@ import pytest
 ROOT = pathlib.Path(__file__).parents[2]
 SHARDED_PARAMETERS = ("blocks/attn/q/kernel", "blocks/attn/k/kernel", "blocks/attn/v/kernel", "blocks/attn/q/bias",
                       "blocks/attn/k/bias", "blocks/attn/v/bias", "blocks/attn/o/kernel", "blocks/mlp/gate/kernel",
-                      "blocks/mlp/up/kernel", "blocks/mlp/down/kernel", "embed/embedding", "lm_head/kernel")
+                      "blocks/mlp/up/kernel", "blocks/mlp/down/kernel", "blocks/attn/sinks", "embed/embedding",
+                      "lm_head/kernel")
 
 
 def _start(*args: str) -> subprocess.Popen:
@@ -101,7 +102,8 @@ def test_demo_pair_on_meshes_decodes_as_on_one_device():
 
 @pytest.mark.slow
 def test_qwen_style_pair_on_meshes_greedy_and_sampled():
-    """q/k/v biases, an untied LM head (vocabulary-parallel), 2 KV heads on model axes of 8 and 4 (the
+    """q/k/v biases, an untied LM head (vocabulary-parallel), gpt-oss's attention (sinks split with their
+    heads, an output bias, a windowed and a full layer, YaRN), 2 KV heads on model axes of 8 and 4 (the
     draft tensor-parallel too on (2, 4)); sampling with the same seed gives the one-device tokens. (A
     data-only mesh is the demo pair's case.)"""
     result = _result(_start("--pair", "qwen", "--meshes", "1,8", "2,4:model", "--sample", "--extras"))

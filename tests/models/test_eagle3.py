@@ -59,16 +59,38 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> np.ndarray:
-    """transformers' default and "llama3" RoPE frequencies."""
+    """transformers' default, "llama3" and "yarn" RoPE frequencies."""
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
     if scaling is None:
         return inv
+    if scaling["rope_type"] == "yarn":          # transformers' _compute_yarn_parameters
+        def dim(rotations):
+            return head_dim * np.log(scaling["original_max_position_embeddings"] / (rotations * 2 * np.pi)) / (
+                2 * np.log(theta))
+        low, high = dim(scaling.get("beta_fast") or 32), dim(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = np.floor(low), np.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = np.clip((np.arange(head_dim // 2) - low) / (high - low + 0.001 * (low == high)), 0, 1)
+        extrapolation = 1 - ramp
+        return inv / scaling["factor"] * (1 - extrapolation) + inv * extrapolation
     old = scaling["original_max_position_embeddings"]
     wavelen = 2 * np.pi / inv
     smooth = (old / wavelen - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
     scaled = np.where(wavelen > old / scaling["low_freq_factor"], inv / scaling["factor"], inv)
     medium = (wavelen <= old / scaling["low_freq_factor"]) & (wavelen >= old / scaling["high_freq_factor"])
     return np.where(medium, (1 - smooth) * inv / scaling["factor"] + smooth * inv, scaled)
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """transformers' YaRN attention factor (what cos and sin are multiplied by)."""
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * np.log(scale) + 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return mscale(scaling["factor"], scaling["mscale"]) / mscale(scaling["factor"], scaling["mscale_all_dim"])
+    return mscale(scaling["factor"])
 
 
 def rope(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
@@ -95,8 +117,9 @@ def reference(tensors: dict, config: dict, embedding: np.ndarray, token_ids: np.
                                llama.get("head_dim") or llama["hidden_size"] // heads)
     rope_fields = llama.get("rope_parameters") or {"rope_theta": llama.get("rope_theta", 10000.0),
                                                     **(llama.get("rope_scaling") or {})}
-    inv_freq = inverse_frequencies(head_dim, rope_fields["rope_theta"],
-                                   rope_fields if rope_fields.get("rope_type") == "llama3" else None)
+    scaling = rope_fields if rope_fields.get("rope_type") in ("llama3", "yarn") else None
+    inv_freq = inverse_frequencies(head_dim, rope_fields["rope_theta"], scaling)
+    rope_scale = yarn_attention_factor(scaling) if rope_fields.get("rope_type") == "yarn" else 1.0
     norm_before_residual = config.get("norm_before_residual", False)
     norm_output = layout == "speculators" and config.get("norm_output", False)
     qk_norm = llama.get("model_type") == "qwen3"
@@ -116,7 +139,7 @@ def reference(tensors: dict, config: dict, embedding: np.ndarray, token_ids: np.
         v = (x @ w[f"{p}self_attn.v_proj.weight"].T).reshape(num_tokens, kv_heads, head_dim)
         if qk_norm:
             q, k = rms_norm(q, w[f"{p}self_attn.q_norm.weight"], eps), rms_norm(k, w[f"{p}self_attn.k_norm.weight"], eps)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        q, k = rope(q, positions, inv_freq) * rope_scale, rope(k, positions, inv_freq) * rope_scale
         attn = np.zeros((num_tokens, heads, head_dim))
         for head in range(heads):
             kv = head // (heads // kv_heads)
@@ -540,8 +563,7 @@ def llama_of(config: dict) -> dict:
 
 # name -> the aux layers (target layer inputs) it must give on DEEP_TARGET: the config's ids as they
 # are (vLLM's reading); without ids, the default (2, L // 2, L - 3).
-LOADABLE = {**{name: None for name in published.SPECFORGE if name not in ("deepseek-v2-lite-eagle3.json",
-                                                                           "qwen2-5-vl-7b-eagle3.json")},
+LOADABLE = {**{name: None for name in published.SPECFORGE if name != "qwen2-5-vl-7b-eagle3.json"},
             "gpt-oss-20B-eagle3.json": (1, 11, 21), "deepseek-v3-671b-eagle3.json": (1, 29, 57),
             "qwen3-235B-A22B-eagle3.json": (1, 46, 90), "SafeAILab traineagle3/config.json": None}
 
@@ -567,12 +589,11 @@ def test_published_config_loads_and_matches_the_reference(tmp_path, deep_target,
 
 
 @pytest.mark.parametrize("config, match", [
-    (published.SPECFORGE["deepseek-v2-lite-eagle3.json"], "rope_scaling type 'yarn' is not supported"),
     (published.SPECFORGE["qwen2-5-vl-7b-eagle3.json"], "rope_scaling type 'mrope' is not supported"),
     (published.SPECULATORS_ISSUE_1065, r"eagle_aux_hidden_state_layer_ids must be 3 layer ids, got \[2, 46, 91, 93\]"),
     ({**published.SPECULATORS_ISSUE_1065, "eagle_aux_hidden_state_layer_ids": [2, 46, 91]},
-     r"layer_types \['sliding_attention'\] are not supported"),
-], ids=["yarn", "mrope", "four aux ids", "sliding layer"])
+     r"layer_types names 'sliding_attention' layers, which LlamaForCausalLM does not have"),
+], ids=["mrope", "four aux ids", "sliding layer"])
 def test_published_configs_a_head_cannot_honour_are_refused(tmp_path, deep_target, config, match):
     small, sizes = shrink(config)
     directory = write_head(tmp_path, head_tensors(**sizes, seed=1, layout="speculators" if "speculators_model_type"

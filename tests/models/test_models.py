@@ -17,7 +17,8 @@ from hypothesis import given, settings, strategies as st
 
 import scv_jax
 from scv_jax.models import (Llama3RopeScaling, PackedTokens, PagedModel, StagedKV, Transformer, TransformerConfig,
-                            load_model, save_model)
+                            YarnRopeScaling, load_model, save_model)
+from scv_jax.models.rope import attention_factor
 from tests.models.fixtures import TINY, commit_prefix, pad_rows, tiny_model
 
 SCALING = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
@@ -342,7 +343,11 @@ def test_sliding_window_limits_what_a_token_sees():
     (dict(dtype="int8"), "dtype must be one of"),
     (dict(dtype="float64"), "dtype must be one of"),
     (dict(sliding_window=0), "sliding_window"),
-    (dict(rope_scaling={"factor": 8.0}), "rope_scaling must be None or a Llama3RopeScaling"),
+    (dict(rope_scaling={"factor": 8.0}), "rope_scaling must be None, a Llama3RopeScaling or a YarnRopeScaling"),
+    (dict(sliding_window=4, sliding_layers=(True,)), "sliding_layers must be None or a tuple of num_layers \\(2\\)"),
+    (dict(sliding_layers=(True, False)), "sliding_layers needs sliding_window"),
+    (dict(attention_sinks=1), "attention_sinks must be a bool"),
+    (dict(swiglu_limit=0.0), "swiglu_limit must be None or a number > 0"),
 ])
 def test_config_rejects_bad_fields(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -359,3 +364,21 @@ def test_config_dict_round_trip_and_dtype_spellings():
         Llama3RopeScaling(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0, original_max_position_embeddings=8)
     with pytest.raises(ValueError, match="factor must be a number > 0"):
         Llama3RopeScaling(factor=0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8)
+    yarn = TransformerConfig(rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=64),
+                             sliding_window=3, sliding_layers=(True, False), attention_sinks=True, moe_bias=True,
+                             num_experts=2, swiglu_limit=7.0)
+    assert TransformerConfig.from_dict(json.loads(json.dumps(yarn.to_dict()))) == yarn
+    assert yarn.layer_windows == (3, None) and TransformerConfig(sliding_window=5).layer_windows == (5, 5)
+    with pytest.raises(ValueError, match="rope_type 'linear' is not one of"):
+        TransformerConfig.from_dict({"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+
+
+def test_yarn_attention_factor():
+    """YaRN's attention factor: given, else 0.1 ln(factor) + 1, or with mscale and mscale_all_dim the
+    ratio of that form for each (DeepSeek's configs); 1 for other scalings."""
+    plain = YarnRopeScaling(factor=4.0, original_max_position_embeddings=64)
+    assert attention_factor(plain) == pytest.approx(0.1 * np.log(4.0) + 1)
+    assert attention_factor(dataclasses.replace(plain, attention_factor=0.5)) == 0.5
+    both = dataclasses.replace(plain, mscale=1.0, mscale_all_dim=0.5)
+    assert attention_factor(both) == pytest.approx((0.1 * np.log(4.0) + 1) / (0.05 * np.log(4.0) + 1))
+    assert attention_factor(SCALING) == attention_factor(None) == 1.0

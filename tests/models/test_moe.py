@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import scv_jax
 from scv_jax.models import PackedTokens, Transformer, TransformerConfig
-from scv_jax.models.moe import experts_ragged, moe_dense_reference, moe_forward, route
+from scv_jax.models.moe import ExpertWeights, experts_ragged, moe_dense_reference, moe_forward, route, swiglu
 from scv_jax.sharding.params import HeadLayout, parameter_spec, place_transformer, tensor_parallel_split
 from tests.models.fixtures import commit_prefix, tiny_model
 
@@ -25,30 +25,35 @@ MOE = TransformerConfig(vocab_size=32, num_layers=2, d_model=16, num_heads=4, nu
                         ffn_dim=48, qk_norm=True, num_experts=5, num_experts_per_tok=2, moe_ffn_dim=12)
 
 
-def _weights(seed: int, n: int, d: int, f: int, e: int):
+def _weights(seed: int, n: int, d: int, f: int, e: int, biases: bool = False):
+    """(x [n, d], router [d, E], router bias [E] or None, ExpertWeights), standard normal float32."""
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((n, d)).astype(np.float32)
-    return (x, rng.standard_normal((d, e)).astype(np.float32), rng.standard_normal((e, d, f)).astype(np.float32),
-            rng.standard_normal((e, d, f)).astype(np.float32), rng.standard_normal((e, f, d)).astype(np.float32))
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    x, router = normal(n, d), normal(d, e)
+    weights = ExpertWeights(normal(e, d, f), normal(e, d, f), normal(e, f, d),
+                            *((normal(e, f), normal(e, f), normal(e, d)) if biases else ()))
+    return x, router, normal(e) if biases else None, weights
 
 
-@functools.partial(jax.jit, static_argnums=(5, 6))
-def _both(x, router, gate, up, down, k, normalize):
+@functools.partial(jax.jit, static_argnames=("k", "normalize", "limit"))
+def _both(x, router, router_bias, weights, *, k, normalize, limit):
     """(``moe_forward``, ``moe_dense_reference``) of the same inputs, one compilation."""
-    return (moe_forward(x, router, gate, up, down, k, normalize),
-            moe_dense_reference(x, router, gate, up, down, k, normalize))
+    options = dict(router_bias=router_bias, limit=limit)
+    return (moe_forward(x, router, weights, k, normalize, **options),
+            moe_dense_reference(x, router, weights, k, normalize, **options))
 
 
 @settings(max_examples=15, deadline=None)
 @given(n=st.integers(1, 13), d=st.integers(1, 9), f=st.integers(1, 7), e=st.integers(1, 6), data=st.data(),
        routing=st.sampled_from(["random", "tied columns", "all tied", "one expert dominates"]),
-       normalize=st.booleans(), seed=st.integers(0, 2 ** 16))
-def test_ragged_moe_equals_dense_reference(n, d, f, e, data, routing, normalize, seed):
+       normalize=st.booleans(), gpt_oss=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_ragged_moe_equals_dense_reference(n, d, f, e, data, routing, normalize, gpt_oss, seed):
     """ragged_dot over expert-sorted pairs = every expert on every token, masked by the routing weights:
     odd sizes, one token, ties in the router logits (equal columns; all equal: every token to experts
-    0..k-1, the rest get no token), one expert chosen by every token."""
+    0..k-1, the rest get no token), one expert chosen by every token; gpt-oss's router and expert
+    biases and clamped SwiGLU (limit 1: most units clamped) or none."""
     k = data.draw(st.integers(1, e), label="k")
-    x, router, gate, up, down = _weights(seed, n, d, f, e)
+    x, router, router_bias, weights = _weights(seed, n, d, f, e, biases=gpt_oss)
     if routing == "tied columns" and e > 1:
         router[:, e - 1] = router[:, 0]
     elif routing == "all tied":
@@ -57,25 +62,40 @@ def test_ragged_moe_equals_dense_reference(n, d, f, e, data, routing, normalize,
         x = np.abs(x) + 1.0                     # positive inputs, one expert's column far larger
         router = np.abs(router)
         router[:, data.draw(st.integers(0, e - 1), label="expert")] += 100.0
-    args = tuple(jnp.asarray(a) for a in (router, gate, up, down)) + (k, normalize)
-    got, want = (np.asarray(a) for a in _both(jnp.asarray(x), *args))
+    if router_bias is not None and routing != "random":      # the bias must not break the tie tested
+        router_bias[:] = 0.0
+    got, want = (np.asarray(a) for a in _both(jnp.asarray(x), jnp.asarray(router), router_bias, weights, k=k,
+                                              normalize=normalize, limit=1.0 if gpt_oss else None))
     assert got.shape == (n, d)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(1.0, np.abs(want).max()))
 
 
 @settings(max_examples=20, deadline=None)
-@given(n=st.integers(1, 9), e=st.integers(1, 5), data=st.data(), seed=st.integers(0, 2 ** 16))
-def test_experts_ragged_applies_each_chosen_expert(n, e, data, seed):
-    """Row (t, j) of ``experts_ragged`` is expert experts[t, j]'s SwiGLU of x[t], whatever the choice:
-    every pair on one expert, experts chosen by no token, repeats of an expert within a token."""
+@given(n=st.integers(1, 9), e=st.integers(1, 5), data=st.data(), biases=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_experts_ragged_applies_each_chosen_expert(n, e, data, biases, seed):
+    """Row (t, j) of ``experts_ragged`` is expert experts[t, j]'s SwiGLU of x[t] (with its own biases
+    when there are), whatever the choice: every pair on one expert, experts chosen by no token,
+    repeats of an expert within a token."""
     k = data.draw(st.integers(1, 3), label="k")
-    x, _, gate, up, down = _weights(seed, n, 5, 3, e)
+    x, _, _, w = _weights(seed, n, 5, 3, e, biases)
     experts = np.array(data.draw(st.lists(st.lists(st.integers(0, e - 1), min_size=k, max_size=k),
                                           min_size=n, max_size=n), label="experts"), np.int32)
-    got = np.asarray(experts_ragged(*(jnp.asarray(a) for a in (x, experts, gate, up, down))))
-    hidden = jax.nn.silu(np.einsum("nd,nkdf->nkf", x, gate[experts])) * np.einsum("nd,nkdf->nkf", x, up[experts])
-    want = np.einsum("nkf,nkfd->nkd", hidden, down[experts])
+    got = np.asarray(experts_ragged(jnp.asarray(x), jnp.asarray(experts), w))
+    bias = (lambda b: b[experts]) if biases else (lambda b: 0.0)  # noqa: E731
+    gate = np.einsum("nd,nkdf->nkf", x, w.gate[experts]) + bias(w.gate_bias)
+    up = np.einsum("nd,nkdf->nkf", x, w.up[experts]) + bias(w.up_bias)
+    want = np.einsum("nkf,nkfd->nkd", jax.nn.silu(gate) * up, w.down[experts]) + bias(w.down_bias)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(1.0, np.abs(want).max()))
+
+
+def test_clamped_swiglu_is_gpt_oss_formula():
+    """gpt-oss's experts: g = min(gate, L), u = clip(up, -L, L), g * sigmoid(1.702 g) * (u + 1)."""
+    gate = jnp.asarray([-9.0, -1.0, 0.0, 2.0, 7.5, 20.0])
+    up = jnp.asarray([-9.0, 8.0, 3.0, -0.5, 0.0, 7.0])
+    g, u = np.minimum(np.asarray(gate), 7.0), np.clip(np.asarray(up), -7.0, 7.0)
+    want = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+    np.testing.assert_allclose(np.asarray(swiglu(gate, up, 7.0)), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(swiglu(gate, up, None)), np.asarray(jax.nn.silu(gate) * up), rtol=1e-6)
 
 
 def test_route_renormalises_the_top_k():
@@ -132,6 +152,37 @@ def test_moe_parameters_are_replicated_on_a_mesh():
     graphdef, state = place_transformer(model, mesh, tensor_parallel=True, vocab_parallel=True, who="test")
     np.testing.assert_allclose(np.asarray(nnx.merge(graphdef, state)(tokens)), np.asarray(model(tokens)),
                                rtol=1e-6, atol=1e-6)
+
+
+GPT_OSS_STYLE = TransformerConfig(vocab_size=32, num_layers=2, d_model=16, num_heads=6, num_kv_heads=2, head_dim=8,
+                                  ffn_dim=48, qkv_bias=True, attention_out_bias=True, attention_sinks=True,
+                                  sliding_window=3, sliding_layers=(True, False), num_experts=4, num_experts_per_tok=2,
+                                  moe_ffn_dim=8, moe_bias=True, swiglu_limit=1.0)
+
+
+def test_gpt_oss_style_model_tensor_parallel_layout_and_forwards():
+    """gpt-oss's parts together (random sinks and biases, a windowed and a full layer, the clamp): the
+    per-layer, paged and tensor-parallel layouts (6 query heads over 4 shards: groups padded with
+    zero heads, whose sinks are padded too) compute the full forward's logits."""
+    model = tiny_model(GPT_OSS_STYLE, seed=4)
+    graphdef, state = nnx.split(model)
+    rng = np.random.default_rng(4)
+    for path, var in nnx.to_flat_state(state):
+        if path[-1] == "sinks" or str(path[-1]).endswith("bias"):
+            var.set_value(jnp.asarray(rng.standard_normal(var.get_value().shape), jnp.float32))
+    model = nnx.merge(graphdef, state)
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 11)), jnp.int32)
+    full = np.asarray(model(tokens))
+    np.testing.assert_allclose(np.asarray(model.per_layer()(tokens)), full, rtol=1e-5, atol=1e-5)
+    laid_out = nnx.merge(*tensor_parallel_split(model, 4, "test"))
+    assert laid_out.config.num_heads == 8
+    np.testing.assert_allclose(np.asarray(laid_out(tokens)), full, rtol=2e-5, atol=2e-5)
+    cache = scv_jax.PagedKVCache.create(2, 8, 4, 2, 8, dtype="float32")
+    tables = jnp.asarray([[5, 2, 7, 0], [1, 3, 4, 6]], jnp.int32)
+    first = model.forward_paged(tokens[:, :6], cache, tables, jnp.zeros(2, jnp.int32))
+    cache = commit_prefix(cache, first, tables, [6, 6], 4)
+    rest = model.forward_paged(tokens[:, 6:], cache, tables, jnp.full(2, 6, jnp.int32))
+    np.testing.assert_allclose(np.concatenate([first.logits, rest.logits], axis=1), full, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("fields, match", [

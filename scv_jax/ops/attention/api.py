@@ -28,14 +28,16 @@ OP = "paged_attention"
 INPUT_DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
-def _kernel_unsupported(**facts: Any) -> str:
+def _kernel_unsupported(*, sinks: bool = False, **facts: Any) -> str:
+    if sinks:
+        return "attention sinks (the kernel's softmax has no extra logit per head yet)"
     from pallas_kernels.paged_attention import unsupported_reason
     return unsupported_reason(**facts)
 
 
 def _attention_kernel(q, cache: PagedKVCache, layer, block_tables, context_lens, staged_keys, staged_values,
                       staged_lens, new_keys, new_values, *, sliding_window: int | None,
-                      new_token_parents: jax.Array | None = None, interpret: bool) -> jax.Array:
+                      new_token_parents: jax.Array | None = None, sinks: None = None, interpret: bool) -> jax.Array:
     from pallas_kernels.paged_attention import paged_attention_kernel, precise_products
     extra = (staged_keys, staged_values, new_keys, new_values)
     precise = precise_products(q.dtype, cache.dtype, tuple(x.dtype for x in extra if x is not None))
@@ -83,7 +85,7 @@ def _check_layer(layer: Any, num_layers: int) -> Any:
 
 def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *, staged_keys=None,
                     staged_values=None, staged_lens=None, new_keys, new_values, sliding_window: int | None = None,
-                    new_token_parents=None, backend: str = "auto") -> jax.Array:
+                    new_token_parents=None, sinks=None, backend: str = "auto") -> jax.Array:
     """Attention of one layer's queries over the paged cache, the staged entries and the new tokens.
 
     Query t of request b sits at position ``context_lens[b] + staged_lens[b] + t`` and attends to the
@@ -93,7 +95,8 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
     ``new_token_parents`` (a tree over the new tokens) query t instead attends to the new tokens that
     are its ancestors or itself only, and sits at position ``context_lens[b] + staged_lens[b] + depth``
     (depth = its number of ancestors; ``scv_jax.tree_depths``). Scores are scaled
-    by ``head_dim ** -0.5``, softmax is float32, and query head h uses kv head ``h // (heads // kv_heads)``.
+    by ``head_dim ** -0.5``, softmax is float32, and query head h uses kv head ``h // (heads // kv_heads)``;
+    with ``sinks``, head h's softmax has one more logit, ``sinks[h]``, whose value is zero (gpt-oss).
     Staged and new K/V are read as the cache will hold them once committed (quantised with the scale
     their commit uses, then dequantised: ``scv_jax.ops.commit.reference.as_stored``), so a token's key
     looks the same to every query before and after its commit (fp8 caches stay lossless).
@@ -115,6 +118,8 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
         parent new token (< t), -1 = none (a child of the prefix); entries outside [-1, t) read as -1.
         In the decoder's layout the pending token is new token 0 (parent -1) and tree node i is new
         token i + 1 with parent ``tree_parents[i] + 1``.
+      sinks: None, or [heads] float32/float16/bfloat16: each query head's sink logit (attention sinks;
+        the XLA path only).
       backend: "auto", "pallas", "xla" or "interpret" (``scv_jax.ops.registry``).
     Returns:
       [B, T, heads, head_dim] in q's dtype. Padded requests (context 0, no staged entries, any block
@@ -162,12 +167,15 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
         if np.shape(new_token_parents) != (batch, tokens):
             raise ValueError(f"{OP}: new_token_parents must be int32[B, T] = ({batch}, {tokens}), got shape "
                              f"{tuple(np.shape(new_token_parents))}")
+    if sinks is not None:
+        sinks = as_array(OP, "sinks", sinks)
+        _check_floating("sinks", sinks, (heads,), "[heads]")
     extra_dtypes = tuple(np.dtype(jnp.result_type(x)) for x in (staged_keys, staged_values, new_keys, new_values)
                          if x is not None)
     impl = registry.select(OP, backend, head_dim=head_dim, block_size=cache.block_size, layout=cache.layout,
                            scale_mode=cache.scale_mode, cache_dtype=cache.dtype, q_dtype=np.dtype(jnp.result_type(q)),
                            extra_dtypes=extra_dtypes, kv_heads=kv_heads, tree=new_token_parents is not None,
-                           sliding_window=sliding_window)
+                           sliding_window=sliding_window, sinks=sinks is not None)
     if batch == 0 or tokens == 0:
         return jnp.zeros(np.shape(q), jnp.result_type(q))
     as_jax = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
@@ -176,19 +184,20 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
                             None if staged_lens is None else jnp.asarray(staged_lens, jnp.int32),
                             jnp.asarray(new_keys), jnp.asarray(new_values),
                             None if new_token_parents is None else jnp.asarray(new_token_parents, jnp.int32),
-                            sliding_window=sliding_window, impl=impl)
+                            as_jax(sinks), sliding_window=sliding_window, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=("sliding_window", "impl"))
 def _paged_attention(q, cache, layer, block_tables, context_lens, staged_keys, staged_values, staged_lens,
-                     new_keys, new_values, new_token_parents, *, sliding_window: int | None,
+                     new_keys, new_values, new_token_parents, sinks, *, sliding_window: int | None,
                      impl: registry.Selected) -> jax.Array:
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, cache.num_layers - 1)
     if staged_keys is not None and staged_keys.ndim == 5:   # this layer's entries (fused into their consumer)
         staged_keys, staged_values = (lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
                                       for x in (staged_keys, staged_values))
     return impl(q, cache, layer, block_tables, context_lens, staged_keys, staged_values, staged_lens, new_keys,
-                new_values, sliding_window=sliding_window, new_token_parents=new_token_parents)
+                new_values, sliding_window=sliding_window, new_token_parents=new_token_parents,
+                **({} if sinks is None else {"sinks": sinks}))
 
 
 def tree_depths(new_token_parents) -> jax.Array:

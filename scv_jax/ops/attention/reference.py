@@ -102,7 +102,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
                               context_lens: jax.Array, staged_keys: jax.Array | None,
                               staged_values: jax.Array | None, staged_lens: jax.Array | None,
                               new_keys: jax.Array, new_values: jax.Array, *, sliding_window: int | None = None,
-                              new_token_parents: jax.Array | None = None,
+                              new_token_parents: jax.Array | None = None, sinks: jax.Array | None = None,
                               chunk_tokens: int | None = None) -> jax.Array:
     """Attention of ``q`` [B, T, heads, D] over the cache, the staged entries and the new tokens.
 
@@ -114,6 +114,7 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
     range, block ids into [0, num_blocks), ``layer`` into [0, layers). Chunks wholly outside every
     query's window are skipped. ``chunk_tokens`` (a multiple of block_size) overrides the positions
     read per loop step. Staged and new K/V are read as the cache will hold them (``as_stored``).
+    ``sinks`` [heads]: one more logit per head in every query's softmax, with a zero value.
     Returns [B, T, heads, D] in q's dtype.
     """
     staged_keys, staged_values, new_keys, new_values = in_flight_kv(cache, staged_keys, staged_values,
@@ -167,6 +168,11 @@ def paged_attention_reference(q: jax.Array, cache: PagedKVCache, layer: jax.Arra
     visible = _visible(query_positions, promote(positions), promote(valid), sliding_window)
     if ancestors is not None:   # the new tokens (the last T keys): ancestors and self only
         visible = visible.at[:, :, -tokens:].set(visible[:, :, -tokens:] & ancestors)
-    acc, _, l = _softmax_step(carry, queries, promote(keys), promote(values), visible)
-    out = acc / l[..., None]                          # l >= 1: every query sees its own token
+    acc, m, l = _softmax_step(carry, queries, promote(keys), promote(values), visible)
+    if sinks is not None:     # the sink: exp(sink - m) more in the denominator (m rescaled if the sink is larger)
+        sink = sinks.astype(jnp.float32).reshape(1, kv_heads, group, 1)
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_new)
+        acc, l = acc * alpha[..., None], l * alpha + jnp.exp(sink - m_new)
+    out = acc / l[..., None]                          # l > 0: every query sees its own token
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, tokens, heads, head_dim).astype(q.dtype)

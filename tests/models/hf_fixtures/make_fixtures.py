@@ -7,7 +7,14 @@ bfloat16 on disk; ``qwen3``: q/k RMS norms, GQA, head_dim 16 (not hidden / heads
 bfloat16 on disk; ``qwen3_moe``: Qwen3-MoE, every layer 4 experts of width 32 (the dense
 intermediate_size 64 unused), top-2 without renormalisation (norm_topk_prob false), q/k norms,
 untied, sharded bfloat16; ``mixtral``: 4 experts of width 32, top-2 (renormalised), GQA (1 KV head),
-sliding window 12, bfloat16 on disk) it writes ``<name>/`` with
+sliding window 12, bfloat16 on disk; ``qwen2_window``: Qwen2 with ``use_sliding_window``, window 8
+from layer 1 on (``max_window_layers`` 1) and YaRN rope scaling spelled ``"type": "yarn"``, bfloat16 on disk;
+``gpt_oss``: gpt-oss, 4 experts of width 32, top-2, layer 0 a 6-token window and layer 1 full
+(``layer_types``), q/k/v/o biases, sinks, router and expert biases, expert weights scaled up so
+the SwiGLU clamp (7) bites, YaRN as gpt-oss publishes it (factor 32, ``truncate`` false), bfloat16
+on disk; ``gpt_oss_mxfp4``: the same architecture with its experts stored as published, MXFP4
+``*_blocks`` / ``*_scales`` and ``quantization_config`` mxfp4, the logits computed from the dequantized
+weights and checked against transformers' own MXFP4 load) it writes ``<name>/`` with
 
 - ``config.json``, ``generation_config.json``, ``model.safetensors`` (or shards + index),
 - ``tokenizer.json``: a tiny BPE tokenizer (``tokenizers``) whose vocabulary is the model's,
@@ -69,6 +76,7 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden
               num_attention_heads=4, max_position_embeddings=512, initializer_range=0.25,
               bos_token_id=1, eos_token_id=2, pad_token_id=None)
 
+GPT_OSS_SIZES = dict(intermediate_size=32, max_position_embeddings=131072)      # YaRN: 32 x 4096
 FIXTURES = {
     "llama": dict(
         config=transformers.LlamaConfig(**COMMON, num_key_value_heads=4, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -99,6 +107,26 @@ FIXTURES = {
                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
         dtype=torch.bfloat16, shard_size="40KB", style="bytelevel"),
+    "qwen2_window": dict(
+        config=transformers.Qwen2Config(**{**COMMON, "max_position_embeddings": 256}, num_key_value_heads=2,
+                                        rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=False, use_sliding_window=True, sliding_window=8,
+                                        max_window_layers=1,
+                                        rope_scaling={"type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 64}),
+        dtype=torch.bfloat16, shard_size=None, style="bytelevel"),
+    "gpt_oss": dict(
+        config=transformers.GptOssConfig(**{**COMMON, **GPT_OSS_SIZES}, num_key_value_heads=2, head_dim=16,
+                                         rms_norm_eps=1e-5, sliding_window=6, tie_word_embeddings=False,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         layer_types=["sliding_attention", "full_attention"]),
+        dtype=torch.bfloat16, shard_size="40KB", style="bytelevel", scale={"gate_up_proj": 1.0}),
+    "gpt_oss_mxfp4": dict(
+        config=transformers.GptOssConfig(**{**COMMON, **GPT_OSS_SIZES}, num_key_value_heads=2, head_dim=16,
+                                         rms_norm_eps=1e-5, sliding_window=6, tie_word_embeddings=False,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         layer_types=["sliding_attention", "full_attention"]),
+        dtype=torch.bfloat16, shard_size=None, style="bytelevel", mxfp4=True),
     "mixtral": dict(
         config=transformers.MixtralConfig(**{**COMMON, "intermediate_size": 32}, num_key_value_heads=1,
                                           rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=12,
@@ -127,8 +155,9 @@ def make_tokenizer(style: str) -> Tokenizer:
     return tokenizer
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter random (norm weights around 1, biases small), so no mapping error hides."""
+def randomize(model: torch.nn.Module, seed: int, scale: dict[str, float] | None = None) -> None:
+    """Every parameter random (norm weights around 1, biases small, weights 0.25 N(0, 1) unless
+    ``scale`` names a larger factor for parameters ending in a name), so no mapping error hides."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -138,7 +167,47 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("bias"):
                 param.copy_(0.3 * noise)
             else:
-                param.copy_(0.25 * noise)
+                factor = next((f for suffix, f in (scale or {}).items() if name.endswith(suffix)), 0.25)
+                param.copy_(factor * noise)
+
+
+MXFP4_TENSORS = ("gate_up_proj", "down_proj")
+
+
+def mxfp4_experts(model, seed: int) -> dict[str, np.ndarray]:
+    """Replaces every gpt-oss expert weight by the dequantization of random MXFP4 blocks and scales
+    (transformers' ``convert_moe_packed_tensors``); returns the packed tensors by checkpoint name."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(seed)
+    packed = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            base = name.rsplit(".", 1)[-1]
+            if base not in MXFP4_TENSORS:
+                continue
+            experts, cols, rows = param.shape                  # stored [E, in, out]; packed [E, out, in / 32, 16]
+            blocks = rng.integers(0, 256, (experts, rows, cols // 32, 16), dtype=np.uint8)
+            scales = rng.integers(122, 128, (experts, rows, cols // 32), dtype=np.uint8)
+            param.copy_(convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                   dtype=torch.float32))
+            packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+    return packed
+
+
+def pack_experts(directory: pathlib.Path, packed: dict[str, np.ndarray]) -> None:
+    """Rewrites the single-file checkpoint in ``directory`` with the expert weights as MXFP4 blocks and
+    scales (``packed``) and ``quantization_config`` as gpt-oss publishes it."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {n: t for n, t in load_file(directory / "model.safetensors").items()
+               if n.rsplit(".", 1)[-1] not in MXFP4_TENSORS}
+    save_file({**tensors, **{n: torch.from_numpy(t) for n, t in packed.items()}},
+              str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def greedy(model, prompt: list[int]) -> list[int]:
@@ -176,9 +245,10 @@ def make(name: str, spec: dict, seed: int) -> dict | None:
     config = spec["config"]
     config.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                              "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                             "mixtral": "MixtralForCausalLM"}[config.model_type]]
+                             "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}[config.model_type]]
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    randomize(model, seed)
+    randomize(model, seed, spec.get("scale"))
+    packed = mxfp4_experts(model, seed) if spec.get("mxfp4") else None
     model.generation_config.eos_token_id = None       # always 32 new tokens
     model.generation_config.pad_token_id = 0
     save = dict(safe_serialization=True)
@@ -206,6 +276,15 @@ def make(name: str, spec: dict, seed: int) -> dict | None:
         logits[f"logits_{i}"] = full.astype(np.float32)
     np.savez_compressed(directory / "logits.npz", **logits)
     write_hidden_states(directory, model, [p + c for p, c in zip(prompts, continuations)])
+    if packed is not None:        # the packed checkpoint, as transformers reads it, computes the same logits
+        pack_experts(directory, packed)
+        packed_model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32, attn_implementation="eager",
+            quantization_config=transformers.Mxfp4Config(dequantize=True)).float().eval()  # its experts bf16 (exact)
+        for i, prompt in enumerate(prompts):
+            with torch.no_grad():
+                got = packed_model(torch.tensor([prompt + continuations[i]])).logits[0].float().numpy()
+            np.testing.assert_allclose(got, logits[f"logits_{i}"], rtol=1e-5, atol=1e-5, err_msg=name)
     expected = {
         "prompts": prompts, "continuations": continuations,
         "tokenizer": [{"text": t, "ids": tokenizer.encode(t).ids,

@@ -44,6 +44,7 @@ class Case:
     q_dtype: str = "bfloat16"         # also the dtype of the staged and new K/V
     num_layers: int = 2
     window: int | None = None         # sliding window
+    sinks: bool = False               # a sink logit per query head (float32, N(0, 4))
     seed: int = 0
 
     @property
@@ -79,6 +80,8 @@ def make_inputs(case: Case) -> dict:
     inputs = dict(q=normal(b, t, heads, d), cache=cache, layer=case.num_layers - 1, block_tables=jnp.asarray(tables),
                   context_lens=jnp.asarray(context, jnp.int32), new_keys=normal(b, t, case.kv_heads, d),
                   new_values=normal(b, t, case.kv_heads, d), sliding_window=case.window)
+    if case.sinks:
+        inputs["sinks"] = jnp.asarray(2 * rng.standard_normal(heads), jnp.float32)
     if case.staged is not None:
         staged_lens = rng.integers(0, case.staged + 1, b)
         staged_lens[0] = 0
@@ -106,7 +109,7 @@ def stored(cache: PagedKVCache, x, which: str) -> np.ndarray:
 def oracle(inputs: dict) -> np.ndarray:
     """float64 dense attention over ``gather_kv`` reads of each request's context, the staged entries
     and the causal new tokens (those two as the cache will hold them, ``stored``), within the sliding
-    window; lengths clamped like the op documents."""
+    window, with each head's sink logit in its softmax; lengths clamped like the op documents."""
     cache, layer = inputs["cache"], int(inputs["layer"])
     q = np.asarray(inputs["q"], np.float64)
     b, t, heads, d = q.shape
@@ -120,6 +123,7 @@ def oracle(inputs: dict) -> np.ndarray:
                                 for x in scv_jax.gather_kv(cache, slots))
     host = {k: stored(cache, inputs[k], "k" if k.endswith("keys") else "v")
             for k in ("staged_keys", "staged_values", "new_keys", "new_values") if k in inputs}
+    sinks = np.asarray(inputs["sinks"], np.float64) if inputs.get("sinks") is not None else None
     out = np.zeros(q.shape)
     for r in range(b):
         context = int(np.clip(inputs["context_lens"][r], 0, capacity))
@@ -136,8 +140,10 @@ def oracle(inputs: dict) -> np.ndarray:
             start = max(0, end - window)
             for h in range(heads):
                 scores = keys[start:end, h // group] @ q[r, i, h] * d ** -0.5
-                p = np.exp(scores - scores.max())
-                out[r, i, h] = (p / p.sum()) @ values[start:end, h // group]
+                top = scores.max() if sinks is None else max(scores.max(), sinks[h])
+                p = np.exp(scores - top)
+                total = p.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+                out[r, i, h] = (p / total) @ values[start:end, h // group]
     return out
 
 
@@ -182,6 +188,22 @@ def cases(draw, kernel: bool = False) -> Case:
 @pytest.mark.slow
 def test_xla_matches_oracle(case):
     check(case, "xla")
+
+
+@settings(max_examples=4)
+@given(case=cases())
+def test_xla_with_sinks_matches_oracle(case):
+    """Attention sinks (gpt-oss): one more logit per head in each softmax, zero value, any shape."""
+    check(dataclasses.replace(case, sinks=True), "xla")
+
+
+def test_sinks_take_the_xla_path_and_bad_sinks_are_named():
+    inputs = make_inputs(Case(sinks=True))
+    check(Case(sinks=True), "auto")
+    with pytest.raises(ValueError, match="attention sinks"):
+        scv_jax.paged_attention(**inputs, backend="interpret")
+    with pytest.raises(ValueError, match="sinks must be \\[heads\\]"):
+        scv_jax.paged_attention(**{**inputs, "sinks": jnp.zeros(3)}, backend="xla")
 
 
 @settings(max_examples=4)
