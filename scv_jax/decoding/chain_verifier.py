@@ -66,6 +66,20 @@ class ChainProposal(NamedTuple):
     staged: StagedKV | None
 
 
+def batch_major(proposal: ChainProposal) -> ChainProposal:
+    """``proposal`` with its staged K/V batch-major, ``[B, layers, W, kv_heads, head_dim]`` (every leaf's
+    axis 0 is the batch: a split step's proposal passes between its calls padded as one argument)."""
+    if proposal.staged is None:
+        return proposal
+    keys, values, lengths = proposal.staged
+    return proposal._replace(staged=StagedKV(jnp.swapaxes(keys, 0, 1), jnp.swapaxes(values, 0, 1), lengths))
+
+
+def layer_major(proposal: ChainProposal) -> ChainProposal:
+    """``batch_major`` undone: the staged K/V ``[layers, B, W, kv_heads, head_dim]`` again."""
+    return batch_major(proposal)
+
+
 def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, block_tables: jax.Array,
             lag_tokens: jax.Array, lag: jax.Array, draft_lens: jax.Array, keys: jax.Array,
             sampling: jax.Array, *, k: int, greedy: bool, backend: str,
@@ -97,20 +111,25 @@ def draft_chain(catch_up: PagedForwardOutput, first_logits: jax.Array, lag: jax.
     carry) -> (logits [B, V], keys, values [layers, B, 1, ...], carry)`` over the staged K/V (a scan);
     ``carry`` is the drafter's own running value (an EAGLE head's hidden state; None for a draft model).
     The drafts' logits take the requests' ``controls`` as the target's do (draft j's history holds the
-    drafts before it). The staged K/V come back ``[layers, B, W + k - 1, kv_heads, head_dim]``."""
+    drafts before it), and with ``controls.automaton`` each request's drafting automaton, moved along its
+    drafts. The staged K/V come back ``[layers, B, W + k - 1, kv_heads, head_dim]``."""
     batch, width = lag.shape[0], catch_up.keys.shape[2]
     stage_shape = (catch_up.keys.shape[0], batch, width + k - 1, *catch_up.keys.shape[3:])
     stage_k = jnp.zeros(stage_shape, catch_up.keys.dtype).at[:, :, :width].set(catch_up.keys)
     stage_v = jnp.zeros(stage_shape, catch_up.values.dtype).at[:, :, :width].set(catch_up.values)
+    automaton = None if controls is None else controls.automaton
     logits = controlled(controls, first_logits)
+    if automaton is not None:
+        logits = automaton.mask(logits, automaton.states)
     first, first_probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG), sampling, greedy)
+    states = None if automaton is None else automaton.advance(automaton.states, first)
     slots = jnp.arange(stage_shape[2], dtype=jnp.int32)
     # the drafts so far (-1: none yet), and the last output tokens with them
     seen = None if controls is None else jnp.full((batch, max(k - 1, 1)), -1, jnp.int32)
     previous = None if controls is None else controls.recent
 
     def one_draft(state, j):
-        stage_k, stage_v, lengths, token, seen, previous, carry = state
+        stage_k, stage_v, lengths, token, seen, previous, states, carry = state
         logits, new_keys, new_values, carry = forward(token, StagedKV(stage_k, stage_v, lengths), carry)
         # row b's new K/V into its slot lengths[b]: elementwise (no scatter), so a batch split over
         # devices stays local
@@ -121,11 +140,15 @@ def draft_chain(catch_up: PagedForwardOutput, first_logits: jax.Array, lag: jax.
             seen = seen.at[:, j - 1].set(token)
             previous = jnp.concatenate([previous[:, 1:], token[:, None]], axis=1)
             logits = controls.apply(logits, seen=seen, offsets=jnp.full((batch,), j, jnp.int32), previous=previous)
+        if automaton is not None:
+            logits = automaton.mask(logits, states)
         nxt, probs = choose_tokens(logits, tagged_keys(keys, DRAFT_TAG + j), sampling, greedy)
-        return (stage_k, stage_v, lengths + 1, nxt, seen, previous, carry), (nxt, probs)
+        if automaton is not None:
+            states = automaton.advance(states, nxt)
+        return (stage_k, stage_v, lengths + 1, nxt, seen, previous, states, carry), (nxt, probs)
 
     (stage_k, stage_v, lengths, *_), (rest, rest_probs) = jax.lax.scan(
-        one_draft, (stage_k, stage_v, lag, first, seen, previous, carry), jnp.arange(1, k))
+        one_draft, (stage_k, stage_v, lag, first, seen, previous, states, carry), jnp.arange(1, k))
     tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
     probs = None if greedy else jnp.concatenate([first_probs[:, None], jnp.swapaxes(rest_probs, 0, 1)], axis=1)
     return ChainProposal(tokens, probs, StagedKV(stage_k, stage_v, lengths))

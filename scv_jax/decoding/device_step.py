@@ -108,10 +108,11 @@ class StepInputs(NamedTuple):
 
 
 def step_inputs(rows: jax.Array, request_mask: jax.Array | None, sampling: jax.Array | None = None,
-                state: "ControlState | None" = None, grammar: jax.Array | None = None) -> StepInputs:
+                state: "ControlState | None" = None, grammar: jax.Array | None = None,
+                automaton: "DraftAutomaton | None" = None) -> StepInputs:
     """``StepInputs`` of int32[B, StepRow.WIDTH] rows (``request_mask`` None: every row a request), with the
-    ``LogitControls`` of ``sampling``, ``state`` and the step's ``grammar`` masks when the step has a
-    control state."""
+    ``LogitControls`` of ``sampling``, ``state``, the step's ``grammar`` masks and drafting ``automaton``
+    when the step has a control state."""
     lag, context_lens, num_drafts = rows[:, StepRow.LAG], rows[:, StepRow.CONTEXT], rows[:, StepRow.NUM_DRAFTS]
     tail = rows[:, StepRow.TOKENS:]
     catch_up = jnp.arange(MAX_CATCH_UP, dtype=jnp.int32)[None, :] + MAX_CATCH_UP - lag[:, None]
@@ -124,7 +125,7 @@ def step_inputs(rows: jax.Array, request_mask: jax.Array | None, sampling: jax.A
     if state is None:
         return inputs
     return inputs._replace(controls=LogitControls.of(state, inputs.slots, sampling, inputs.stop_ids, request_mask,
-                                                     grammar))
+                                                     grammar, automaton))
 
 
 class ControlState(NamedTuple):
@@ -184,7 +185,7 @@ class LogitControls(NamedTuple):
 
     Attributes:
       active: bool[] some request has controls or a ``min_tokens`` still to reach (else ``apply`` is
-        the identity, at the cost of one branch).
+        the identity but for the ``grammar`` masks, at the cost of one branch).
       controlled: bool[B] the request's row of the state counts (its bias and history; else zeros).
       bias: float32[B, V]; output_counts: int32[B, V]; in_prompt: bool[B, V].
       presence, frequency, repetition: float32[B] (``SamplingParams``' penalties).
@@ -195,6 +196,8 @@ class LogitControls(NamedTuple):
         chain's t-th position after the committed tokens; a tree's position after node t - 1, row 0 the
         root's) token v is allowed where bit v % 32 of word v // 32 is set (-1 words: every token); None:
         no structured output in the step.
+      automaton: the drafting automata the draft model's drafts follow (``DraftAutomaton``; a step that
+        only drafts, ``step_fn``'s ``draft_only``), or None.
     """
 
     active: jax.Array
@@ -210,20 +213,23 @@ class LogitControls(NamedTuple):
     words: jax.Array
     recent: jax.Array
     grammar: jax.Array | None = None
+    automaton: "DraftAutomaton | None" = None
 
     @classmethod
     def of(cls, state: ControlState, slots: jax.Array, sampling: jax.Array, stop_ids: jax.Array,
-           request_mask: jax.Array, grammar: jax.Array | None = None) -> "LogitControls":
+           request_mask: jax.Array, grammar: jax.Array | None = None,
+           automaton: "DraftAutomaton | None" = None) -> "LogitControls":
         controlled = (sampling[:, SamplingColumn.CONTROLLED] > 0) & request_mask
         min_tokens = jnp.where(request_mask, sampling[:, SamplingColumn.MIN_TOKENS], 0).astype(jnp.int32)
         rows = jnp.clip(slots, 0, state.bias.shape[0] - 1)
         history = jnp.where(controlled[:, None], state.history[rows], 0)
-        active = jnp.any(controlled | (min_tokens > 0)) | (False if grammar is None else jnp.any(grammar != -1))
+        active = jnp.any(controlled | (min_tokens > 0))
         return cls(active, controlled,
                    jnp.where(controlled[:, None], state.bias[rows], 0.0), history // 2, history % 2 == 1,
                    sampling[:, SamplingColumn.PRESENCE], sampling[:, SamplingColumn.FREQUENCY],
                    jnp.where(controlled, sampling[:, SamplingColumn.REPETITION], 1.0), min_tokens, stop_ids,
-                   jnp.where(controlled[:, None, None], state.words[rows], -1), state.recent[rows], grammar)
+                   jnp.where(controlled[:, None, None], state.words[rows], -1), state.recent[rows], grammar,
+                   automaton)
 
     def apply(self, logits: jax.Array, rows: jax.Array | None = None, seen: jax.Array | None = None,
               offsets: jax.Array | None = None, previous: jax.Array | None = None,
@@ -254,8 +260,6 @@ class LogitControls(NamedTuple):
             flat, index = logits.reshape(-1, vocab), jnp.arange(rows.shape[0])[:, None]
             penalties = self.presence[rows], self.frequency[rows], self.repetition[rows]
             bias = self.bias[rows]
-            if self.grammar is not None:
-                bias = jnp.where(grammar_allows(self.grammar, rows, grammar_rows, vocab), bias, -jnp.inf)
             out = controlled_logits(flat, bias, self.output_counts[rows], self.in_prompt[rows], *penalties)
             if seen is not None:        # the tokens seen beyond the committed ones, again with their counts
                 tokens = seen.reshape(rows.shape[0], -1)
@@ -263,8 +267,6 @@ class LogitControls(NamedTuple):
                 at = jnp.clip(tokens, 0, vocab - 1)
                 more = jnp.sum((tokens[:, :, None] == tokens[:, None, :]) & valid[:, None, :], axis=2)
                 bias_at = self.bias[rows[:, None], at]
-                if self.grammar is not None:
-                    bias_at = jnp.where(grammar_allows_tokens(self.grammar, rows, grammar_rows, at), bias_at, -jnp.inf)
                 again = controlled_logits(flat[index, at], bias_at, self.output_counts[rows[:, None], at] + more,
                                           self.in_prompt[rows[:, None], at], *penalties)
                 out = out.at[index, jnp.where(valid, at, vocab)].set(again, mode="drop")
@@ -279,7 +281,47 @@ class LogitControls(NamedTuple):
             out = out.at[index, banned].set(-jnp.inf, mode="drop")
             return out.astype(logits.dtype).reshape(logits.shape)
 
-        return jax.lax.cond(self.active, adjust, lambda: logits)
+        out = jax.lax.cond(self.active, adjust, lambda: logits)
+        if self.grammar is None:
+            return out
+        # the grammar's masks: forbidden tokens -inf (as a -inf bias would leave them through the controls)
+        allowed = grammar_allows(self.grammar, rows, grammar_rows, vocab).reshape(logits.shape)
+        return jnp.where(allowed, out, -jnp.inf).astype(logits.dtype)
+
+
+class DraftAutomaton(NamedTuple):
+    """The drafting automata of a step's constrained requests (``grammar_automaton.DraftTables``): the
+    draft model samples each draft among the tokens its request's automaton allows.
+
+    Attributes:
+      next_state: int32[S, C] a state's next state by token class (-1: forbidden; global state ids).
+      token_class: int32[G, V] each automaton's token classes.
+      slots: int32[B] each request's automaton; states: int32[B] its state before the step's first draft
+        (-1: none, every token allowed).
+    """
+
+    next_state: jax.Array
+    token_class: jax.Array
+    slots: jax.Array
+    states: jax.Array
+
+    def mask(self, logits: jax.Array, states: jax.Array) -> jax.Array:
+        """float[B, V] ``logits`` with the tokens int32[B] ``states`` forbid at -inf (a row whose allowed
+        tokens the other controls already took away keeps its logits: a draft only proposes)."""
+        vocab = logits.shape[-1]
+        classes = self.token_class[jnp.clip(self.slots, 0, self.token_class.shape[0] - 1), :vocab]     # [B, V]
+        rows = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1)]                       # [B, C]
+        allowed = (jnp.take_along_axis(rows, classes, axis=1) >= 0) | (states < 0)[:, None]
+        masked = jnp.where(allowed, logits, -jnp.inf)
+        return jnp.where(jnp.any(allowed & (logits > -jnp.inf), axis=-1, keepdims=True), masked, logits)
+
+    def advance(self, states: jax.Array, tokens: jax.Array) -> jax.Array:
+        """int32[B]: ``states`` after int32[B] ``tokens`` (-1 stays -1; a forbidden token gives -1)."""
+        vocab = self.token_class.shape[1]
+        classes = self.token_class[jnp.clip(self.slots, 0, self.token_class.shape[0] - 1),
+                                   jnp.clip(tokens, 0, vocab - 1)]
+        moved = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1), classes]
+        return jnp.where((states >= 0) & (tokens >= 0) & (tokens < vocab), moved, -1)
 
 
 def grammar_allows(grammar: jax.Array, rows: jax.Array, offsets: jax.Array, vocab_size: int) -> jax.Array:
@@ -288,12 +330,6 @@ def grammar_allows(grammar: jax.Array, rows: jax.Array, offsets: jax.Array, voca
     words = grammar[rows, jnp.clip(offsets, 0, grammar.shape[1] - 1)]                       # [R, W]
     token = jnp.arange(vocab_size, dtype=jnp.int32)
     return bit_set(words[:, token // 32], token)
-
-
-def grammar_allows_tokens(grammar: jax.Array, rows: jax.Array, offsets: jax.Array, tokens: jax.Array) -> jax.Array:
-    """bool[R, S]: whether ``grammar`` int32[B, T, W] allows int32[R, S] ``tokens`` (in [0, V)) at int32[R]
-    ``rows`` and ``offsets`` (clipped to the T positions)."""
-    return bit_set(grammar[rows[:, None], jnp.clip(offsets, 0, grammar.shape[1] - 1)[:, None], tokens // 32], tokens)
 
 
 def bit_set(words: jax.Array, tokens: jax.Array) -> jax.Array:

@@ -353,7 +353,11 @@ class Engine:
                 work = scheduler.schedule(rows, layout.computed)
                 if work.catch_up is not None:
                     runner.prefill(work.catch_up, batch, stats, wait=before is None)
-                pending = runner.dispatch(work, batch, layout, stats, started, self._carry)
+                proposal = None
+                if work.split:      # constrained requests' drafts: drafted, masked on the host, then verified
+                    proposal, drafted, self._carry = runner.propose(work, batch, layout, stats, self._carry)
+                    work = scheduler.mask_drafts(work, drafted)
+                pending = runner.dispatch(work, batch, layout, stats, started, self._carry, proposal)
                 self._carry = pending.carry
             if before is not None:
                 outputs += self._finish(before, wait=pending is None)

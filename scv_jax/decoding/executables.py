@@ -1,7 +1,8 @@
 """The prefill and decode steps in graph mode: one ``ExecutableCache`` each, bucketed by batch size,
 block-table width and (for decode steps) k, with both caches (and the decode step's logit-control
 state and carry) donated, for the placement's devices
-(decode steps are also compiled per ``packed_k``, the packed verify's mean drafts per request).
+(decode steps are also compiled per ``packed_k``, the packed verify's mean drafts per request, and
+per ``draft_only``: a split step's first call).
 With ``backend="auto"`` a bucket whose kernels fail to compile or run is served by the XLA reference
 (counted in ``GenerateStats.fallbacks``); with "pallas" or "interpret" the failure is raised."""
 
@@ -41,8 +42,9 @@ def step_executables(config: DecoderConfig, target: SplitModel, draft: SplitMode
     decode = ExecutableCache(
         placement.step(make_decode_step(target, draft, config.block_size, verifier, lag_rule, max_lag)),
         pads={"block_tables": _TABLE_PADS, "rows": Pad("batch"), "sampling": Pad("batch"), "drafts": Pad("batch"),
-              "grammar": Pad("batch", fill=-1)},
-        bucketed_statics={"k": k_values}, static_argnames=("greedy", "logprobs", "backend", "packed_k"),
+              "grammar": Pad("batch", fill=-1), "draft_states": Pad("batch", fill=-1), "proposal": Pad("batch")},
+        bucketed_statics={"k": k_values},
+        static_argnames=("greedy", "logprobs", "backend", "packed_k", "draft_only"),
         stand_ins=_DECODE_STAND_INS, name="decode_step", donate_argnames=("target_cache", "draft_cache", "controls", "carry"),
         **common)
     return prefill, decode

@@ -78,6 +78,12 @@ class Grammars:
             raise ValueError(f"Engine: llguidance cannot read the tokenizer ({e})") from None
         self._words = mask_words(self._tokenizer.vocab_size)
 
+    def token_bytes(self) -> list[bytes]:
+        """Each model id's bytes (b"" for a special token and an id past the tokenizer's)."""
+        tokenizer = self._tokenizer
+        return [b"" if t >= tokenizer.vocab_size or tokenizer.is_special_token(t) else tokenizer.decode_bytes([t])
+                for t in range(self.vocab_size)]
+
     def matcher(self, params: StructuredOutputsParams) -> Any:
         """A new ``llguidance.LLMatcher`` of ``params``; ValueError (naming
         ``SamplingParams.structured_outputs``) when its grammar does not compile."""

@@ -9,6 +9,7 @@ that result into each request's output.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -122,6 +123,10 @@ class DecodeWork:
         too: the device moves their rows on by it (``decoding.carry``); None: no step in flight.
       number: the step's number among the scheduler's steps.
       assumed: host chains planned with a step in flight: what they assume that step appends, or None.
+      split: the step runs in two calls: the draft model drafts, the host masks the constrained
+        requests' drafts with their grammars (``Scheduler.mask_drafts``), the second call verifies them.
+      automaton: a split step's drafting automata (``grammar_automaton.DraftTables``), or None;
+        draft_states: int32[B, 2] each request's automaton and state in them (-1: none).
     """
 
     rows: np.ndarray
@@ -138,6 +143,9 @@ class DecodeWork:
     carried: np.ndarray | None = None
     number: int = 0
     assumed: Assumption | None = None
+    split: bool = False
+    automaton: Any = None
+    draft_states: np.ndarray | None = None
 
     def subset(self, keep: np.ndarray) -> "DecodeWork":
         """The work of the requests where bool[B] ``keep`` (those still running as planned)."""
@@ -151,7 +159,8 @@ class DecodeWork:
             caps=self.caps[keep], drafts=drafts, grammar=None if self.grammar is None else self.grammar[keep],
             epochs=None if self.epochs is None else self.epochs[keep],
             carried=None if self.carried is None else self.carried[keep],
-            assumed=None if self.assumed is None else self.assumed.subset(keep))
+            assumed=None if self.assumed is None else self.assumed.subset(keep),
+            draft_states=None if self.draft_states is None else self.draft_states[keep])
 
 
 @dataclasses.dataclass(frozen=True)

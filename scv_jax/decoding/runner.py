@@ -15,6 +15,7 @@ executables, with different costs): they outlive the engines that run on one dec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import threading
@@ -32,6 +33,7 @@ from scv_jax.decoding.caches import ModelCaches
 from scv_jax.decoding.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DecoderConfig
 from scv_jax.decoding.device_step import ControlState, SplitModel
 from scv_jax.decoding.executables import step_executables
+from scv_jax.decoding.grammar_automaton import MAX_GRAMMARS, TABLE_STATES, max_classes
 from scv_jax.decoding.placement import BatchRows, OnMesh, ShardingConfig, SingleDevice
 from scv_jax.decoding.plan import DecodeWork, PrefillWork, SamplingColumn, StepResult, StepRow
 from scv_jax.decoding.proposers.base import Proposer
@@ -265,26 +267,68 @@ class StepRunner:
         return self.placement.rows(batch.shards[rows], self.decode_executable)
 
     def dispatch(self, work: DecodeWork, batch: RequestBatch, layout: BatchRows, stats: GenerateStats,
-                 started: float, carry_in: jax.Array | None = None) -> PendingStep:
+                 started: float, carry_in: jax.Array | None = None, proposal: Any = None) -> PendingStep:
         """Calls the decode executable for ``work`` (the one call of the step; not waited for).
         ``started``: when the step's host work began (its one-off planning is taken out of it);
         ``carry_in``: the engine's carry (``overlaps``: donated; the step's is the ``PendingStep``'s), the
-        rows ``work.carried`` moved on by it."""
-        rows, step_k, num_drafts = work.rows, work.drafts.step_k, work.drafts.num_drafts
-        width = int(batch.num_blocks[rows].max())
+        rows ``work.carried`` moved on by it; ``proposal``: the drafts of a split step's first call
+        (``propose``), which this call verifies."""
+        step_k, num_drafts = work.drafts.step_k, work.drafts.num_drafts
+        width = int(batch.num_blocks[work.rows].max())
         planning = time.perf_counter()
-        constrained = work.grammar is not None
+        constrained, split = work.grammar is not None, proposal is not None
         plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, logprobs=work.logprobs,
-                                grammar=constrained)
+                                grammar=constrained, proposal=split)
         size = plan.padded["batch"] or layout.size
         packed_k = 0 if work.logprobs or constrained else self._packed_k(num_drafts, size, step_k)
         if packed_k:
             plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, packed_k=packed_k)
-        plan = self.decode_executable.ready_plan(plan)      # a larger compiled bucket while this one compiles
+        if not split:         # (a split step's two calls run buckets of one batch size)
+            plan = self.decode_executable.ready_plan(plan)      # a larger compiled bucket while this one compiles
         size = plan.padded["batch"] or layout.size
         started += time.perf_counter() - planning
-        inputs = decode_inputs(batch, rows, layout.rows, size, plan.padded["blocks"] or width, num_drafts,
-                               self.proposer.max_lag)
+        inputs = self._decode_inputs(work, batch, layout, plan, width, carry_in)
+        if split:
+            inputs["proposal"] = proposal
+        dispatched = time.perf_counter()
+        outputs, carry_out = self._decode_call(plan, inputs, stats, self.uses_draft(step_k))
+        return PendingStep(work, layout, outputs, carry_out, size * (packed_k + 1) if packed_k else None, started, dispatched)
+
+    def propose(self, work: DecodeWork, batch: RequestBatch, layout: BatchRows, stats: GenerateStats,
+                carry_in: jax.Array | None = None) -> tuple[Any, np.ndarray, jax.Array | None]:
+        """The first call of a split step (``DecodeWork.split``: constrained requests, drafts made by the draft
+        model): the draft model drafts (each constrained request along its drafting automaton, ``work.
+        automaton``; no host masks yet) and the host fetches the drafts, for the grammar's masks before the
+        second call (``dispatch`` with the proposal) verifies them. Returns (the proposal, on the device; int32[R, k]
+        the drafts of ``work``'s requests; the carry, as it was)."""
+        width = int(batch.num_blocks[work.rows].max())
+        plan = self.decode_plan(layout.size, width, work.drafts.step_k, work.greedy, layout.scattered,
+                                draft_only=True)
+        inputs = self._decode_inputs(work, batch, layout, plan, width, carry_in)
+        states = np.full((plan.padded["batch"] or layout.size, 2), -1, np.int32)
+        states[layout.rows] = work.draft_states
+        inputs["draft_tables"], inputs["draft_states"] = work.automaton.arrays(jax.device_put), states
+        (proposal,), carry_out = self._decode_call(plan, inputs, stats, True)
+        return proposal, np.asarray(proposal.tokens)[layout.rows], carry_out
+
+    def _decode_call(self, plan: BucketPlan, inputs: dict[str, Any], stats: GenerateStats, use_draft: bool
+                     ) -> tuple[list, jax.Array | None]:
+        """(the decode executable's outputs past the caches, without the control state it keeps; the carry
+        it returns, or None)."""
+        outputs = self._call(self.decode_executable, stats, use_draft=use_draft, plan=plan, **inputs)
+        carry_out = None
+        if self.overlaps:
+            *outputs, carry_out = outputs
+        if self.has_controls:
+            *outputs, self._controls = outputs
+        return outputs, carry_out
+
+    def _decode_inputs(self, work: DecodeWork, batch: RequestBatch, layout: BatchRows, plan: BucketPlan, width: int,
+                       carry_in: jax.Array | None) -> dict[str, Any]:
+        """A decode call's dynamic arguments for ``work`` at ``plan``'s bucket (taking the control state)."""
+        size = plan.padded["batch"] or layout.size
+        inputs = decode_inputs(batch, work.rows, layout.rows, size, plan.padded["blocks"] or width,
+                               work.drafts.num_drafts, self.proposer.max_lag)
         if work.carried is not None:
             inputs["rows"][layout.rows[work.carried], StepRow.CARRIED] = 1
         drafts = self.proposer.drafts_input(work.drafts, layout.rows, size)
@@ -297,18 +341,10 @@ class StepRunner:
             inputs["controls"] = self._take_controls()
         if self.overlaps:
             inputs["carry"] = self.new_carry() if carry_in is None else carry_in
-        if constrained:
+        if work.grammar is not None:
             inputs["grammar"] = np.full((size, *work.grammar.shape[1:]), -1, np.int32)
             inputs["grammar"][layout.rows] = work.grammar
-        dispatched = time.perf_counter()
-        outputs = self._call(self.decode_executable, stats, use_draft=self.uses_draft(step_k),
-                             plan=plan, **inputs)
-        carry_out = None
-        if self.overlaps:
-            *outputs, carry_out = outputs
-        if self.has_controls:
-            *outputs, self._controls = outputs
-        return PendingStep(work, layout, outputs, carry_out, size * (packed_k + 1) if packed_k else None, started, dispatched)
+        return inputs
 
     def fetch(self, pending: PendingStep, since: float = 0.0) -> StepResult:
         """The step's one device-to-host transfer, as a ``StepResult``; its ``seconds`` count from its
@@ -329,20 +365,23 @@ class StepRunner:
 
     # ------------------------------------------------------------------ plans
     def decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool, *,
-                    logprobs: bool = False, packed_k: int = 0, grammar: bool = False) -> BucketPlan:
+                    logprobs: bool = False, packed_k: int = 0, grammar: bool = False, draft_only: bool = False,
+                    proposal: bool = False) -> BucketPlan:
         """The decode executable's bucket for a step's sizes (planned once per shape); ``masked``: the
         step gives its own request mask (a batch laid out over a mesh's data shards); ``grammar``: it
-        gives structured output's masks."""
-        key = (batch, width, k, greedy, logprobs, masked, packed_k, grammar)
+        gives structured output's masks; a split step's first call (``draft_only``, with the drafting
+        automata) and its second (``proposal``)."""
+        key = (batch, width, k, greedy, logprobs, masked, packed_k, grammar, draft_only, proposal)
         plan = self._plans.get(key)
         if plan is None:
             given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self.uses_draft(k) else ()) \
                 + (("drafts",) if self.proposer.host is not None else ()) + (("request_mask",) if masked else ()) \
                 + (("controls",) if self.has_controls else ()) + (("grammar",) if grammar else ()) \
-                + (("carry",) if self.overlaps else ())
+                + (("carry",) if self.overlaps else ()) + (("draft_tables", "draft_states") if draft_only else ()) \
+                + (("proposal",) if proposal else ())
             plan = self._plans[key] = self.decode_executable.plan_sizes(
                 {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, logprobs=logprobs,
-                backend=self.config.backend, packed_k=packed_k)
+                backend=self.config.backend, packed_k=packed_k, draft_only=draft_only)
         return plan
 
     def _packed_draft_counts(self) -> tuple[int, ...]:
@@ -571,10 +610,27 @@ class StepRunner:
                 if structured_output:
                     grammar = np.full((1, k + 1, (self.vocab_size + 31) // 32), -1, np.int32)
                     calls.append((self.decode_executable, {**models_k, **step, "grammar": grammar}))
+                    if k and self.proposer.model_chains:         # a split step's two calls
+                        calls += _split_step_calls(self.decode_executable, {**models_k, **step}, grammar,
+                                                   self.vocab_size)
         self.caches.put(target_cache, draft_cache)
         if self.has_controls:
             self._controls = controls
         return calls
+
+
+def _split_step_calls(executable: ExecutableCache, step: dict[str, Any], grammar: np.ndarray, vocab_size: int
+                      ) -> list[tuple[ExecutableCache, dict[str, Any]]]:
+    """A split step's two warm-up calls (``draft_only`` with the drafting tables, then the proposal
+    verified with the ``grammar`` masks) from a step's abstract example arguments ``step``."""
+    tables = (jax.ShapeDtypeStruct((TABLE_STATES, max_classes(vocab_size)), np.int32),
+              jax.ShapeDtypeStruct((MAX_GRAMMARS, vocab_size), np.int32))
+    drafting = {**step, "draft_tables": tables, "draft_states": np.zeros((1, 2), np.int32), "draft_only": True}
+    statics = {name: drafting[name] for name in executable.static_argnames if name in drafting}
+    dynamic = {name: value for name, value in drafting.items()
+               if name not in statics and name != "keep" and value is not None}
+    shapes = jax.eval_shape(functools.partial(executable.fn, **statics), **dynamic)
+    return [(executable, drafting), (executable, {**step, "grammar": grammar, "proposal": shapes[2]})]
 
 
 def _abstract(tree: Any) -> Any:

@@ -30,11 +30,16 @@ output) sits out the step after one it runs in (``decode_rows``): its masks foll
 host moves on only once that step is fetched; it runs again in the step after, its masks computed while the
 device runs. When constrained requests are more than a quarter of the batch, its steps run synchronously
 instead (``may_run_ahead``). Steps whose planning needs the last tokens (``may_run_ahead``) are fetched first.
+With a draft model's chains (``Proposer.model_chains``), a step with constrained requests is split
+(``DecodeWork.split``, synchronous): the device drafts (each constrained request along its grammar's
+drafting automaton, ``grammar_automaton``, built on a thread before the request is admitted), then
+``mask_drafts`` cuts the drafts with the grammars and masks the positions the second call verifies.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 from typing import Any, Protocol, Sequence
@@ -42,13 +47,14 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 
 from scv_jax.decoding.grammar import Grammars
+from scv_jax.decoding.grammar_automaton import AutomatonBuilder, DraftTables, automaton_for, draft_key
 from scv_jax.decoding.outputs import FinishReason, RequestOutput, TokenLogprob
 from scv_jax.decoding.plan import Assumption, DecodeWork, Drafts, Observation, PrefillWork, SamplingColumn, StepResult
 from scv_jax.decoding.positions import catch_up_rows
 from scv_jax.decoding.proposers.base import Proposer, Trie, path_trie, smallest_fitting
 from scv_jax.decoding.proposers.ngram import UnverifiedProposals
 from scv_jax.decoding.requests import RequestBatch
-from scv_jax.sampling_params import SamplingParams
+from scv_jax.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class Controller(Protocol):
@@ -67,6 +73,7 @@ class BlockPools(Protocol):
     def pick(self, need: Sequence[int], load: Sequence[int], growth: Sequence[int], per_shard: int) -> int | None: ...
 
 
+MAX_AUTOMATA = 64    # drafting automata kept for constraints seen before (``Scheduler._drafting_automaton``)
 # the largest share of the running requests that may be constrained for steps to overlap (each constrained
 # request sitting out every other step); more make the steps synchronous (docs/engine.md, "One step in flight")
 CONSTRAINED_SIT_OUT_SHARE = 0.25
@@ -89,6 +96,8 @@ class Request:
     token_ids: list[int] = dataclasses.field(default_factory=list)      # generated so far
     drafted: int = 0
     matcher: Any = None             # its structured output's grammar state (an llguidance LLMatcher), at token_ids
+    automaton: Any = None           # its drafting automaton being built (a Future of a ``TokenAutomaton`` or None)
+    automaton_at: tuple[int, int] | None = None   # (its automaton's state, after that many of token_ids)
     prediction_accepted: int = 0    # drafts from its prediction verified and accepted
     prediction_rejected: int = 0    # ... and rejected
 
@@ -129,6 +138,12 @@ class Scheduler:
         self.batch, self._pools, self.proposer, self._controllers = batch, pools, proposer, controllers
         self.draft_ahead = draft_ahead
         self.grammars = grammars
+        # constrained requests' drafts made by a draft model's chains: split steps (``mask_drafts``)
+        self.splits = grammars is not None and proposer.model_chains
+        self.draft_tables = DraftTables(grammars.vocab_size) if self.splits else None
+        self._builder: AutomatonBuilder | None = None
+        self._automata: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
+        self._builds: concurrent.futures.ThreadPoolExecutor | None = None     # (one thread, made at first use)
         self._k, self.max_num_seqs, self._per_shard = k, max_num_seqs, per_shard
         self.max_num_batched_tokens, self._chunk = max_num_batched_tokens, prefill_chunk
         self.requests: dict[str, Request] = {}             # waiting and running, by id
@@ -145,8 +160,30 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
+        if request.matcher is not None and self.splits:
+            request.automaton = self._drafting_automaton(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _drafting_automaton(self, request: Request) -> concurrent.futures.Future:
+        """The drafting automaton of a constrained request (``grammar_automaton.automaton_for``), built on a
+        thread of its own (seconds at a 150k vocabulary; the request is admitted once it is ready, as
+        vLLM's wait for a grammar's compile), once per constraint: the last ``MAX_AUTOMATA`` are kept."""
+        params = request.params.structured_outputs
+        key = draft_key(params)
+        if key not in self._automata:
+            if self._builds is None:
+                self._builds = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scv-jax-automata")
+            self._automata[key] = self._builds.submit(self._build, params, request.request_id)
+            while len(self._automata) > MAX_AUTOMATA:
+                self._automata.popitem(last=False)
+        self._automata.move_to_end(key)
+        return self._automata[key]
+
+    def _build(self, params: StructuredOutputsParams, request_id: str) -> Any:
+        if self._builder is None:
+            self._builder = AutomatonBuilder(self.grammars.token_bytes(), self.grammars.eos_ids)
+        return automaton_for(params, self._builder, self.grammars.vocab_size, request_id)
 
     def abort(self, request_id: str) -> None:
         """Ends a waiting or running request now; ``take_ended`` reports it. Unknown ids are ignored."""
@@ -208,7 +245,7 @@ class Scheduler:
         each would sit out every other step (``decode_rows``), which costs more than the host's share of a
         synchronous step unless that share is large (docs/engine.md, "One step in flight")."""
         constrained = sum(r.matcher is not None for r in self.running.values())
-        return ((self.proposer.host is None or (self.draft_ahead and self.proposer.host_chains))
+        return (not work.split and (self.proposer.host is None or (self.draft_ahead and self.proposer.host_chains))
                 and constrained <= CONSTRAINED_SIT_OUT_SHARE * len(self.running)
                 and not (self.proposer.has_draft_model and (work.drafts.step_k == 0 or self.batch.may_lag)))
 
@@ -263,7 +300,10 @@ class Scheduler:
         growth = self._shard_growth() if self.waiting else None
         room = self._prefill_room() - int(state.to_prefill(state.prefilling).sum()) if self.waiting else 0
         while self.waiting and len(self.running) < self.max_num_seqs and (room > 0 or not state.prefilling.size):
-            request = self.waiting[0]
+            # (in order, past those whose drafting automaton is still being built)
+            request = next((r for r in self.waiting if r.automaton is None or r.automaton.done()), None)
+            if request is None:
+                break
             params = request.params
             tokens = request.prompt + request.token_ids
             budget = params.max_tokens - len(request.token_ids)
@@ -278,7 +318,7 @@ class Scheduler:
             shard = pools.pick(cost, load, growth, self._per_shard)
             if shard is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             growth[shard] += need - len(cached[shard])
             pools.shards[shard].hold(cached[shard])
             request.row = state.start(tokens, len(request.prompt), budget, shard, request.sampling, request.keys,
@@ -405,16 +445,20 @@ class Scheduler:
         k = self.proposer.depth_for(self._choose_k(kind, computed_rows, requests, budget))
         caps = np.minimum(budget - 1, k)                    # never draft past a request's budget
         constrained = np.array([i for i, r in enumerate(requests) if r.matcher is not None], np.int64)
-        if constrained.size and self.proposer.host is None:
+        if constrained.size and self.proposer.host is None and not self.splits:
             caps[constrained] = 0           # drafts made on the device cannot be masked before they are verified
         views, assumed, guessing = [], None, None
         if self.proposer.host is not None:              # host drafters read the tokens
             views, assumed = self._host_views(rows, ahead)
             guessing = None if assumed is None else (ahead > 0) & (caps > 0)
         drafts = self.proposer.drafts(request_ids, views, caps, guessing)
-        grammar = None
+        grammar, split, draft_states = None, False, None
         if constrained.size:
-            drafts, grammar = self._grammar_masks(requests, constrained, drafts, caps)
+            split = self.splits and drafts.step_k > 0 and bool(caps[constrained].any())
+            if split:                   # (its masks follow the drafts: ``mask_drafts``)
+                draft_states = self._draft_states(requests, constrained)
+            else:
+                drafts, grammar = self._grammar_masks(requests, constrained, drafts, caps)
         catch_up = None
         if self.proposer.has_draft_model and drafts.step_k and state.may_lag:
             catch_up = self._catch_up(rows)
@@ -424,7 +468,41 @@ class Scheduler:
                           state.epoch[rows].copy(), None if self.in_flight is None else ahead > 0,
                           0 if self.in_flight is None else self.in_flight.number + 1,
                           None if assumed is None else Assumption(state.length[rows].copy(), [
-                              tokens + guess for tokens, guess in zip(assumed, drafts.guesses)]))
+                              tokens + guess for tokens, guess in zip(assumed, drafts.guesses)]),
+                          split, self.draft_tables if split else None, draft_states)
+        self.in_flight = work
+        return work
+
+    def _draft_states(self, requests: list[Request], constrained: np.ndarray) -> np.ndarray:
+        """int32[B, 2] each request's drafting automaton and state in ``draft_tables`` (-1: none), its
+        automaton moved over the tokens it emitted since (-1 for good once one is outside it)."""
+        states = np.full((len(requests), 2), -1, np.int32)
+        automata = {i: requests[i].automaton.result() for i in constrained.tolist()}    # (ready: admitted)
+        drafting = [i for i, automaton in automata.items() if automaton is not None]
+        held = self.draft_tables.hold({draft_key(requests[i].params.structured_outputs): automata[i]
+                                       for i in drafting})
+        for i in drafting:
+            request = requests[i]
+            key = draft_key(request.params.structured_outputs)
+            state, upto = request.automaton_at if request.automaton_at else (automata[i].initial, 0)
+            state = automata[i].advance(state, request.token_ids[upto:])
+            request.automaton_at = (state, len(request.token_ids))
+            if key in held:
+                states[i] = self.draft_tables.state_of(key, state)
+        return states
+
+    def mask_drafts(self, work: DecodeWork, drafted: np.ndarray) -> DecodeWork:
+        """A split step's work after its first call: int32[B, k] ``drafted``, the draft model's drafts,
+        cut where a constrained request's grammar forbids one (or one completes it), with the masks of
+        the positions the second call verifies (``grammar.Grammars.step_masks``)."""
+        requests = [self.running[row] for row in work.rows.tolist()]
+        constrained = np.array([i for i, r in enumerate(requests) if r.matcher is not None], np.int64)
+        num_drafts = work.drafts.num_drafts.copy()
+        tries = [path_trie(drafted[i, :num_drafts[i]].tolist()) for i in constrained.tolist()]
+        kept, grammar = self._masks_along(requests, constrained, tries, work.drafts.step_k)
+        num_drafts[constrained] = [len(trie.tokens) for trie in kept]
+        work = dataclasses.replace(work, drafts=dataclasses.replace(work.drafts, num_drafts=num_drafts),
+                                   grammar=grammar)
         self.in_flight = work
         return work
 
@@ -435,7 +513,7 @@ class Scheduler:
         With host drafts, the tokens a request's grammar forces next (up to its cap) are its drafts
         unless the drafter's go further along them: the masked target allows nothing else, so they are
         always accepted."""
-        grammars, host, chains = self.grammars, self.proposer.host is not None, self.proposer.host_chains
+        host, chains = self.proposer.host is not None, self.proposer.host_chains
         tries = []
         for i in constrained.tolist():
             trie = Trie([], []) if not host else path_trie(drafts.host[i]) if chains else drafts.host[i]
@@ -445,11 +523,7 @@ class Scheduler:
                     trie = path_trie(forced)
             tries.append(trie)
         step_k = smallest_fitting(self.proposer.step_ks, max(drafts.step_k, *(len(t.tokens) for t in tries)))
-        ignored = [[t for t in grammars.eos_ids if t not in requests[i].stops] for i in constrained.tolist()]
-        kept, masks = grammars.step_masks([requests[i].matcher for i in constrained.tolist()], tries, step_k + 1,
-                                          ignored)
-        grammar = np.full((len(requests), step_k + 1, masks.shape[2]), -1, np.int32)
-        grammar[constrained] = masks
+        kept, grammar = self._masks_along(requests, constrained, tries, step_k)
         if not host:
             return drafts, grammar
         offered, num_drafts = list(drafts.host), drafts.num_drafts.copy()
@@ -457,6 +531,17 @@ class Scheduler:
             offered[i] = trie.tokens if chains else trie
             num_drafts[i] = min(trie.depth, int(caps[i]))
         return Drafts(num_drafts, step_k, offered), grammar
+
+    def _masks_along(self, requests: list[Request], constrained: np.ndarray, tries: list[Trie], step_k: int
+                     ) -> tuple[list[Trie], np.ndarray]:
+        """(the constrained requests' ``tries`` as far as their grammars allow, int32[B, step_k + 1, W] the
+        masks at each position of every request: -1 for the others)."""
+        ignored = [[t for t in self.grammars.eos_ids if t not in requests[i].stops] for i in constrained.tolist()]
+        kept, masks = self.grammars.step_masks([requests[i].matcher for i in constrained.tolist()], tries,
+                                               step_k + 1, ignored)
+        grammar = np.full((len(requests), step_k + 1, masks.shape[2]), -1, np.int32)
+        grammar[constrained] = masks
+        return kept, grammar
 
     def _catch_up(self, rows: np.ndarray) -> PrefillWork | None:
         """Before a step that runs the draft: the tokens k = 0 steps left out of the draft cache

@@ -38,7 +38,7 @@ class GenerateStats:
       compile_seconds: wall time of the calls that compiled an executable (first use of a shape
         bucket; 0 after ``warmup``); compile_count: XLA compilations during the call; compiled: what
         they compiled, one entry each: a step executable's bucket (``"decode_step(batch=4, blocks=16,
-        k=2, greedy=True, backend=auto, packed_k=0)"``), anything else by its jit name (after
+        k=2, greedy=True, logprobs=False, backend=auto, packed_k=0, draft_only=False)"``), anything else by its jit name (after
         ``warmup`` of the call's sizes: empty; a compilation there is also logged, once per shape).
       fallbacks: {step bucket: why} the buckets this call ran on the XLA fallback because their
         kernels failed to compile or run (``backend="auto"`` only; "pallas" and "interpret" raise

@@ -18,6 +18,8 @@ trees):
 6. with a carry (one step in flight, ``decoding.carry``): the rows the host marked ``StepRow.CARRIED``
    are moved on by the step before (before stage 0), and what this step did is written for the next.
 
+A step may be split in two calls (structured output with a draft model's chains: ``draft_only``, the
+proposal, then the rest of the step given that ``proposal``), the host masking the drafts in between.
 A k = 0 step (plain autoregressive decoding: the pending token scored, the next one chosen) is the chain
 verifier's for every verifier. No cache receives a rejected token's K/V. The host then fetches the step's
 ``StepSummary`` and adapts k. Positions: ``scv_jax.decoding.positions``.
@@ -28,7 +30,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from scv_jax.decoding.carry import LagRule, carried_inputs, carry_after_step
-from scv_jax.decoding.device_step import ControlState, SplitModel, step_inputs
+from scv_jax.decoding.chain_verifier import batch_major, layer_major
+from scv_jax.decoding.device_step import ControlState, DraftAutomaton, SplitModel, step_inputs
 from scv_jax.decoding.plan import MAX_CATCH_UP
 from scv_jax.decoding.positions import lag_after_step
 from scv_jax.decoding.verifiers import Verifier
@@ -56,6 +59,19 @@ def _check(verifier: Verifier, drafts, draft_params, controls, grammar, *, k: in
                          f"got shape {drafts.shape}")
 
 
+def _check_split(verifier: Verifier, draft_params, controls, proposal, draft_tables, draft_states, *, k: int,
+                 draft_only: bool) -> None:
+    """A split step's arguments (``draft_only``, ``proposal``), checked while tracing."""
+    if (draft_only or proposal is not None) and not (k and draft_params is not None and verifier.name == "chain"
+                                                     and not verifier.every_step):
+        raise ValueError(f"decode_step: draft_only and proposal need a draft model's chain step at k > 0 "
+                         f"(verifier {verifier.name!r}, k={k}, draft_params given: {draft_params is not None})")
+    if draft_only and proposal is not None:
+        raise ValueError("decode_step: a draft_only step makes the proposal; give proposal to the step after it")
+    if draft_tables is not None and (not draft_only or controls is None or draft_states is None):
+        raise ValueError("decode_step: draft_tables need draft_only, controls and draft_states")
+
+
 def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: int, verifier: Verifier,
                      lag_rule: LagRule | None = None, max_lag: int = MAX_CATCH_UP):
     """``decode_step(...)``: one speculative step verified by ``verifier`` (plain autoregressive decoding at
@@ -65,9 +81,9 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
 
     def decode_step(target_params, draft_params, target_cache, draft_cache, block_tables, rows, sampling,
                     drafts=None, request_mask=None, controls: ControlState | None = None, grammar=None,
-                    carry=None, *, k: int,
+                    carry=None, proposal=None, draft_tables=None, draft_states=None, *, k: int,
                     greedy: bool,
-                    logprobs: bool = False, backend: str = "auto", packed_k: int = 0):
+                    logprobs: bool = False, backend: str = "auto", packed_k: int = 0, draft_only: bool = False):
         """One decoding step of B requests (see ``scv_jax.decoding.positions``).
 
         Args:
@@ -97,6 +113,13 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           packed_k: 0 (a dense [B, k + 1] target forward) or in [1, k): the target scores B *
             (packed_k + 1) tokens packed (``chain_verifier.score_packed``), at most B * packed_k drafts in
             all (static; chain steps only; the last requests' ``num_drafts`` are cut to fit).
+          draft_only: only draft (stage 1; static): return the caches as they are and the proposal
+            (``chain_verifier.ChainProposal``, ``batch_major``) in the summary's place: a step split in
+            two so that the host masks the drafts with the grammar before they are verified; the second
+            call takes it as ``proposal`` and verifies it at the ``num_drafts`` the host kept.
+          draft_tables, draft_states: the drafting automata of constrained requests for a ``draft_only``
+            call (``grammar_automaton.DraftTables.arrays``: int32[S, C] next states, int32[G, V] token
+            classes; int32[B, 2] each request's automaton and state, -1: none), or None.
         Returns:
           (target_cache, draft_cache, ``StepSummary``), with ``logprobs`` then ``TokenLogprobs`` of the
           [B, k + 1] emitted tokens (-inf past each request's last; of the target's raw logits, as
@@ -104,13 +127,23 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           ``carry`` then the carry with this step's requests written.
         """
         _check(verifier, drafts, draft_params, controls, grammar, k=k, logprobs=logprobs, packed_k=packed_k)
+        _check_split(verifier, draft_params, controls, proposal, draft_tables, draft_states, k=k,
+                     draft_only=draft_only)
         if carry is not None:
             rows, sampling, block_tables = carried_inputs(carry, rows, sampling, block_tables)
         stages = verifier.stages(k)
-        inputs = step_inputs(rows, request_mask, sampling, controls, grammar)
+        automaton = None if draft_tables is None else DraftAutomaton(*draft_tables, draft_states[:, 0],
+                                                                     draft_states[:, 1])
+        inputs = step_inputs(rows, request_mask, sampling, controls, grammar, automaton)
         draft_model = None if draft_params is None or not (k or stages.every_step) else draft.merge(draft_params)
-        proposal = stages.propose(draft_model, drafts if k else None, draft_cache, block_tables, inputs, sampling,
-                                  k=k, greedy=greedy, backend=backend)
+        if proposal is None:
+            proposal = stages.propose(draft_model, drafts if k else None, draft_cache, block_tables, inputs,
+                                      sampling, k=k, greedy=greedy, backend=backend)
+        else:
+            proposal = layer_major(proposal)
+        if draft_only:
+            return (target_cache, draft_cache, batch_major(proposal)) + \
+                ((controls,) if controls is not None else ()) + ((carry,) if carry is not None else ())
         scored = stages.score(target.merge(target_params), target_cache, block_tables, inputs, proposal, k=k,
                               packed_k=packed_k, backend=backend)
         target_cache, summary, result = stages.accept(target_cache, scored, proposal, inputs, sampling, block_tables,

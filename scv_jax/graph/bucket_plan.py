@@ -45,6 +45,7 @@ class BucketPlanner:
                  masks: Mapping[str, str] | None = None, keep: Callable[[dict[str, int]], bool] | None = None,
                  stand_ins: Mapping[str, Mapping[Any, Any]] | None = None, name: str | None = None,
                  split_dims: Sequence[str] = ()):
+        self.fn = fn              # the step function (``jax.eval_shape`` of its outputs)
         self.name = name or getattr(fn, "__name__", "step")
         parameters = inspect.signature(fn).parameters
         self._params = tuple(parameters)

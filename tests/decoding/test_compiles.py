@@ -64,7 +64,8 @@ def test_a_compile_after_warmup_is_counted_and_logged_once(target, caplog):
     with caplog.at_level(logging.WARNING):
         out = decoder.generate(prompts(2, 3), 5)                  # batch bucket 4: not warmed up
         again = decoder.generate(prompts(3, 4), 5)
-    shape = "decode_step(batch=4, blocks=8, k=0, greedy=True, logprobs=False, backend=auto, packed_k=0)"
+    shape = ("decode_step(batch=4, blocks=8, k=0, greedy=True, logprobs=False, backend=auto, packed_k=0, "
+             "draft_only=False)")
     assert shape in out.stats.compiled and out.stats.compile_count == len(out.stats.compiled) == 2
     assert again.stats.compiled == [] and again.stats.compile_count == 0
     warnings = [r.getMessage() for r in caplog.records if "warm-up did not cover" in r.getMessage()]
@@ -123,7 +124,8 @@ def test_a_kernel_that_fails_to_compile_shows_in_the_stats(target, autoregressiv
     monkeypatch.setattr(registry, "cuda_available", lambda: True)
     out = SpeculativeDecoder(target, None, config=SMALL).generate(prompts(5, 2), 6)
     assert out.tokens == autoregressive.generate(prompts(5, 2), 6).tokens
-    shape = "decode_step(batch=4, blocks=8, k=0, greedy=True, logprobs=False, backend=auto, packed_k=0)"
+    shape = ("decode_step(batch=4, blocks=8, k=0, greedy=True, logprobs=False, backend=auto, packed_k=0, "
+             "draft_only=False)")
     assert "interpret" in out.stats.fallbacks[shape] and "prefill_step(batch=4, blocks=8, backend=auto)" in \
         out.stats.fallbacks
     # the reason names the executable and the Pallas kernel whose lowering failed (where it is called)

@@ -1,15 +1,18 @@
 """Structured output (``SamplingParams.structured_outputs``, llguidance) in the engine, on the tiny target
 with a 16-character vocabulary: constrained autoregressive greedy decoding equals an oracle (argmax of
 the target's logits over the tokens a fresh grammar allows); constrained speculative greedy decoding
-(n-gram drafts, a draft model, trees) equals it token for token, every output valid; a draft the
-grammar forbids cuts the chain there; sampled tokens 1 and 2 follow the masked target distribution
-(chi-square) in batches mixing constrained and plain requests, nothing compiling after warm-up;
+(n-gram drafts, a draft model in split steps, trees) equals it token for token, every output valid; a
+draft the grammar forbids cuts the chain there; a request waits for its drafting automaton; sampled
+tokens 1 and 2 follow the masked target distribution (chi-square; n-gram drafts and a draft model) in
+batches mixing constrained and plain requests, nothing compiling after warm-up;
 ``Grammars.step_masks`` equals llguidance's masks along each chain; bad constraints get one line."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import llguidance
 import llguidance.numpy
@@ -20,6 +23,7 @@ from tokenizers import Tokenizer, decoders as token_decoders, models, pre_tokeni
 
 from scv_jax import DecoderConfig, Engine, HostDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from scv_jax import StructuredOutputsParams as Structured
+from scv_jax.decoding import scheduler as scheduler_module
 from scv_jax.decoding.grammar import Grammars, allowed
 from scv_jax.decoding.proposers.base import Trie, path_trie
 from scv_jax.graph.compile_counter import CompileCounter
@@ -99,7 +103,9 @@ PROMPTS = [[7, 8, 7, 8, 7], [0, 2, 7, 2, 3], [9, 9, 1, 12]]
 def test_greedy_constrained_equals_the_oracle(target_logits, tokenizer, decoders, drafter):  # noqa: F811
     """Every constraint, three prompts each, in one batch with a plain request: greedy outputs equal the
     llguidance-only oracle's, the constrained ones are valid (complete ones end "stop"), the plain one
-    equals its autoregressive output, and n-gram drafts of constrained requests were verified."""
+    equals its autoregressive output, and drafts of each constraint's requests were verified and accepted
+    (the draft model's too: made in the first call of a split step along the grammar's drafting automaton,
+    masked, verified in the second; but for the Lark grammar's, which has no automaton)."""
     engine = Engine(decoders[drafter], tokenizer=tokenizer)
     arrivals = [(p, SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=c), f"{name}-{i}")
                 for name, c in CONSTRAINTS.items() for i, p in enumerate(PROMPTS)]
@@ -112,10 +118,10 @@ def test_greedy_constrained_equals_the_oracle(target_logits, tokenizer, decoders
             assert valid(name, text(out.token_ids), out.finish_reason == "stop"), (name, text(out.token_ids))
             assert out.stop_token_id is None
     assert tokens(outputs, "plain") == decoders["target"].generate([PROMPTS[0]], MAX_TOKENS).tokens[0]
-    if drafter in ("ngram", "tree"):
-        assert sum(outputs[f"{n}-{i}"][-1].num_accepted_tokens for n in CONSTRAINTS for i in range(3)) > 0
-    if drafter == "model":             # device drafts cannot be masked before verification: none verified
-        assert all(outputs[f"{n}-{i}"][-1].num_draft_tokens == 0 for n in CONSTRAINTS for i in range(3))
+    if drafter != "target":          # (the draft model's: split steps, drafted along each grammar's automaton;
+        for name in CONSTRAINTS:     # a Lark grammar has none: its free drafts may all be cut)
+            accepted = sum(outputs[f"{name}-{i}"][-1].num_accepted_tokens for i in range(3))
+            assert accepted > 0 or (drafter, name) == ("model", "lark"), name
     assert engine.num_free_blocks == engine.num_blocks
 
 
@@ -125,7 +131,8 @@ def test_constrained_requests_sit_out_every_other_step_in_flight(target_logits, 
     """One step in flight with constrained requests a quarter of the batch: the plain requests emit every
     step, each constrained one every other step (its grammar moves on when its step is fetched, and its
     masks are computed while the step after runs); with half the batch constrained the steps are
-    synchronous, every request emitting every step. Greedy outputs equal the oracle's and the plain
+    synchronous, every request emitting every step; so are a draft model's steps with a constrained
+    request (split: drafted, masked, verified). Greedy outputs equal the oracle's and the plain
     requests' autoregressive ones."""
     engine = Engine(decoders[drafter], tokenizer=tokenizer)
     assert engine.overlaps
@@ -150,7 +157,7 @@ def test_constrained_requests_sit_out_every_other_step_in_flight(target_logits, 
     assert len(window) >= 4 and all(plain <= emitted[i] for i in window)
     for request_id in constrained:
         steps = [i for i in window if request_id in emitted[i]]
-        gap = 2 if num_constrained == 1 else 1
+        gap = 2 if num_constrained == 1 and drafter != "model" else 1
         assert len(steps) >= 2 and all(b - a == gap for a, b in zip(steps, steps[1:])), (request_id, steps)
     for request_id, (prompt, name) in constrained.items():
         assert tokens(outputs, request_id) == oracle(target_logits, tokenizer, prompt, CONSTRAINTS[name])
@@ -158,6 +165,40 @@ def test_constrained_requests_sit_out_every_other_step_in_flight(target_logits, 
         prompt = PROMPTS[int(request_id[1])]
         assert tokens(outputs, request_id) == decoders["target"].generate([prompt], MAX_TOKENS).tokens[0]
     assert engine.num_free_blocks == engine.num_blocks
+
+
+def test_a_request_waits_for_its_drafting_automaton(target_logits, tokenizer, decoders, monkeypatch):  # noqa: F811
+    """A constrained request of a draft-model engine is admitted once its drafting automaton is built (on a
+    thread of its own): a plain request added after it runs meanwhile; it then decodes the oracle's tokens."""
+    built = threading.Event()
+    build = scheduler_module.automaton_for
+
+    def slow_build(*args, **kwargs):
+        assert built.wait(60)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "automaton_for", slow_build)
+    engine = Engine(decoders["model"], tokenizer=tokenizer)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["regex"]), "c")
+    engine.add_request(PROMPTS[1], SamplingParams(max_tokens=4), "p")
+    seen = []
+    for _ in range(20):
+        seen += engine.step()
+        if any(out.request_id == "p" and out.finished for out in seen):
+            break
+    assert {out.request_id for out in seen} == {"p"}
+    built.set()
+    outputs: dict[str, list] = {}
+    for _ in range(1000):                 # (steps with nothing to run return at once while it is built)
+        if not engine.has_unfinished():
+            break
+        step = engine.step()
+        for out in step:
+            outputs.setdefault(out.request_id, []).append(out)
+        if not step:
+            time.sleep(0.01)
+    assert tokens(outputs, "c") == oracle(target_logits, tokenizer, PROMPTS[0], CONSTRAINTS["regex"])
+    assert outputs["c"][-1].num_accepted_tokens > 0
 
 
 class Forbidden(HostDrafter):
@@ -204,7 +245,7 @@ def _masked_distribution(target_logits, prompt, output, ok) -> np.ndarray:  # no
     return p / p.sum()
 
 
-@pytest.mark.parametrize("drafter", ["ngram"])
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
 @pytest.mark.slow
 def test_sampled_tokens_follow_the_masked_target(target_logits, tokenizer, decoders, drafter):  # noqa: F811
     """Tokens 1 and 2 of 320 seeded requests under ``[ab12]{2}[yes]`` (4 tokens allowed at positions 1
@@ -236,8 +277,7 @@ def test_sampled_tokens_follow_the_masked_target(target_logits, tokenizer, decod
     assert fits(second_counts, _masked_distribution(target_logits, prompt, [first], ok), min_expected=5)
     plain_first = np.bincount([tokens(outputs, str(i))[0] for i in range(1, count, 8)], minlength=TINY.vocab_size)
     assert not np.isin(np.flatnonzero(plain_first), np.flatnonzero(ok)).all()   # the plain ones were not masked
-    if drafter == "ngram":
-        assert sum(outputs[str(i)][-1].num_accepted_tokens for i in range(count) if kinds[i] is constrained) > 0
+    assert sum(outputs[str(i)][-1].num_accepted_tokens for i in range(count) if kinds[i] is constrained) > 0
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,0 +1,144 @@
+"""The drafting automata of constrained requests (``decoding.grammar_automaton``) on the 16-character
+vocabulary of the structured-output tests: along random paths, an automaton's allowed tokens equal
+llguidance's masks for a regex and a choice (and for the tests' JSON schema); the device's
+``DraftAutomaton`` (two automata packed in one ``DraftTables``) equals the host automata; token classes
+rebuild every transition; a Lark grammar has no automaton (logged); the tables hold at most
+``MAX_GRAMMARS`` automata and keep those a step still uses."""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+import llguidance.numpy
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from scv_jax import StructuredOutputsParams as Structured
+from scv_jax.decoding import grammar_automaton
+from scv_jax.decoding.device_step import DraftAutomaton
+from scv_jax.decoding.grammar import Grammars, allowed
+from scv_jax.decoding.grammar_automaton import (AutomatonBuilder, DraftTables, TokenAutomaton, automaton_for,
+                                                draft_key, token_classes)
+from tests.decoding.test_structured_output import CHARS, CONSTRAINTS, make_tokenizer
+from tests.models.fixtures import TINY
+
+VOCAB = TINY.vocab_size
+EXACT = ("json", "regex", "choice")
+
+
+def grammars() -> Grammars:
+    return Grammars(make_tokenizer().to_str(), VOCAB, ())     # (no end token in the vocabulary)
+
+
+def builder(g: Grammars) -> AutomatonBuilder:
+    return AutomatonBuilder(g.token_bytes(), g.eos_ids)
+
+
+def llguidance_allows(matcher) -> np.ndarray:
+    mask = llguidance.numpy.allocate_token_bitmask(1, 17)
+    llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+    return np.array([allowed(mask[0], t) for t in range(VOCAB)])
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.sampled_from(EXACT), picks=st.lists(st.integers(0, 10**6), max_size=12))
+def test_automaton_masks_are_llguidances_along_random_paths(name, picks):
+    """Each step takes a token both allow (the pick-th, cyclically): the two agree at every position."""
+    g = grammars()
+    automaton = automaton_for(CONSTRAINTS[name], builder(g), VOCAB)
+    matcher = g.matcher(CONSTRAINTS[name])
+    state = automaton.initial
+    for pick in picks:
+        expected = llguidance_allows(matcher)
+        assert (automaton.allows(state) == expected).all(), (name, state, matcher.is_stopped())
+        choices = np.flatnonzero(expected)
+        if matcher.is_stopped() or not choices.size:
+            break
+        token = int(choices[pick % choices.size])
+        assert matcher.consume_token(token)
+        state = automaton.advance(state, [token])
+        assert state >= 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(paths=st.lists(st.lists(st.integers(-1, VOCAB), max_size=6), min_size=2, max_size=2))
+def test_the_device_tables_are_the_host_automata(paths):
+    """Two automata packed in ``DraftTables``: ``DraftAutomaton.mask`` and ``advance`` along any tokens (ids
+    out of range included: the state becomes -1, every token then allowed) equal ``TokenAutomaton``'s."""
+    g = grammars()
+    build = builder(g)
+    automata = {draft_key(CONSTRAINTS[n]): automaton_for(CONSTRAINTS[n], build, VOCAB) for n in ("json", "regex")}
+    tables = DraftTables(VOCAB)
+    assert tables.hold(automata) == set(automata)
+    next_state, token_class = tables.arrays(jnp.asarray)
+    keys = list(automata)
+    slots_states = np.array([tables.state_of(key, automata[key].initial) for key in keys], np.int32)
+    device = DraftAutomaton(next_state, token_class, jnp.asarray(slots_states[:, 0]), jnp.asarray(slots_states[:, 1]))
+    host = [automata[key].initial for key in keys]
+    states = device.states
+    for step in range(max(map(len, paths))):
+        logits = device.mask(jnp.zeros((2, VOCAB)), states)
+        for row, key in enumerate(keys):
+            expected = automata[key].allows(host[row]) if host[row] >= 0 else np.ones(VOCAB, np.bool_)
+            if not expected.any():
+                expected = np.ones(VOCAB, np.bool_)               # nothing allowed: the logits as they were
+            assert (np.asarray(logits[row]) == 0).tolist() == expected.tolist(), (key, step)
+        tokens = np.array([p[step] if step < len(p) else 0 for p in paths], np.int32)
+        states = device.advance(states, jnp.asarray(tokens))
+        host = [automata[key].advance(h, [int(t)]) if h >= 0 else -1 for key, h, t in zip(keys, host, tokens)]
+        expected_states = [tables.state_of(key, h)[1] for key, h in zip(keys, host)]
+        assert np.asarray(states).tolist() == expected_states
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(st.dictionaries(st.integers(0, 11), st.integers(0, 4), max_size=12), min_size=1, max_size=5))
+def test_token_classes_rebuild_every_transition(rows):
+    next_state, token_class = token_classes(rows, 12)
+    for s, row in enumerate(rows):
+        assert [int(next_state[s, token_class[t]]) for t in range(12)] == [row.get(t, -1) for t in range(12)]
+    assert next_state.shape[1] == len({tuple(row.get(t, -1) for row in rows) for t in range(12)})
+
+
+def test_a_lark_grammar_has_no_automaton(caplog):
+    with caplog.at_level(logging.INFO, logger=grammar_automaton.__name__):
+        assert automaton_for(CONSTRAINTS["lark"], builder(grammars()), VOCAB, "r7") is None
+    assert "request r7: drafts follow no automaton of its structured output: a Lark grammar" in caplog.text
+
+
+def test_outlines_final_states_keep_their_moves():
+    """outlines-core drops a final state's moves into non-final states; the end byte put after the regex
+    keeps them: after "ab", "a" (more) is allowed under ``(ab)+``."""
+    automaton = automaton_for(Structured(regex="(ab)+"), builder(grammars()), VOCAB)
+    state = automaton.advance(automaton.initial, [CHARS.index("a"), CHARS.index("b")])
+    assert np.flatnonzero(automaton.allows(state)).tolist() == [CHARS.index("a")]
+
+
+def test_the_tables_hold_what_fits_and_keep_what_a_step_uses(monkeypatch):
+    """At most ``MAX_GRAMMARS`` automata at once; those past it are not held (their requests draft
+    freely); a step keeps the automata it shares with the one before in place (same global states)."""
+    monkeypatch.setattr(grammar_automaton, "MAX_GRAMMARS", 2)
+    build = builder(grammars())
+    automata = {str(i): automaton_for(Structured(choice=["a" * (i + 1)]), build, VOCAB) for i in range(3)}
+    tables = DraftTables(VOCAB)
+    assert len(tables.hold(automata)) == 2
+    kept = sorted(tables.hold({key: automata[key] for key in ("0", "1")}))
+    placed = {key: tables.state_of(key, 0) for key in kept}
+    assert tables.hold({kept[0]: automata[kept[0]], "2": automata["2"]}) == {kept[0], "2"}
+    assert tables.state_of(kept[0], 0) == placed[kept[0]]
+    assert isinstance(automata["0"], TokenAutomaton) and automata["0"].nbytes > 0
+
+
+def test_too_many_states_draft_freely(monkeypatch, caplog):
+    monkeypatch.setattr(grammar_automaton, "MAX_STATES", 4)
+    with caplog.at_level(logging.INFO, logger=grammar_automaton.__name__):
+        assert automaton_for(CONSTRAINTS["json"], builder(grammars()), VOCAB) is None
+    assert "more than 4 states" in caplog.text
+
+
+@pytest.mark.parametrize("regex", ["(a", "[b-a]"])
+def test_a_regex_outlines_cannot_index_drafts_freely(regex, caplog):
+    with caplog.at_level(logging.INFO, logger=grammar_automaton.__name__):
+        assert automaton_for(Structured(regex=regex), builder(grammars()), VOCAB) is None
+    assert "outlines-core cannot index it" in caplog.text
