@@ -55,6 +55,7 @@ TOOLS = ToolSet({
 PROMPTS = ["record = ", "def parse(data):\n    return ", "config = {'name': ", "# JSON\nvalue = ",
            "import json\nx = json.loads(", "item = dict(", "row = ", "payload = "]
 REQUESTS = 8
+MODES = ("autoregressive", "n-gram", "draft model", "draft model, free drafts", "EAGLE-3 head")
 
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list, int, int]:
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--tokenizer", help="a tokenizer.json to size the drafting automata over (optional)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the modes to run")
     args = parser.parse_args()
     folder = pathlib.Path(tempfile.mkdtemp())
     write_tokenizer(folder)
@@ -91,13 +93,10 @@ def main() -> None:
     print("|---:|---|---|---:|---:|---:|---:|")
     for batch in args.batches:
         config = dict(max_seq_len=256, batch_buckets=(batch,), num_blocks=256)
-        modes = {"autoregressive": (None, DecoderConfig(k=0, **config)),
-                 "n-gram": ("ngram", DecoderConfig(k=args.k, **config)),
-                 "draft model": (draft, DecoderConfig(k=args.k, **config)),
-                 "draft model, free drafts": (draft, DecoderConfig(k=args.k, **config)),
-                 "EAGLE-3 head": (head, DecoderConfig(k=args.k, **config))}
+        drafters = dict(zip(MODES, (None, "ngram", draft, draft, head)))
         reference = {}
-        for mode, (drafter, cfg) in modes.items():
+        for mode in args.modes:
+            drafter, cfg = drafters[mode], DecoderConfig(k=0 if drafters[mode] is None else args.k, **config)
             grammar_automaton.MAX_STATES = 0 if mode.endswith("free drafts") else grammar_automaton.TABLE_STATES
             engine = Engine(SpeculativeDecoder(target, drafter, config=cfg), tokenizer=tokenizer, max_num_seqs=batch)
             for kind, constraint in {"none": None, **workloads}.items():

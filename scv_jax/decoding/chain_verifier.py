@@ -66,18 +66,11 @@ class ChainProposal(NamedTuple):
     staged: StagedKV | None
 
 
-def batch_major(proposal: ChainProposal) -> ChainProposal:
-    """``proposal`` with its staged K/V batch-major, ``[B, layers, W, kv_heads, head_dim]`` (every leaf's
-    axis 0 is the batch: a split step's proposal passes between its calls padded as one argument)."""
-    if proposal.staged is None:
-        return proposal
-    keys, values, lengths = proposal.staged
-    return proposal._replace(staged=StagedKV(jnp.swapaxes(keys, 0, 1), jnp.swapaxes(values, 0, 1), lengths))
-
-
-def layer_major(proposal: ChainProposal) -> ChainProposal:
-    """``batch_major`` undone: the staged K/V ``[layers, B, W, kv_heads, head_dim]`` again."""
-    return batch_major(proposal)
+def swap_layers_and_batch(staged: StagedKV | None) -> StagedKV | None:
+    """Staged K/V ``[layers, B, ...]`` as ``[B, layers, ...]`` and back (None stays None)."""
+    if staged is None:
+        return None
+    return staged._replace(keys=jnp.swapaxes(staged.keys, 0, 1), values=jnp.swapaxes(staged.values, 0, 1))
 
 
 def propose(draft, drafts: jax.Array | None, draft_cache: PagedKVCache | None, block_tables: jax.Array,
@@ -387,6 +380,14 @@ class ChainVerifier(DraftModelVerifier):
             inputs.context_lens, inputs.request_mask, block_size=block_size, greedy=greedy, backend=backend,
             packed=scored.packed, controls=inputs.controls)
         return target_cache, result.summary, result
+
+    def passed(self, proposal: ChainProposal) -> ChainProposal:
+        """The staged K/V batch-major, ``[B, layers, W, kv_heads, head_dim]`` (every leaf's axis 0 the batch:
+        the proposal passes between a split step's calls padded as one argument)."""
+        return proposal._replace(staged=swap_layers_and_batch(proposal.staged))
+
+    def received(self, passed: ChainProposal, draft) -> ChainProposal:
+        return passed._replace(staged=swap_layers_and_batch(passed.staged))
 
     def commit_draft(self, draft_cache, proposal, scored, result, block_tables, inputs, *, block_size, backend
                      ) -> PagedKVCache:

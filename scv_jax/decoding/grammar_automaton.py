@@ -1,5 +1,5 @@
 """Grammar-valid drafts from a device drafter: a token-level automaton of a constrained request's grammar,
-which the draft model's own sampling follows inside the decode step's draft scan.
+which a device drafter's own sampling (a draft model's, an EAGLE-3 head's) follows inside the draft scan.
 
 A draft only proposes: what a step verifies is masked by llguidance on the host (``decoding.grammar``), so
 the automaton need not equal the grammar for decoding to stay lossless; it only decides how many drafts

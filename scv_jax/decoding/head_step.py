@@ -123,6 +123,13 @@ def catch_up(head, cache: HeadCache, block_tables: jax.Array, inputs, width: int
     return CatchUp(out, lag, start, (head_lens >= 0) & inputs.request_mask, (features, tokens), head)
 
 
+def _swapped(ran: CatchUp, head) -> CatchUp:
+    """``ran`` with its K/V's layer and batch axes swapped (a split step passes it batch-major) and ``head``."""
+    out = ran.out
+    return ran._replace(out=out._replace(keys=jnp.swapaxes(out.keys, 0, 1), values=jnp.swapaxes(out.values, 0, 1)),
+                        head=head)
+
+
 def commit(cache: HeadCache, ran: CatchUp, features: jax.Array, drafts: jax.Array, num_accepted: jax.Array,
            block_tables: jax.Array, inputs, *, block_size: int, backend: str, after: jax.Array) -> HeadCache:
     """The head cache after a step: the catch-up rows' K/V, the combined taps ``features`` [B, D + 1,
@@ -187,6 +194,13 @@ class HeadChainVerifier(ChainVerifier):
                              jnp.where(proposal.ran.valid, inputs.num_drafts, 0), k=k, packed_k=packed_k,
                              backend=backend, aux_layers=self.aux_layers)
         return scored._replace(output=scored.output._replace(taps=proposal.ran.head.combine(scored.output.taps)))
+
+    def passed(self, proposal: HeadProposal) -> HeadProposal:
+        """Arrays only (the catch-up without the head), the catch-up's K/V batch-major."""
+        return proposal._replace(ran=_swapped(proposal.ran, None))
+
+    def received(self, passed: HeadProposal, head) -> HeadProposal:
+        return passed._replace(ran=_swapped(passed.ran, head))
 
     def commit_draft(self, cache: HeadCache, proposal: HeadProposal, scored: ChainScored, result, block_tables,
                      inputs, *, block_size, backend) -> HeadCache:

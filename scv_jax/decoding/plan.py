@@ -123,7 +123,7 @@ class DecodeWork:
         too: the device moves their rows on by it (``decoding.carry``); None: no step in flight.
       number: the step's number among the scheduler's steps.
       assumed: host chains planned with a step in flight: what they assume that step appends, or None.
-      split: the step runs in two calls: the draft model drafts, the host masks the constrained
+      split: the step runs in two calls: the device drafts, the host masks the constrained
         requests' drafts with their grammars (``Scheduler.mask_drafts``), the second call verifies them.
       automaton: a split step's drafting automata (``grammar_automaton.DraftTables``), or None;
         draft_states: int32[B, 2] each request's automaton and state in them (-1: none).

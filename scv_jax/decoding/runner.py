@@ -296,11 +296,11 @@ class StepRunner:
 
     def propose(self, work: DecodeWork, batch: RequestBatch, layout: BatchRows, stats: GenerateStats,
                 carry_in: jax.Array | None = None) -> tuple[Any, np.ndarray, jax.Array | None]:
-        """The first call of a split step (``DecodeWork.split``: constrained requests, drafts made by the draft
-        model): the draft model drafts (each constrained request along its drafting automaton, ``work.
-        automaton``; no host masks yet) and the host fetches the drafts, for the grammar's masks before the
-        second call (``dispatch`` with the proposal) verifies them. Returns (the proposal, on the device; int32[R, k]
-        the drafts of ``work``'s requests; the carry, as it was)."""
+        """The first call of a split step (``DecodeWork.split``: constrained requests, chains drafted on the
+        device): the draft model or head drafts (each constrained request along its drafting automaton,
+        ``work.automaton``; no host masks yet) and the host fetches the drafts, for the grammar's masks
+        before the second call (``dispatch`` with the proposal) verifies them. Returns (the proposal, on the
+        device; int32[R, k] the drafts of ``work``'s requests; the carry, as it was)."""
         width = int(batch.num_blocks[work.rows].max())
         plan = self.decode_plan(layout.size, width, work.drafts.step_k, work.greedy, layout.scattered,
                                 draft_only=True)
@@ -610,7 +610,7 @@ class StepRunner:
                 if structured_output:
                     grammar = np.full((1, k + 1, (self.vocab_size + 31) // 32), -1, np.int32)
                     calls.append((self.decode_executable, {**models_k, **step, "grammar": grammar}))
-                    if k and self.proposer.model_chains:         # a split step's two calls
+                    if k and self.proposer.device_chains:         # a split step's two calls
                         calls += _split_step_calls(self.decode_executable, {**models_k, **step}, grammar,
                                                    self.vocab_size)
         self.caches.put(target_cache, draft_cache)

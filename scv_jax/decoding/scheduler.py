@@ -30,7 +30,8 @@ output) sits out the step after one it runs in (``decode_rows``): its masks foll
 host moves on only once that step is fetched; it runs again in the step after, its masks computed while the
 device runs. When constrained requests are more than a quarter of the batch, its steps run synchronously
 instead (``may_run_ahead``). Steps whose planning needs the last tokens (``may_run_ahead``) are fetched first.
-With a draft model's chains (``Proposer.model_chains``), a step with constrained requests is split
+With chains drafted on the device (a draft model's or an EAGLE-3 head's, ``Proposer.device_chains``), a
+step with constrained requests is split
 (``DecodeWork.split``, synchronous): the device drafts (each constrained request along its grammar's
 drafting automaton, ``grammar_automaton``, built on a thread before the request is admitted), then
 ``mask_drafts`` cuts the drafts with the grammars and masks the positions the second call verifies.
@@ -138,8 +139,8 @@ class Scheduler:
         self.batch, self._pools, self.proposer, self._controllers = batch, pools, proposer, controllers
         self.draft_ahead = draft_ahead
         self.grammars = grammars
-        # constrained requests' drafts made by a draft model's chains: split steps (``mask_drafts``)
-        self.splits = grammars is not None and proposer.model_chains
+        # constrained requests' drafts made on the device (chains): split steps (``mask_drafts``)
+        self.splits = grammars is not None and proposer.device_chains
         self.draft_tables = DraftTables(grammars.vocab_size) if self.splits else None
         self._builder: AutomatonBuilder | None = None
         self._automata: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()

@@ -18,7 +18,7 @@ trees):
 6. with a carry (one step in flight, ``decoding.carry``): the rows the host marked ``StepRow.CARRIED``
    are moved on by the step before (before stage 0), and what this step did is written for the next.
 
-A step may be split in two calls (structured output with a draft model's chains: ``draft_only``, the
+A step may be split in two calls (structured output with chains drafted on the device: ``draft_only``, the
 proposal, then the rest of the step given that ``proposal``), the host masking the drafts in between.
 A k = 0 step (plain autoregressive decoding: the pending token scored, the next one chosen) is the chain
 verifier's for every verifier. No cache receives a rejected token's K/V. The host then fetches the step's
@@ -30,7 +30,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from scv_jax.decoding.carry import LagRule, carried_inputs, carry_after_step
-from scv_jax.decoding.chain_verifier import batch_major, layer_major
 from scv_jax.decoding.device_step import ControlState, DraftAutomaton, SplitModel, step_inputs
 from scv_jax.decoding.plan import MAX_CATCH_UP
 from scv_jax.decoding.positions import lag_after_step
@@ -62,9 +61,8 @@ def _check(verifier: Verifier, drafts, draft_params, controls, grammar, *, k: in
 def _check_split(verifier: Verifier, draft_params, controls, proposal, draft_tables, draft_states, *, k: int,
                  draft_only: bool) -> None:
     """A split step's arguments (``draft_only``, ``proposal``), checked while tracing."""
-    if (draft_only or proposal is not None) and not (k and draft_params is not None and verifier.name == "chain"
-                                                     and not verifier.every_step):
-        raise ValueError(f"decode_step: draft_only and proposal need a draft model's chain step at k > 0 "
+    if (draft_only or proposal is not None) and not (k and draft_params is not None and verifier.name == "chain"):
+        raise ValueError(f"decode_step: draft_only and proposal need a drafter's chain step at k > 0 "
                          f"(verifier {verifier.name!r}, k={k}, draft_params given: {draft_params is not None})")
     if draft_only and proposal is not None:
         raise ValueError("decode_step: a draft_only step makes the proposal; give proposal to the step after it")
@@ -114,7 +112,7 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
             (packed_k + 1) tokens packed (``chain_verifier.score_packed``), at most B * packed_k drafts in
             all (static; chain steps only; the last requests' ``num_drafts`` are cut to fit).
           draft_only: only draft (stage 1; static): return the caches as they are and the proposal
-            (``chain_verifier.ChainProposal``, ``batch_major``) in the summary's place: a step split in
+            (the verifier's, ``Verifier.passed``) in the summary's place: a step split in
             two so that the host masks the drafts with the grammar before they are verified; the second
             call takes it as ``proposal`` and verifies it at the ``num_drafts`` the host kept.
           draft_tables, draft_states: the drafting automata of constrained requests for a ``draft_only``
@@ -140,9 +138,9 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
             proposal = stages.propose(draft_model, drafts if k else None, draft_cache, block_tables, inputs,
                                       sampling, k=k, greedy=greedy, backend=backend)
         else:
-            proposal = layer_major(proposal)
+            proposal = stages.received(proposal, draft_model)
         if draft_only:
-            return (target_cache, draft_cache, batch_major(proposal)) + \
+            return (target_cache, draft_cache, stages.passed(proposal)) + \
                 ((controls,) if controls is not None else ()) + ((carry,) if carry is not None else ())
         scored = stages.score(target.merge(target_params), target_cache, block_tables, inputs, proposal, k=k,
                               packed_k=packed_k, backend=backend)

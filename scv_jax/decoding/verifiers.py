@@ -51,6 +51,13 @@ class Verifier(Protocol):
                      inputs: StepInputs, *, block_size: int, backend: str) -> PagedKVCache:
         """Stage 4: the draft's K/V the step ran and kept (the cache as it is without a draft model)."""
 
+    def passed(self, proposal) -> Any:
+        """A split step's proposal as its first call returns it: arrays only, each with the batch on axis 0
+        (chain verifiers only; ``step_fn``'s ``draft_only``)."""
+
+    def received(self, passed, draft) -> Any:
+        """``passed`` as the second call of a split step takes it (``draft``: the merged drafter)."""
+
     def prefill_step(self, target: SplitModel, draft: SplitModel | None, block_size: int):
         """The prefill step that fills what this verifier's steps read (``device_step.make_prefill_step``)."""
 

@@ -1,7 +1,7 @@
 """Structured output (``SamplingParams.structured_outputs``, llguidance) in the engine, on the tiny target
 with a 16-character vocabulary: constrained autoregressive greedy decoding equals an oracle (argmax of
 the target's logits over the tokens a fresh grammar allows); constrained speculative greedy decoding
-(n-gram drafts, a draft model in split steps, trees) equals it token for token, every output valid; a
+(n-gram drafts, a draft model and an EAGLE-3 head in split steps, trees) equals it token for token, every output valid; a
 draft the grammar forbids cuts the chain there; a request waits for its drafting automaton; sampled
 tokens 1 and 2 follow the masked target distribution (chi-square; n-gram drafts and a draft model) in
 batches mixing constrained and plain requests, nothing compiling after warm-up;
@@ -28,6 +28,7 @@ from scv_jax.decoding.grammar import Grammars, allowed
 from scv_jax.decoding.proposers.base import Trie, path_trie
 from scv_jax.graph.compile_counter import CompileCounter
 from tests.decoding.common import SMALL
+from tests.decoding.test_eagle3_decoding import random_head
 from tests.decoding.test_engine import run, target_logits, tokens  # noqa: F401 (a fixture)
 from tests.decoding.test_tree_decoding import TREE_CONFIG
 from tests.models.fixtures import TINY
@@ -70,10 +71,12 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def decoders(target, partial_draft):
+def decoders(target, partial_draft, tmp_path_factory):
     return {"target": SpeculativeDecoder(target, None, config=SMALL),
             "ngram": SpeculativeDecoder(target, NgramDrafter(1, 3), config=K3),
             "model": SpeculativeDecoder(target, partial_draft, config=K3),
+            "head": SpeculativeDecoder(target, random_head(target, tmp_path_factory.mktemp("head"), seed=3,
+                                                           draft_vocab=TINY.vocab_size), config=K3),
             "tree": SpeculativeDecoder(target, NgramDrafter(1, 3), config=TREE_CONFIG)}
 
 
@@ -98,14 +101,14 @@ def oracle(target_logits, tokenizer, prompt: list[int], constraint: Structured) 
 PROMPTS = [[7, 8, 7, 8, 7], [0, 2, 7, 2, 3], [9, 9, 1, 12]]
 
 
-@pytest.mark.parametrize("drafter", ["target", "ngram", "model", "tree"])
+@pytest.mark.parametrize("drafter", ["target", "ngram", "model", "head", "tree"])
 @pytest.mark.slow
 def test_greedy_constrained_equals_the_oracle(target_logits, tokenizer, decoders, drafter):  # noqa: F811
     """Every constraint, three prompts each, in one batch with a plain request: greedy outputs equal the
     llguidance-only oracle's, the constrained ones are valid (complete ones end "stop"), the plain one
     equals its autoregressive output, and drafts of each constraint's requests were verified and accepted
-    (the draft model's too: made in the first call of a split step along the grammar's drafting automaton,
-    masked, verified in the second; but for the Lark grammar's, which has no automaton)."""
+    (the draft model's and an EAGLE-3 head's too: made in the first call of a split step along the grammar's
+    drafting automaton, masked, verified in the second; but for the Lark grammar's, which has no automaton)."""
     engine = Engine(decoders[drafter], tokenizer=tokenizer)
     arrivals = [(p, SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=c), f"{name}-{i}")
                 for name, c in CONSTRAINTS.items() for i, p in enumerate(PROMPTS)]
@@ -118,10 +121,10 @@ def test_greedy_constrained_equals_the_oracle(target_logits, tokenizer, decoders
             assert valid(name, text(out.token_ids), out.finish_reason == "stop"), (name, text(out.token_ids))
             assert out.stop_token_id is None
     assert tokens(outputs, "plain") == decoders["target"].generate([PROMPTS[0]], MAX_TOKENS).tokens[0]
-    if drafter != "target":          # (the draft model's: split steps, drafted along each grammar's automaton;
-        for name in CONSTRAINTS:     # a Lark grammar has none: its free drafts may all be cut)
+    if drafter != "target":          # (the draft model's and the head's: split steps, drafted along each grammar's
+        for name in CONSTRAINTS:     # automaton; a Lark grammar has none: its free drafts may all be cut)
             accepted = sum(outputs[f"{name}-{i}"][-1].num_accepted_tokens for i in range(3))
-            assert accepted > 0 or (drafter, name) == ("model", "lark"), name
+            assert accepted > 0 or (drafter in ("model", "head") and name == "lark"), name
     assert engine.num_free_blocks == engine.num_blocks
 
 

@@ -172,10 +172,10 @@ class Proposer:
         return length - 1
 
     @property
-    def model_chains(self) -> bool:
-        """Whether its drafts are a draft model's chains (made on the device; not an EAGLE head's): a
-        step with constrained requests then runs split (``Scheduler.mask_drafts``)."""
-        return self.has_draft_model and not self.every_step and self.verifier == "chain"
+    def device_chains(self) -> bool:
+        """Whether its drafts are chains of a draft model or an EAGLE head (made on the device): a step
+        with constrained requests then runs split (``Scheduler.mask_drafts``)."""
+        return (self.has_draft_model or self.every_step) and self.verifier == "chain"
 
     def depth_for(self, k: int) -> int:
         """The most drafts a step at the chosen ``k`` may verify per request."""
