@@ -74,7 +74,8 @@ class BlockPools(Protocol):
     def pick(self, need: Sequence[int], load: Sequence[int], growth: Sequence[int], per_shard: int) -> int | None: ...
 
 
-MAX_AUTOMATA = 64    # drafting automata kept for constraints seen before (``Scheduler._drafting_automaton``)
+MAX_AUTOMATA = 16    # drafting automata kept for constraints seen before (``Scheduler._drafting_automaton``;
+                     # up to ~2 MB each at a 150k vocabulary)
 # the largest share of the running requests that may be constrained for steps to overlap (each constrained
 # request sitting out every other step); more make the steps synchronous (docs/engine.md, "One step in flight")
 CONSTRAINED_SIT_OUT_SHARE = 0.25
@@ -182,9 +183,15 @@ class Scheduler:
         return self._automata[key]
 
     def _build(self, params: StructuredOutputsParams, request_id: str) -> Any:
-        if self._builder is None:
-            self._builder = AutomatonBuilder(self.grammars.token_bytes(), self.grammars.eos_ids)
-        return automaton_for(params, self._builder, self.grammars.vocab_size, request_id)
+        """(On the builds' thread.) The automaton, or None; an error here never reaches the engine's thread:
+        it is logged, and the request drafts freely."""
+        try:
+            if self._builder is None:
+                self._builder = AutomatonBuilder(self.grammars.token_bytes(), self.grammars.eos_ids)
+            return automaton_for(params, self._builder, self.grammars.vocab_size, request_id)
+        except Exception:
+            logging.getLogger(__name__).exception("request %s: its drafting automaton failed to build", request_id)
+            return None
 
     def abort(self, request_id: str) -> None:
         """Ends a waiting or running request now; ``take_ended`` reports it. Unknown ids are ignored."""

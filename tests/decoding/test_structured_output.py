@@ -204,6 +204,22 @@ def test_a_request_waits_for_its_drafting_automaton(target_logits, tokenizer, de
     assert outputs["c"][-1].num_accepted_tokens > 0
 
 
+def test_an_automaton_that_fails_to_build_leaves_free_drafts(target_logits, tokenizer, decoders, monkeypatch,  # noqa: F811
+                                                              caplog):
+    """An error building a drafting automaton (on its thread) is logged; the request decodes, drafting
+    freely, its output the oracle's."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no vocabulary")
+
+    monkeypatch.setattr(scheduler_module, "AutomatonBuilder", broken)
+    engine = Engine(decoders["model"], tokenizer=tokenizer)
+    with caplog.at_level("ERROR", logger=scheduler_module.__name__):
+        outputs = run(engine, {0: [(PROMPTS[2], SamplingParams(max_tokens=8, structured_outputs=CONSTRAINTS["json"]),
+                                    "r")]}, max_steps=10_000)
+    assert tokens(outputs, "r") == oracle(target_logits, tokenizer, PROMPTS[2], CONSTRAINTS["json"])[:8]
+    assert "request r: its drafting automaton failed to build" in caplog.text
+
+
 class Forbidden(HostDrafter):
     """Proposes ``a`` ``1`` ``a`` every step: under the regex ``[ab]+`` (no token forced) ``1`` is forbidden."""
 
