@@ -199,6 +199,11 @@ class Engine:
         """Whether requests may ask for log-probabilities (chain drafts; a tree verifier has none)."""
         return self.runner.proposer.verifier == "chain"
 
+    @property
+    def supports_structured_output(self) -> bool:
+        """Whether requests may have ``structured_outputs`` (``Engine(tokenizer=...)``, one device)."""
+        return self._scheduler.grammars is not None and self.runner.has_controls
+
     def has_unfinished(self) -> bool:
         """Whether a request waits or runs, or an abort is still to be reported by ``step``."""
         return self._scheduler.has_unfinished()

@@ -503,10 +503,16 @@ class StepRunner:
         returned ``Compiler``'s threads, logged; on ``PRIMED_PLATFORMS`` each also runs once on zeros
         before a step uses it): a step whose bucket is not compiled yet runs padded to a
         compiled larger one (``ExecutableCache.ready_plan``), so nothing compiles on the thread that steps.
-        Call ``stop()`` on the compiler at shutdown."""
+        The steps of ``structured_output`` all compile in the background, after the others (a constrained
+        request before them waits for its step's compile). Call ``stop()`` on the compiler at shutdown."""
         jobs = self.warmup_jobs(batch_sizes, max_len, temperatures=temperatures, logprobs=logprobs,
-                                structured_output=structured_output, progress=progress)
+                                progress=progress)
         first, rest = largest_first(jobs)
+        if structured_output:
+            known = {(job.cache.name, job.key) for job in jobs}
+            rest += [job for job in self.warmup_jobs(batch_sizes, max_len, temperatures=temperatures,
+                                                     logprobs=logprobs, structured_output=True)
+                     if (job.cache.name, job.key) not in known]
         compiler = Compiler(workers, prime=jax.default_backend() in PRIMED_PLATFORMS,
                             on_compiled=_progress_printer("warm-up", len(first)) if progress else None)
         self._compile_controls()

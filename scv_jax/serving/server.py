@@ -142,7 +142,8 @@ def warmup_sizes(args: argparse.Namespace, served: Served) -> dict[str, Any]:
     """What ``serve`` compiles ahead of time: ``Engine.start_warmup``'s (and ``Engine.warmup_jobs``')
     arguments for ``args``' flags."""
     return dict(max_num_seqs=args.max_num_seqs, max_len=served.max_model_len,
-                logprobs=served.engine.supports_logprobs)
+                logprobs=served.engine.supports_logprobs,
+                structured_output=served.engine.supports_structured_output)
 
 
 def _uvicorn_server(app, host: str, port: int, grace: float, end_requests: Callable[[], None]):

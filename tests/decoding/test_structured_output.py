@@ -220,6 +220,24 @@ def test_an_automaton_that_fails_to_build_leaves_free_drafts(target_logits, toke
     assert "request r: its drafting automaton failed to build" in caplog.text
 
 
+@pytest.mark.parametrize("drafter", ["model", "head"])
+def test_the_warmup_of_structured_steps_holds_both_calls_of_a_split_step(tokenizer, decoders, drafter):
+    """``warmup_jobs(structured_output=True)`` (what ``serve`` compiles in the background) holds a split
+    step's first call (``draft_only``, with the drafting tables) and its second (given a proposal), greedy
+    and sampled, beside the one-call constrained steps."""
+    engine = Engine(decoders[drafter], tokenizer=tokenizer)
+    assert engine.supports_structured_output
+    plain = {(job.cache.name, job.key) for job in engine.warmup_jobs(4, SMALL.max_seq_len)}
+    jobs = [job for job in engine.warmup_jobs(4, SMALL.max_seq_len, structured_output=True)
+            if (job.cache.name, job.key) not in plain]
+    described = [job.cache.describe(job.key) for job in jobs]
+    for greedy in (True, False):
+        assert any(f"greedy={greedy}" in d and "draft_only=True" in d and "k=3" in d for d in described)
+    givens = [set(job.key[2]) for job in jobs]
+    assert any({"proposal", "grammar"} <= given for given in givens)
+    assert any({"draft_tables", "draft_states"} <= given and "grammar" not in given for given in givens)
+
+
 class Forbidden(HostDrafter):
     """Proposes ``a`` ``1`` ``a`` every step: under the regex ``[ab]+`` (no token forced) ``1`` is forbidden."""
 

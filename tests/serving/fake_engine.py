@@ -59,12 +59,14 @@ class FakeEngine:
         self.stats = GenerateStats()          # (num_preemptions: the fake never preempts)
 
     supports_logprobs = True
+    supports_structured_output = False
 
-    def warmup(self, max_num_seqs, max_len, *, temperatures=(0.0, 1.0), logprobs=False, progress=False) -> int:
+    def warmup(self, max_num_seqs, max_len, *, temperatures=(0.0, 1.0), logprobs=False, structured_output=False,
+               progress=False) -> int:
         return 0
 
     def start_warmup(self, max_num_seqs, max_len, *, temperatures=(0.0, 1.0), logprobs=False,
-                     progress=False) -> _Compiled:
+                     structured_output=False, progress=False) -> _Compiled:
         return _Compiled()
 
     def add_request(self, prompt_token_ids, params=None, request_id=None) -> str:
