@@ -71,12 +71,17 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def decoders(target, partial_draft, tmp_path_factory):
+def device_drafters(target, partial_draft, tmp_path_factory):
+    """The drafters whose chains a constrained step splits: a draft model and a random EAGLE-3 head."""
+    return {"model": partial_draft,
+            "head": random_head(target, tmp_path_factory.mktemp("head"), seed=3, draft_vocab=TINY.vocab_size)}
+
+
+@pytest.fixture(scope="module")
+def decoders(target, device_drafters):
     return {"target": SpeculativeDecoder(target, None, config=SMALL),
             "ngram": SpeculativeDecoder(target, NgramDrafter(1, 3), config=K3),
-            "model": SpeculativeDecoder(target, partial_draft, config=K3),
-            "head": SpeculativeDecoder(target, random_head(target, tmp_path_factory.mktemp("head"), seed=3,
-                                                           draft_vocab=TINY.vocab_size), config=K3),
+            **{name: SpeculativeDecoder(target, drafter, config=K3) for name, drafter in device_drafters.items()},
             "tree": SpeculativeDecoder(target, NgramDrafter(1, 3), config=TREE_CONFIG)}
 
 
@@ -221,11 +226,12 @@ def test_an_automaton_that_fails_to_build_leaves_free_drafts(target_logits, toke
 
 
 @pytest.mark.parametrize("drafter", ["model", "head"])
-def test_the_warmup_of_structured_steps_holds_both_calls_of_a_split_step(tokenizer, decoders, drafter):
+def test_the_warmup_of_structured_steps_holds_both_calls_of_a_split_step(target, tokenizer, device_drafters,
+                                                                         drafter):
     """``warmup_jobs(structured_output=True)`` (what ``serve`` compiles in the background) holds a split
     step's first call (``draft_only``, with the drafting tables) and its second (given a proposal), greedy
-    and sampled, beside the one-call constrained steps."""
-    engine = Engine(decoders[drafter], tokenizer=tokenizer)
+    and sampled, beside the one-call constrained steps (a new decoder: nothing of it compiled yet)."""
+    engine = Engine(SpeculativeDecoder(target, device_drafters[drafter], config=K3), tokenizer=tokenizer)
     assert engine.supports_structured_output
     plain = {(job.cache.name, job.key) for job in engine.warmup_jobs(4, SMALL.max_seq_len)}
     jobs = [job for job in engine.warmup_jobs(4, SMALL.max_seq_len, structured_output=True)
