@@ -83,6 +83,7 @@ class Sizes:
     pytest_files: tuple[str, ...]
     pytest_filter: str
     engine: "EngineSizes | None" = None                     # the engine rows (None: none)
+    checks: tuple[str, ...] | None = None                   # the native checks run by name (None: all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +102,8 @@ class EngineSizes:
     backend: str                                            # DecoderConfig.backend
     budget_s: float                                         # rows that would start later are skipped
     drafters: tuple[str | None, ...] = (None, "model", "eagle3", "ngram")   # the drafter kinds run (others skipped)
+    configs: tuple[str, ...] | None = None                  # the configurations run by name (None: all; others skipped)
+    sampled: tuple[str | None, ...] = (None, "model", "eagle3", "ngram")    # the drafter kinds also run sampled
 
 
 # A small Llama shape (GQA 16 query / 4 KV heads, SwiGLU, untied LM head) in float32: greedy speculative
@@ -114,7 +117,12 @@ ENGINE_DRY = EngineSizes(model=TransformerConfig(vocab_size=64, num_layers=2, d_
                                                  head_dim=8, ffn_dim=48, tie_embeddings=False),
                          draft_layers=1, batch=2, prompt_len=10, max_tokens=6, k=2,
                          tree=TreeConfig(max_depth=2, branching=2, max_nodes=4), block_size=8, backend="xla",
-                         budget_s=120, drafters=(None, "model", "eagle3"))   # n-gram: host drafting, tested elsewhere
+                         budget_s=120, drafters=(None, "model", "eagle3"),   # n-gram: host drafting, tested elsewhere
+                         # each drafter kind, a chain and a tree, overlap on and off once (every row is the same
+                         # suite code; each left-out decoder is tested lossless, greedy and sampled, under tests/)
+                         configs=("autoregressive", "autoregressive, overlap off", "draft-model chain k=2, overlap off",
+                                  "EAGLE-3 head tree (2 deep, 2 wide, 4 nodes)"),
+                         sampled=(None,))      # the drafters greedy only (their sampled steps: tests/decoding)
 H200_HBM_BYTES_PER_S = 4.8e12          # H200 HBM3e, nominal
 
 
@@ -142,7 +150,13 @@ DRY = Sizes(copy_bytes=1 << 20, greedy_configs=((1, 2), (4, 2)), vocab_configs=(
             attention_checks=(("HND", "fp8", "token_head", "float32"),), check_attention_size=(2, 96, 3),
             attention_configs=((2, 96, 3, "fp8"),), repeats=1, inner=1, device_iterations=1, peer_budget_s=60,
             pytest_files=("tests/ops/acceptance/test_acceptance.py",), pytest_filter="greedy_kernel_lowers",
-            engine=ENGINE_DRY)
+            engine=ENGINE_DRY,
+            # each check function once, rejection with both q modes and dtypes, an fp8 scale and a tiled layout (the
+            # interpret kernels against the references for every dtype, layout and scale: tests/ops)
+            checks=("greedy acceptance", "greedy from logits float32 (NaN, ties)", "rejection sampling q=probs float32",
+                    "rejection sampling q=None bfloat16", "commit HND fp8 scale=token_head",
+                    "commit NHD bfloat16 scale=None 1 x 64 (tiled layout)",
+                    "attention HND fp8 scale=token_head q=float32"))
 
 
 class Report:
@@ -300,6 +314,8 @@ def native_checks(kernel: str, sizes: Sizes) -> list[dict]:
                        lambda config=config: _check_attention(kernel, sizes, *config)))
     results = []
     for name, check in checks:
+        if sizes.checks is not None and name not in sizes.checks:
+            continue
         start = time.perf_counter()
         try:
             detail, ok = check(), True
@@ -516,9 +532,10 @@ def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, band
                 launch_floor_us=ceilings["launch_floor_us"], backend=sizes.backend)
     rows, skipped, reference = [], [], None
     for name, drafter, config in _engine_configs(sizes):
-        if drafter not in sizes.drafters or time.perf_counter() - start > sizes.budget_s:
+        left_out = drafter not in sizes.drafters or (sizes.configs is not None and name not in sizes.configs)
+        if left_out or time.perf_counter() - start > sizes.budget_s:
             skipped.append(name)
-            why = "left out at these sizes" if drafter not in sizes.drafters else "section budget spent"
+            why = "left out at these sizes" if left_out else "section budget spent"
             progress(f"engine: skip {name} ({why}; budget {sizes.budget_s:.0f} s)")
             continue
         try:
@@ -537,7 +554,7 @@ def engine_rows(sizes: EngineSizes, ceilings: dict, hbm_bytes_per_s: float, band
         per_forward = (draft_bytes + draft_kv_bytes if drafter == "model"
                        else head_bytes + sizes.batch * mean_context * kv_bytes_per_token(head.config))
         floor_bytes = target_bytes + kv_bytes + draft_forwards * per_forward
-        for mode, params in (("greedy", greedy), ("sampled", sampled)):
+        for mode, params in (("greedy", greedy), ("sampled", sampled))[:2 if drafter in sizes.sampled else 1]:
             row = dict(config=name, mode=mode, floor_bytes=int(floor_bytes),
                        memory_floor_us=floor_bytes / hbm_bytes_per_s * 1e6)
             try:

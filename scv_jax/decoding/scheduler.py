@@ -33,7 +33,7 @@ instead (``may_run_ahead``). Steps whose planning needs the last tokens (``may_r
 With chains drafted on the device (a draft model's or an EAGLE-3 head's, ``Proposer.device_chains``), a
 step with constrained requests is split
 (``DecodeWork.split``, synchronous): the device drafts (each constrained request along its grammar's
-drafting automaton, ``grammar_automaton``, built on a thread before the request is admitted), then
+drafting automaton, ``grammar_automaton``, built on a thread: free drafts until it is ready), then
 ``mask_drafts`` cuts the drafts with the grammars and masks the positions the second call verifies.
 """
 
@@ -169,8 +169,8 @@ class Scheduler:
 
     def _drafting_automaton(self, request: Request) -> concurrent.futures.Future:
         """The drafting automaton of a constrained request (``grammar_automaton.automaton_for``), built on a
-        thread of its own (seconds at a 150k vocabulary; the request is admitted once it is ready, as
-        vLLM's wait for a grammar's compile), once per constraint: the last ``MAX_AUTOMATA`` are kept."""
+        thread of its own (seconds at a 150k vocabulary; the request drafts freely until it is ready: the
+        automaton only speeds it up), once per constraint: the last ``MAX_AUTOMATA`` are kept."""
         params = request.params.structured_outputs
         key = draft_key(params)
         if key not in self._automata:
@@ -308,10 +308,7 @@ class Scheduler:
         growth = self._shard_growth() if self.waiting else None
         room = self._prefill_room() - int(state.to_prefill(state.prefilling).sum()) if self.waiting else 0
         while self.waiting and len(self.running) < self.max_num_seqs and (room > 0 or not state.prefilling.size):
-            # (in order, past those whose drafting automaton is still being built)
-            request = next((r for r in self.waiting if r.automaton is None or r.automaton.done()), None)
-            if request is None:
-                break
+            request = self.waiting[0]
             params = request.params
             tokens = request.prompt + request.token_ids
             budget = params.max_tokens - len(request.token_ids)
@@ -326,7 +323,7 @@ class Scheduler:
             shard = pools.pick(cost, load, growth, self._per_shard)
             if shard is None:
                 break
-            self.waiting.remove(request)
+            self.waiting.popleft()
             growth[shard] += need - len(cached[shard])
             pools.shards[shard].hold(cached[shard])
             request.row = state.start(tokens, len(request.prompt), budget, shard, request.sampling, request.keys,
@@ -485,7 +482,9 @@ class Scheduler:
         """int32[B, 2] each request's drafting automaton and state in ``draft_tables`` (-1: none), its
         automaton moved over the tokens it emitted since (-1 for good once one is outside it)."""
         states = np.full((len(requests), 2), -1, np.int32)
-        automata = {i: requests[i].automaton.result() for i in constrained.tolist()}    # (ready: admitted)
+        # (an automaton still being built: the request drafts freely meanwhile)
+        automata = {i: requests[i].automaton.result() if requests[i].automaton.done() else None
+                    for i in constrained.tolist()}
         drafting = [i for i, automaton in automata.items() if automaton is not None]
         held = self.draft_tables.hold({draft_key(requests[i].params.structured_outputs): automata[i]
                                        for i in drafting})
