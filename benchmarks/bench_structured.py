@@ -152,7 +152,7 @@ def table_sizes(grammars: Grammars, workloads: dict, vocab_size: int, name: str)
     tables = grammar_automaton.DraftTables(vocab_size)
     for kind, constraint in workloads.items():
         start = time.perf_counter()
-        automaton = grammar_automaton.automaton_for(constraint, builder, vocab_size)
+        automaton = grammar_automaton.automaton_for(constraint, builder)
         seconds = time.perf_counter() - start
         if automaton is None:
             print(f"drafting automaton of the {kind} over {name} (V = {vocab_size}): none (see the log)")

@@ -66,8 +66,9 @@ class ChainProposal(NamedTuple):
     staged: StagedKV | None
 
 
-def swap_layers_and_batch(staged: StagedKV | None) -> StagedKV | None:
-    """Staged K/V ``[layers, B, ...]`` as ``[B, layers, ...]`` and back (None stays None)."""
+def swap_layers_and_batch(staged: Any) -> Any:
+    """K/V ``[layers, B, ...]`` (a ``StagedKV``, or any record of ``keys`` and ``values``) as ``[B, layers,
+    ...]`` and back (None stays None)."""
     if staged is None:
         return None
     return staged._replace(keys=jnp.swapaxes(staged.keys, 0, 1), values=jnp.swapaxes(staged.values, 0, 1))

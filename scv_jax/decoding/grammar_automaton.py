@@ -88,20 +88,22 @@ def token_classes(rows: Sequence[dict[int, int]], vocab_size: int) -> tuple[np.n
     (state s: {token: next state}; tokens absent are forbidden). Tokens whose column of next states is
     the same share a class (found by a 64-bit hash of the column, then checked exactly)."""
     weights = np.random.default_rng(0).integers(1, 2**63, size=len(rows), dtype=np.uint64) | np.uint64(1)
-    signature = np.zeros(vocab_size, np.uint64)
     dense = np.empty(vocab_size, np.int64)
-    for s, row in enumerate(rows):
+
+    def column(row: dict[int, int]) -> np.ndarray:
+        """int64[V] the row's next state per token (-1: forbidden), in ``dense``."""
         dense.fill(-1)
         if row:
             dense[np.fromiter(row.keys(), np.int64, len(row))] = np.fromiter(row.values(), np.int64, len(row))
-        signature += (dense + 2).astype(np.uint64) * weights[s]
+        return dense
+
+    signature = np.zeros(vocab_size, np.uint64)
+    for s, row in enumerate(rows):
+        signature += (column(row) + 2).astype(np.uint64) * weights[s]
     _, first, token_class = np.unique(signature, return_index=True, return_inverse=True)
     next_state = np.full((len(rows), first.size), -1, np.int32)
     for s, row in enumerate(rows):
-        dense.fill(-1)
-        if row:
-            dense[np.fromiter(row.keys(), np.int64, len(row))] = np.fromiter(row.values(), np.int64, len(row))
-        next_state[s] = dense[first]
+        next_state[s] = column(row)[first]
         if not np.array_equal(next_state[s, token_class], dense):       # a hash collision: never silent
             raise RuntimeError("token_classes: two token columns share a hash; report this grammar")
     return next_state, token_class.astype(np.int32)
@@ -150,7 +152,7 @@ class AutomatonBuilder:
         return TokenAutomaton(next_state, token_class, ids[initial])
 
 
-def automaton_for(params: StructuredOutputsParams, builder: AutomatonBuilder, vocab_size: int,
+def automaton_for(params: StructuredOutputsParams, builder: AutomatonBuilder,
                   request_id: str = "") -> TokenAutomaton | None:
     """The drafting automaton of a request's constraint, or None (logged with the reason: its drafts are
     then free, cut by the host's masks)."""
@@ -164,8 +166,8 @@ def automaton_for(params: StructuredOutputsParams, builder: AutomatonBuilder, vo
         else:
             if automaton is None:
                 why = f"more than {MAX_STATES} states"
-            elif automaton.next_state.shape[1] > max_classes(vocab_size):
-                automaton, why = None, f"more than {max_classes(vocab_size)} token classes"
+            elif automaton.next_state.shape[1] > max_classes(builder.vocab_size):
+                automaton, why = None, f"more than {max_classes(builder.vocab_size)} token classes"
     if automaton is None:
         logging.getLogger(__name__).info("request %s: drafts follow no automaton of its structured output: %s",
                                          request_id, why)
@@ -179,7 +181,6 @@ class DraftTables:
     steps draft with them (``hold``); ``state_of`` gives a request's global state."""
 
     def __init__(self, vocab_size: int):
-        self.vocab_size = vocab_size
         self.next_state = np.full((TABLE_STATES, max_classes(vocab_size)), -1, np.int32)
         self.token_class = np.zeros((MAX_GRAMMARS, vocab_size), np.int32)
         self._placed: dict[str, tuple[int, int, TokenAutomaton]] = {}   # key -> (slot, first state, automaton)

@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from scv_jax.decoding.caches import HeadCache
-from scv_jax.decoding.chain_verifier import ChainScored, ChainVerifier, draft_chain, score_chain
+from scv_jax.decoding.chain_verifier import (ChainScored, ChainVerifier, draft_chain, score_chain,
+                                            swap_layers_and_batch)
 from scv_jax.decoding.device_step import SplitModel, commit_positions
 from scv_jax.decoding.tree_verifier import TreeScored, TreeVerifier, grow_tree, score_tree
 from scv_jax.models.protocol import StagedKV
@@ -123,13 +124,6 @@ def catch_up(head, cache: HeadCache, block_tables: jax.Array, inputs, width: int
     return CatchUp(out, lag, start, (head_lens >= 0) & inputs.request_mask, (features, tokens), head)
 
 
-def _swapped(ran: CatchUp, head) -> CatchUp:
-    """``ran`` with its K/V's layer and batch axes swapped (a split step passes it batch-major) and ``head``."""
-    out = ran.out
-    return ran._replace(out=out._replace(keys=jnp.swapaxes(out.keys, 0, 1), values=jnp.swapaxes(out.values, 0, 1)),
-                        head=head)
-
-
 def commit(cache: HeadCache, ran: CatchUp, features: jax.Array, drafts: jax.Array, num_accepted: jax.Array,
            block_tables: jax.Array, inputs, *, block_size: int, backend: str, after: jax.Array) -> HeadCache:
     """The head cache after a step: the catch-up rows' K/V, the combined taps ``features`` [B, D + 1,
@@ -197,10 +191,10 @@ class HeadChainVerifier(ChainVerifier):
 
     def passed(self, proposal: HeadProposal) -> HeadProposal:
         """Arrays only (the catch-up without the head), the catch-up's K/V batch-major."""
-        return proposal._replace(ran=_swapped(proposal.ran, None))
+        return proposal._replace(ran=proposal.ran._replace(out=swap_layers_and_batch(proposal.ran.out), head=None))
 
     def received(self, passed: HeadProposal, head) -> HeadProposal:
-        return passed._replace(ran=_swapped(passed.ran, head))
+        return passed._replace(ran=passed.ran._replace(out=swap_layers_and_batch(passed.ran.out), head=head))
 
     def commit_draft(self, cache: HeadCache, proposal: HeadProposal, scored: ChainScored, result, block_tables,
                      inputs, *, block_size, backend) -> HeadCache:

@@ -188,7 +188,7 @@ class Scheduler:
         try:
             if self._builder is None:
                 self._builder = AutomatonBuilder(self.grammars.token_bytes(), self.grammars.eos_ids)
-            return automaton_for(params, self._builder, self.grammars.vocab_size, request_id)
+            return automaton_for(params, self._builder, request_id)
         except Exception:
             logging.getLogger(__name__).exception("request %s: its drafting automaton failed to build", request_id)
             return None
@@ -485,12 +485,10 @@ class Scheduler:
         # (an automaton still being built: the request drafts freely meanwhile)
         automata = {i: requests[i].automaton.result() if requests[i].automaton.done() else None
                     for i in constrained.tolist()}
-        drafting = [i for i, automaton in automata.items() if automaton is not None]
-        held = self.draft_tables.hold({draft_key(requests[i].params.structured_outputs): automata[i]
-                                       for i in drafting})
-        for i in drafting:
+        keys = {i: draft_key(requests[i].params.structured_outputs) for i, a in automata.items() if a is not None}
+        held = self.draft_tables.hold({key: automata[i] for i, key in keys.items()})
+        for i, key in keys.items():
             request = requests[i]
-            key = draft_key(request.params.structured_outputs)
             state, upto = request.automaton_at if request.automaton_at else (automata[i].initial, 0)
             state = automata[i].advance(state, request.token_ids[upto:])
             request.automaton_at = (state, len(request.token_ids))
@@ -499,7 +497,7 @@ class Scheduler:
         return states
 
     def mask_drafts(self, work: DecodeWork, drafted: np.ndarray) -> DecodeWork:
-        """A split step's work after its first call: int32[B, k] ``drafted``, the draft model's drafts,
+        """A split step's work after its first call: int32[B, k] ``drafted``, the device drafter's drafts,
         cut where a constrained request's grammar forbids one (or one completes it), with the masks of
         the positions the second call verifies (``grammar.Grammars.step_masks``)."""
         requests = [self.running[row] for row in work.rows.tolist()]

@@ -47,7 +47,7 @@ def llguidance_allows(matcher) -> np.ndarray:
 def test_automaton_masks_are_llguidances_along_random_paths(name, picks):
     """Each step takes a token both allow (the pick-th, cyclically): the two agree at every position."""
     g = grammars()
-    automaton = automaton_for(CONSTRAINTS[name], builder(g), VOCAB)
+    automaton = automaton_for(CONSTRAINTS[name], builder(g))
     matcher = g.matcher(CONSTRAINTS[name])
     state = automaton.initial
     for pick in picks:
@@ -69,7 +69,7 @@ def test_the_device_tables_are_the_host_automata(paths):
     out of range included: the state becomes -1, every token then allowed) equal ``TokenAutomaton``'s."""
     g = grammars()
     build = builder(g)
-    automata = {draft_key(CONSTRAINTS[n]): automaton_for(CONSTRAINTS[n], build, VOCAB) for n in ("json", "regex")}
+    automata = {draft_key(CONSTRAINTS[n]): automaton_for(CONSTRAINTS[n], build) for n in ("json", "regex")}
     tables = DraftTables(VOCAB)
     assert tables.hold(automata) == set(automata)
     next_state, token_class = tables.arrays(jnp.asarray)
@@ -103,14 +103,14 @@ def test_token_classes_rebuild_every_transition(rows):
 
 def test_a_lark_grammar_has_no_automaton(caplog):
     with caplog.at_level(logging.INFO, logger=grammar_automaton.__name__):
-        assert automaton_for(CONSTRAINTS["lark"], builder(grammars()), VOCAB, "r7") is None
+        assert automaton_for(CONSTRAINTS["lark"], builder(grammars()), "r7") is None
     assert "request r7: drafts follow no automaton of its structured output: a Lark grammar" in caplog.text
 
 
 def test_outlines_final_states_keep_their_moves():
     """outlines-core drops a final state's moves into non-final states; the end byte put after the regex
     keeps them: after "ab", "a" (more) is allowed under ``(ab)+``."""
-    automaton = automaton_for(Structured(regex="(ab)+"), builder(grammars()), VOCAB)
+    automaton = automaton_for(Structured(regex="(ab)+"), builder(grammars()))
     state = automaton.advance(automaton.initial, [CHARS.index("a"), CHARS.index("b")])
     assert np.flatnonzero(automaton.allows(state)).tolist() == [CHARS.index("a")]
 
@@ -120,7 +120,7 @@ def test_the_tables_hold_what_fits_and_keep_what_a_step_uses(monkeypatch):
     freely); a step keeps the automata it shares with the one before in place (same global states)."""
     monkeypatch.setattr(grammar_automaton, "MAX_GRAMMARS", 2)
     build = builder(grammars())
-    automata = {str(i): automaton_for(Structured(choice=["a" * (i + 1)]), build, VOCAB) for i in range(3)}
+    automata = {str(i): automaton_for(Structured(choice=["a" * (i + 1)]), build) for i in range(3)}
     tables = DraftTables(VOCAB)
     assert len(tables.hold(automata)) == 2
     kept = sorted(tables.hold({key: automata[key] for key in ("0", "1")}))
@@ -133,12 +133,12 @@ def test_the_tables_hold_what_fits_and_keep_what_a_step_uses(monkeypatch):
 def test_too_many_states_draft_freely(monkeypatch, caplog):
     monkeypatch.setattr(grammar_automaton, "MAX_STATES", 4)
     with caplog.at_level(logging.INFO, logger=grammar_automaton.__name__):
-        assert automaton_for(CONSTRAINTS["json"], builder(grammars()), VOCAB) is None
+        assert automaton_for(CONSTRAINTS["json"], builder(grammars())) is None
     assert "more than 4 states" in caplog.text
 
 
 @pytest.mark.parametrize("regex", ["(a", "[b-a]"])
 def test_a_regex_outlines_cannot_index_drafts_freely(regex, caplog):
     with caplog.at_level(logging.INFO, logger=grammar_automaton.__name__):
-        assert automaton_for(Structured(regex=regex), builder(grammars()), VOCAB) is None
+        assert automaton_for(Structured(regex=regex), builder(grammars())) is None
     assert "outlines-core cannot index it" in caplog.text
