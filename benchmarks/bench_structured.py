@@ -7,11 +7,14 @@ constraint the server builds); and the host's grammar work: compiling the schema
 drafting automata's tables (``grammar_automaton``): states, token classes, bytes.
 
 Run: ``JAX_PLATFORMS=cpu python benchmarks/bench_structured.py [--batches 1 8] [--max-tokens 96]
-[--tokenizer tokenizer.json]`` (``--tokenizer``: also size the automata over that vocabulary).
+[--tokenizer tokenizer.json] [--repeats 3]`` (``--tokenizer``: also size the automata over that vocabulary).
 Each batch size B decodes 8 greedy requests, at most B running; compiles are excluded (a warm-up pass
 first); greedy outputs are checked equal across modes. "draft model, free drafts" is the draft model
 without its automaton (``grammar_automaton.MAX_STATES`` set to 0: its drafts are cut by the host's
-masks at their first invalid token), the A/B of the automaton.
+masks at their first invalid token), the A/B of the automaton; "draft model, split steps" is the draft
+model with every constrained step split (``scheduler.VERIFY_WITH_AUTOMATA`` False: drafts masked by the
+host before they are verified), the A/B of verifying with the automaton's masks in one call
+(and "EAGLE-3 head, split steps" the head's). Each row is the best of ``--repeats`` timed runs (this CPU is shared).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, StructuredOutputsParams  # noqa: E402
-from scv_jax.decoding import grammar_automaton  # noqa: E402
+from scv_jax.decoding import grammar_automaton, scheduler  # noqa: E402
 from scv_jax.decoding.grammar import Grammars  # noqa: E402
 from scv_jax.decoding.proposers.base import path_trie  # noqa: E402
 from scv_jax.demo.hf_export import write_tokenizer  # noqa: E402
@@ -55,7 +58,8 @@ TOOLS = ToolSet({
 PROMPTS = ["record = ", "def parse(data):\n    return ", "config = {'name': ", "# JSON\nvalue = ",
            "import json\nx = json.loads(", "item = dict(", "row = ", "payload = "]
 REQUESTS = 8
-MODES = ("autoregressive", "n-gram", "draft model", "draft model, free drafts", "EAGLE-3 head")
+MODES = ("autoregressive", "n-gram", "draft model", "draft model, split steps", "draft model, free drafts",
+         "EAGLE-3 head", "EAGLE-3 head, split steps")
 
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list, int, int]:
@@ -77,6 +81,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each row (the best is kept)")
     parser.add_argument("--tokenizer", help="a tokenizer.json to size the drafting automata over (optional)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the modes to run")
     args = parser.parse_args()
@@ -93,18 +98,20 @@ def main() -> None:
     print("|---:|---|---|---:|---:|---:|---:|")
     for batch in args.batches:
         config = dict(max_seq_len=256, batch_buckets=(batch,), num_blocks=256)
-        drafters = dict(zip(MODES, (None, "ngram", draft, draft, head)))
+        drafters = dict(zip(MODES, (None, "ngram", draft, draft, draft, head, head)))
         reference = {}
         for mode in args.modes:
             drafter, cfg = drafters[mode], DecoderConfig(k=0 if drafters[mode] is None else args.k, **config)
             grammar_automaton.MAX_STATES = 0 if mode.endswith("free drafts") else grammar_automaton.TABLE_STATES
+            scheduler.VERIFY_WITH_AUTOMATA = not mode.endswith("split steps")
             engine = Engine(SpeculativeDecoder(target, drafter, config=cfg), tokenizer=tokenizer, max_num_seqs=batch)
             for kind, constraint in {"none": None, **workloads}.items():
-                if kind == "none" and mode.endswith("free drafts"):
+                if kind == "none" and mode.endswith(("free drafts", "split steps")):
                     continue
                 params = SamplingParams(max_tokens=args.max_tokens, structured_outputs=constraint)
                 run(engine, prompts, params)                         # compiles
-                seconds, outputs, produced, steps = run(engine, prompts, params)
+                seconds, outputs, produced, steps = min((run(engine, prompts, params) for _ in range(args.repeats)),
+                                                        key=lambda timed: timed[0])
                 ids = [o.token_ids for o in outputs]
                 assert reference.setdefault(kind, ids) == ids, f"{mode}, {kind}: outputs differ from autoregressive"
                 accepted = sum(o.num_accepted_tokens for o in outputs)
@@ -112,7 +119,7 @@ def main() -> None:
                     f"{sum(_parses(tokenizer.decode(i)) for i in ids)}/{len(ids)}"
                 print(f"| {batch} | {mode} | {kind} | {produced / seconds:.0f} | "
                       f"{produced / max(produced - accepted, 1):.2f} | {steps} | {valid} |", flush=True)
-    grammar_automaton.MAX_STATES = grammar_automaton.TABLE_STATES
+    grammar_automaton.MAX_STATES, scheduler.VERIFY_WITH_AUTOMATA = grammar_automaton.TABLE_STATES, True
     host_work(tokenizer, target.config.vocab_size, workloads, reference["JSON schema"], args.k)
     if args.tokenizer:
         text = pathlib.Path(args.tokenizer).read_text()

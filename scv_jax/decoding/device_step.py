@@ -196,8 +196,8 @@ class LogitControls(NamedTuple):
         chain's t-th position after the committed tokens; a tree's position after node t - 1, row 0 the
         root's) token v is allowed where bit v % 32 of word v // 32 is set (-1 words: every token); None:
         no structured output in the step.
-      automaton: the drafting automata the draft model's drafts follow (``DraftAutomaton``; a step that
-        only drafts, ``step_fn``'s ``draft_only``), or None.
+      automaton: the drafting automata the drafts follow (``DraftAutomaton``) and, in a step that verifies
+        them, the target's logits at draft positions too (``DraftAutomaton.along``), or None.
     """
 
     active: jax.Array
@@ -282,11 +282,16 @@ class LogitControls(NamedTuple):
             return out.astype(logits.dtype).reshape(logits.shape)
 
         out = jax.lax.cond(self.active, adjust, lambda: logits)
-        if self.grammar is None:
+        verifies = self.automaton is not None and self.automaton.along is not None
+        if self.grammar is None and not verifies:
             return out
         # the grammar's masks: forbidden tokens -inf (as a -inf bias would leave them through the controls)
-        allowed = grammar_allows(self.grammar, rows, grammar_rows, vocab).reshape(logits.shape)
-        return jnp.where(allowed, out, -jnp.inf).astype(logits.dtype)
+        allowed = jnp.ones((rows.shape[0], vocab), jnp.bool_)
+        if self.grammar is not None:
+            allowed = grammar_allows(self.grammar, rows, grammar_rows, vocab)
+        if verifies:
+            allowed &= self.automaton.allows_at(rows, grammar_rows, vocab)
+        return jnp.where(allowed.reshape(logits.shape), out, -jnp.inf).astype(logits.dtype)
 
 
 class DraftAutomaton(NamedTuple):
@@ -298,12 +303,34 @@ class DraftAutomaton(NamedTuple):
       token_class: int32[G, V] each automaton's token classes.
       slots: int32[B] each request's automaton; states: int32[B] its state before the step's first draft
         (-1: none, every token allowed).
+      along: int32[B, k + 1] each request's state at each position the step verifies after the first
+        (``along_drafts``; -1 at position 0, where the host's mask is exact): the target's logits there
+        take the automaton's masks (the host checks them after the step), or None: the automaton only drafts.
     """
 
     next_state: jax.Array
     token_class: jax.Array
     slots: jax.Array
     states: jax.Array
+    along: jax.Array | None = None
+
+    def along_drafts(self, drafts: jax.Array) -> "DraftAutomaton":
+        """The automata with ``along``: the states after each non-empty prefix of int32[B, k] ``drafts``."""
+        def step(states, token):
+            moved = self.advance(states, token)
+            return moved, moved
+
+        _, after = jax.lax.scan(step, self.states, drafts.T)
+        return self._replace(along=jnp.concatenate([jnp.full_like(self.states[:, None], -1), after.T], axis=1))
+
+    def allows_at(self, rows: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
+        """bool[R, V]: the tokens the automata of int32[R] ``rows`` allow at their ``positions`` (``along``;
+        every token for a request without an automaton, or at state -1: a draft left it)."""
+        slots = self.slots[rows]
+        states = self.along[rows, jnp.clip(positions, 0, self.along.shape[1] - 1)]
+        classes = self.token_class[jnp.clip(slots, 0, self.token_class.shape[0] - 1), :vocab_size]      # [R, V]
+        moves = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1)]                      # [R, C]
+        return (jnp.take_along_axis(moves, classes, axis=1) >= 0) | ((slots < 0) | (states < 0))[:, None]
 
     def mask(self, logits: jax.Array, states: jax.Array) -> jax.Array:
         """float[B, V] ``logits`` with the tokens int32[B] ``states`` forbid at -inf (a row whose allowed

@@ -155,6 +155,51 @@ class Grammars:
         return kept_tries, masks
 
 
+    def agreeing_prefix(self, matcher: Any, automaton: Any, state: int, tokens: Sequence[int],
+                        greedy: bool) -> tuple[int, bool]:
+        """How many of a step's emitted ``tokens`` constrained decoding would have emitted, for a request
+        whose step was verified with its drafting automaton's masks (a ``TokenAutomaton``, at ``state``
+        after its output so far; ``matcher`` there, and left there). The first token was chosen under the
+        host's mask; each next one counts while the automaton's mask at its position is the grammar's
+        (sampled: the same distribution) or, ``greedy``, allows every token the grammar's does and the token
+        is the grammar's too (the argmax over the automaton's tokens is then the argmax over the grammar's);
+        none after the token that completes the grammar. Returns (that count, whether a token was cut
+        there: the automaton is not the grammar for this request)."""
+        fill = self._llguidance.numpy.fill_next_token_bitmask
+        words = mask_words(self.vocab_size)
+        shared = min(words, self._words)
+        scratch = np.zeros((1, self._words), np.int32)
+        valid = np.full(words, -1, np.int32)                  # the bits of the model's ids
+        if self.vocab_size % 32:
+            valid[-1] = np.int32(np.uint32((1 << (self.vocab_size % 32)) - 1).view(np.int32))
+        grammar = np.zeros(words, np.int32)
+        consumed, count, differed = 0, len(tokens), False
+        for position, token in enumerate(tokens):
+            if position:
+                fill(matcher, scratch, 0)
+                grammar[:shared] = scratch[0, :shared]
+                bits = grammar.view(np.uint32)
+                for never in self._never:
+                    if never < self.vocab_size:
+                        bits[never // 32] &= ~np.uint32(1 << (never % 32))
+                drafted = automaton.packed(state) & valid
+                agrees = (not (grammar & ~drafted & valid).any() and allowed(grammar, token) if greedy
+                          else np.array_equal(grammar & valid, drafted))
+                if not agrees:
+                    count, differed = position, True
+                    break
+            if not matcher.consume_token(int(token)):
+                count = max(position, 1)  # (a fault: the masks allowed it; ``Scheduler`` logs it, ends the request)
+                break
+            consumed += 1
+            if matcher.is_stopped():
+                count = position + 1
+                break
+            state = automaton.advance(state, [int(token)])
+        matcher.rollback(consumed)
+        return count, differed
+
+
 def allowed(mask: np.ndarray, token: int) -> bool:
     """Whether int32[W] ``mask`` allows ``token``."""
     return bool((int(mask[token // 32]) >> (token % 32)) & 1)

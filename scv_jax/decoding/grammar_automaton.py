@@ -1,11 +1,14 @@
 """Grammar-valid drafts from a device drafter: a token-level automaton of a constrained request's grammar,
 which a device drafter's own sampling (a draft model's, an EAGLE-3 head's) follows inside the draft scan.
 
-A draft only proposes: what a step verifies is masked by llguidance on the host (``decoding.grammar``), so
-the automaton need not equal the grammar for decoding to stay lossless; it only decides how many drafts
-the grammar then keeps. It is built with outlines-core (the token-level regex index vLLM's "outlines"
-backend uses) from a regular expression of the request's constraint: a JSON schema through outlines-core's
-schema-to-regex (compact: no free whitespace, as ``decoding.grammar`` generates JSON), a regex as it is,
+The automaton need not equal the grammar for decoding to stay lossless: a split step's drafts are masked
+by llguidance on the host before they are verified (``decoding.grammar``), and a one-call step verified
+with the automaton's masks is checked against llguidance's after (``Grammars.agreeing_prefix``, its tokens
+cut where the two would choose differently); where they differ, fewer drafts are kept. It is built with
+outlines-core (the token-level regex index vLLM's "outlines" backend uses) from a regular expression of
+the request's constraint: a JSON schema through outlines-core's schema-to-regex (compact: no free
+whitespace, as ``decoding.grammar`` generates JSON; integer and number bounds narrowed, which it
+ignores: ``draft_regex``), a regex as it is,
 a choice as the alternation of its strings. A Lark grammar and ``json_object`` (not regular) have none:
 their requests draft freely and the host's masks cut the drafts (``automaton_for`` logs why).
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -47,6 +51,7 @@ class TokenAutomaton:
     next_state: np.ndarray      # int32[S, C]
     token_class: np.ndarray     # int32[V]
     initial: int = 0
+    _packed: dict[int, np.ndarray] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +63,19 @@ class TokenAutomaton:
         if state < 0:
             return np.zeros(self.token_class.shape, np.bool_)
         return self.next_state[state, self.token_class] >= 0
+
+    def packed(self, state: int) -> np.ndarray:
+        """int32[ceil(V / 32)] ``allows(state)`` as a bit mask (token t: bit t % 32 of word t // 32, as
+        llguidance writes masks); every token at -1 (as the device verifies: ``DraftAutomaton.allows_at``).
+        Each state's is computed once."""
+        mask = self._packed.get(state)
+        if mask is None:
+            vocab = self.token_class.shape[0]
+            allows = np.ones(vocab, np.bool_) if state < 0 else self.allows(state)
+            bits = np.zeros(-(-vocab // 32) * 32, np.bool_)
+            bits[:vocab] = allows
+            mask = self._packed[state] = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+        return mask
 
     def advance(self, state: int, tokens: Sequence[int]) -> int:
         """The state after ``tokens`` from ``state`` (-1 once one is forbidden, or an id past V)."""
@@ -76,11 +94,63 @@ def draft_regex(params: StructuredOutputsParams) -> tuple[str | None, str]:
         return "(" + "|".join(re.escape(c) for c in params.choice) + ")", ""
     if params.json is not None:
         from outlines_core.json_schema import build_regex_from_schema
+        schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+        bounded: list[str] = []
+        marked = _mark_bounded(schema, bounded)
         try:
-            return build_regex_from_schema(params.json, whitespace_pattern=""), ""
+            regex = build_regex_from_schema(json.dumps(marked), whitespace_pattern="")
         except Exception as e:       # outlines-core raises its own types for what it does not cover
             return None, f"outlines-core does not compile the schema to a regex ({str(e).splitlines()[0]})"
+        for i, number in enumerate(bounded):
+            regex = regex.replace(f'"{_MARK}{i}x"', number)
+        return regex, ""
     return None, "a Lark grammar or json_object is not regular"
+
+
+_MARK = "scvjaxbound"     # (a const string marking a bounded number's place in outlines-core's regex)
+_UNSIGNED = "(0|[1-9][0-9]*)"
+MAX_ENUMERATED = 100      # an integer range of at most this many values is drafted as their alternation
+
+
+def _number_regex(schema: dict) -> str | None:
+    """The regex of a bounded integer or number schema, where its bounds make it narrower than
+    outlines-core's (which ignores them): an integer range of at most ``MAX_ENUMERATED`` values as their
+    alternation; else, with a lower bound of at least 0, no sign (``[1-9][0-9]*`` for an integer above 0);
+    else None."""
+    def bound(name: str) -> float | None:
+        value = schema.get(name)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    minimum, above, maximum, below = (bound(name) for name in ("minimum", "exclusiveMinimum", "maximum",
+                                                               "exclusiveMaximum"))
+    if schema.get("type") == "integer":             # (the least and the greatest integer allowed)
+        lows = ([] if minimum is None else [math.ceil(minimum)]) + ([] if above is None else [math.floor(above) + 1])
+        highs = ([] if maximum is None else [math.floor(maximum)]) + ([] if below is None else [math.ceil(below) - 1])
+        lo, hi = max(lows, default=None), min(highs, default=None)
+        if lo is not None and hi is not None and 0 <= hi - lo < MAX_ENUMERATED:
+            return "(" + "|".join(str(v) for v in range(lo, hi + 1)) + ")"
+        if lo is not None and lo >= 0:
+            return "[1-9][0-9]*" if lo >= 1 else _UNSIGNED
+    elif schema.get("type") == "number" and max((b for b in (minimum, above) if b is not None), default=-1) >= 0:
+        return rf"({_UNSIGNED})(\.[0-9]+)?([eE][+-][0-9]+)?"
+    return None
+
+
+def _mark_bounded(schema: Any, bounded: list[str]) -> Any:
+    """``schema`` with each integer or number schema that ``_number_regex`` narrows replaced by a const
+    string ``_MARK{i}x``, that regex appended to ``bounded``: a target drawn past a bound the drafts
+    ignore (a ``-`` where the minimum is 0, a third digit below a maximum of 20) would be cut by the
+    grammar's masks (``Grammars.agreeing_prefix``)."""
+    if isinstance(schema, list):
+        return [_mark_bounded(s, bounded) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    regex = _number_regex(schema)
+    if regex is not None:
+        bounded.append(regex)
+        return {"const": f"{_MARK}{len(bounded) - 1}x"}
+    return {key: value if key in ("const", "enum", "default", "examples") else _mark_bounded(value, bounded)
+            for key, value in schema.items()}
 
 
 def token_classes(rows: Sequence[dict[int, int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -125,8 +125,10 @@ class DecodeWork:
       assumed: host chains planned with a step in flight: what they assume that step appends, or None.
       split: the step runs in two calls: the device drafts, the host masks the constrained
         requests' drafts with their grammars (``Scheduler.mask_drafts``), the second call verifies them.
-      automaton: a split step's drafting automata (``grammar_automaton.DraftTables``), or None;
-        draft_states: int32[B, 2] each request's automaton and state in them (-1: none).
+      automaton: the drafting automata (``grammar_automaton.DraftTables``) of a step with a draft model's or
+        a head's chains and a constrained request, or None; draft_states: int32[B, 2] each request's
+        automaton and state in them (-1: none). Unless ``split``, the requests with one are verified with
+        its masks (the host checks them against the grammar's: ``Scheduler.update``).
     """
 
     rows: np.ndarray

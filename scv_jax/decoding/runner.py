@@ -277,8 +277,9 @@ class StepRunner:
         width = int(batch.num_blocks[work.rows].max())
         planning = time.perf_counter()
         constrained, split = work.grammar is not None, proposal is not None
+        verifies = work.automaton is not None and not split      # with the drafting automata's masks too
         plan = self.decode_plan(layout.size, width, step_k, work.greedy, layout.scattered, logprobs=work.logprobs,
-                                grammar=constrained, proposal=split)
+                                grammar=constrained, proposal=split, automaton=verifies)
         size = plan.padded["batch"] or layout.size
         packed_k = 0 if work.logprobs or constrained else self._packed_k(num_drafts, size, step_k)
         if packed_k:
@@ -290,6 +291,8 @@ class StepRunner:
         inputs = self._decode_inputs(work, batch, layout, plan, width, carry_in)
         if split:
             inputs["proposal"] = proposal
+        if verifies:
+            inputs.update(self._automaton_inputs(work, layout, plan))
         dispatched = time.perf_counter()
         outputs, carry_out = self._decode_call(plan, inputs, stats, self.uses_draft(step_k))
         return PendingStep(work, layout, outputs, carry_out, size * (packed_k + 1) if packed_k else None, started, dispatched)
@@ -303,13 +306,18 @@ class StepRunner:
         device; int32[R, k] the drafts of ``work``'s requests; the carry, as it was)."""
         width = int(batch.num_blocks[work.rows].max())
         plan = self.decode_plan(layout.size, width, work.drafts.step_k, work.greedy, layout.scattered,
-                                draft_only=True)
-        inputs = self._decode_inputs(work, batch, layout, plan, width, carry_in)
-        states = np.full((plan.padded["batch"] or layout.size, 2), -1, np.int32)
-        states[layout.rows] = work.draft_states
-        inputs["draft_tables"], inputs["draft_states"] = work.automaton.arrays(jax.device_put), states
+                                draft_only=True, automaton=True)
+        inputs = {**self._decode_inputs(work, batch, layout, plan, width, carry_in),
+                  **self._automaton_inputs(work, layout, plan)}
         (proposal,), carry_out = self._decode_call(plan, inputs, stats, True)
         return proposal, np.asarray(proposal.tokens)[layout.rows], carry_out
+
+    @staticmethod
+    def _automaton_inputs(work: DecodeWork, layout: BatchRows, plan: BucketPlan) -> dict[str, Any]:
+        """A decode call's drafting automata: ``work.automaton``'s tables and ``work.draft_states`` padded."""
+        states = np.full((plan.padded["batch"] or layout.size, 2), -1, np.int32)
+        states[layout.rows] = work.draft_states
+        return dict(draft_tables=work.automaton.arrays(jax.device_put), draft_states=states)
 
     def _decode_call(self, plan: BucketPlan, inputs: dict[str, Any], stats: GenerateStats, use_draft: bool
                      ) -> tuple[list, jax.Array | None]:
@@ -366,18 +374,18 @@ class StepRunner:
     # ------------------------------------------------------------------ plans
     def decode_plan(self, batch: int, width: int, k: int, greedy: bool, masked: bool, *,
                     logprobs: bool = False, packed_k: int = 0, grammar: bool = False, draft_only: bool = False,
-                    proposal: bool = False) -> BucketPlan:
+                    proposal: bool = False, automaton: bool = False) -> BucketPlan:
         """The decode executable's bucket for a step's sizes (planned once per shape); ``masked``: the
         step gives its own request mask (a batch laid out over a mesh's data shards); ``grammar``: it
-        gives structured output's masks; a split step's first call (``draft_only``, with the drafting
-        automata) and its second (``proposal``)."""
-        key = (batch, width, k, greedy, logprobs, masked, packed_k, grammar, draft_only, proposal)
+        gives structured output's masks; ``automaton``: the drafting automata; a split step's first call
+        (``draft_only``, with the automata) and its second (``proposal``)."""
+        key = (batch, width, k, greedy, logprobs, masked, packed_k, grammar, draft_only, proposal, automaton)
         plan = self._plans.get(key)
         if plan is None:
             given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self.uses_draft(k) else ()) \
                 + (("drafts",) if self.proposer.host is not None else ()) + (("request_mask",) if masked else ()) \
                 + (("controls",) if self.has_controls else ()) + (("grammar",) if grammar else ()) \
-                + (("carry",) if self.overlaps else ()) + (("draft_tables", "draft_states") if draft_only else ()) \
+                + (("carry",) if self.overlaps else ()) + (("draft_tables", "draft_states") if automaton else ()) \
                 + (("proposal",) if proposal else ())
             plan = self._plans[key] = self.decode_executable.plan_sizes(
                 {"batch": batch, "blocks": width}, given, k=k, greedy=greedy, logprobs=logprobs,
@@ -615,28 +623,33 @@ class StepRunner:
                     calls.append((self.decode_executable, {**models_k, **step, "logprobs": True}))
                 if structured_output:
                     grammar = np.full((1, k + 1, (self.vocab_size + 31) // 32), -1, np.int32)
-                    calls.append((self.decode_executable, {**models_k, **step, "grammar": grammar}))
-                    if k and self.proposer.device_chains:         # a split step's two calls
-                        calls += _split_step_calls(self.decode_executable, {**models_k, **step}, grammar,
-                                                   self.vocab_size)
+                    if k and self.proposer.device_chains:       # verified with the drafting automata, or split
+                        calls += _automaton_step_calls(self.decode_executable, {**models_k, **step}, grammar,
+                                                       self.vocab_size)
+                    else:
+                        calls.append((self.decode_executable, {**models_k, **step, "grammar": grammar}))
         self.caches.put(target_cache, draft_cache)
         if self.has_controls:
             self._controls = controls
         return calls
 
 
-def _split_step_calls(executable: ExecutableCache, step: dict[str, Any], grammar: np.ndarray, vocab_size: int
-                      ) -> list[tuple[ExecutableCache, dict[str, Any]]]:
-    """A split step's two warm-up calls (``draft_only`` with the drafting tables, then the proposal
-    verified with the ``grammar`` masks) from a step's abstract example arguments ``step``."""
+def _automaton_step_calls(executable: ExecutableCache, step: dict[str, Any], grammar: np.ndarray, vocab_size: int
+                          ) -> list[tuple[ExecutableCache, dict[str, Any]]]:
+    """The warm-up calls of a constrained step with chains drafted on the device, from a step's abstract
+    example arguments ``step``: the step verified with the drafting automata (and the ``grammar`` masks),
+    and a split step's two calls (``draft_only`` with the automata, then the proposal verified with the
+    ``grammar`` masks)."""
     tables = (jax.ShapeDtypeStruct((TABLE_STATES, max_classes(vocab_size)), np.int32),
               jax.ShapeDtypeStruct((MAX_GRAMMARS, vocab_size), np.int32))
-    drafting = {**step, "draft_tables": tables, "draft_states": np.zeros((1, 2), np.int32), "draft_only": True}
+    automata = {"draft_tables": tables, "draft_states": np.zeros((1, 2), np.int32)}
+    drafting = {**step, **automata, "draft_only": True}
     statics = {name: drafting[name] for name in executable.static_argnames if name in drafting}
     dynamic = {name: value for name, value in drafting.items()
                if name not in statics and name != "keep" and value is not None}
     shapes = jax.eval_shape(functools.partial(executable.fn, **statics), **dynamic)
-    return [(executable, drafting), (executable, {**step, "grammar": grammar, "proposal": shapes[2]})]
+    return [(executable, {**step, **automata, "grammar": grammar}), (executable, drafting),
+            (executable, {**step, "grammar": grammar, "proposal": shapes[2]})]
 
 
 def _abstract(tree: Any) -> Any:

@@ -79,6 +79,9 @@ MAX_AUTOMATA = 16    # drafting automata kept for constraints seen before (``Sch
 # the largest share of the running requests that may be constrained for steps to overlap (each constrained
 # request sitting out every other step); more make the steps synchronous (docs/engine.md, "One step in flight")
 CONSTRAINED_SIT_OUT_SHARE = 0.25
+# one-call steps verify a draft model's or a head's constrained drafts with their drafting automata's masks
+# where they may (``Scheduler._verified_on_device``); False: every such step splits (bench_structured's A/B)
+VERIFY_WITH_AUTOMATA = True
 
 
 @dataclasses.dataclass
@@ -100,6 +103,7 @@ class Request:
     matcher: Any = None             # its structured output's grammar state (an llguidance LLMatcher), at token_ids
     automaton: Any = None           # its drafting automaton being built (a Future of a ``TokenAutomaton`` or None)
     automaton_at: tuple[int, int] | None = None   # (its automaton's state, after that many of token_ids)
+    automaton_agrees: bool = True   # no step found its automaton's masks other than its grammar's
     prediction_accepted: int = 0    # drafts from its prediction verified and accepted
     prediction_rejected: int = 0    # ... and rejected
 
@@ -459,10 +463,14 @@ class Scheduler:
         drafts = self.proposer.drafts(request_ids, views, caps, guessing)
         grammar, split, draft_states = None, False, None
         if constrained.size:
-            split = self.splits and drafts.step_k > 0 and bool(caps[constrained].any())
-            if split:                   # (its masks follow the drafts: ``mask_drafts``)
+            if self.splits and drafts.step_k > 0:
                 draft_states = self._draft_states(requests, constrained)
-            else:
+                verified = self._verified_on_device(rows, requests, draft_states)
+                # a request whose drafts only its grammar's masks can verify splits the step
+                split = bool(((caps > 0) & ~verified)[constrained].any())
+                if not split:       # (one step shape: the tables are given with none verified too)
+                    draft_states = np.where(verified[:, None], draft_states, -1)
+            if not split:               # (a split step's masks follow the drafts: ``mask_drafts``)
                 drafts, grammar = self._grammar_masks(requests, constrained, drafts, caps)
         catch_up = None
         if self.proposer.has_draft_model and drafts.step_k and state.may_lag:
@@ -474,9 +482,19 @@ class Scheduler:
                           0 if self.in_flight is None else self.in_flight.number + 1,
                           None if assumed is None else Assumption(state.length[rows].copy(), [
                               tokens + guess for tokens, guess in zip(assumed, drafts.guesses)]),
-                          split, self.draft_tables if split else None, draft_states)
+                          split, None if draft_states is None else self.draft_tables, draft_states)
         self.in_flight = work
         return work
+
+    def _verified_on_device(self, rows: np.ndarray, requests: list[Request], draft_states: np.ndarray) -> np.ndarray:
+        """bool[B] the constrained requests whose drafts the step may verify with their drafting automaton's
+        masks (``DecodeWork.automaton``; the host checks them after: ``update``): those whose automaton is
+        in the tables and never disagreed with their grammar, with no logit controls (the device's counts
+        would hold the tokens a disagreement drops) and no end token their grammar's masks ban."""
+        controlled = self.batch.sampling[rows, SamplingColumn.CONTROLLED] > 0
+        eos = self.grammars.eos_ids
+        return np.array([VERIFY_WITH_AUTOMATA and draft_states[i, 0] >= 0 and r.automaton_agrees and not controlled[i]
+                         and all(t in r.stops for t in eos) for i, r in enumerate(requests)], np.bool_)
 
     def _draft_states(self, requests: list[Request], constrained: np.ndarray) -> np.ndarray:
         """int32[B, 2] each request's drafting automaton and state in ``draft_tables`` (-1: none), its
@@ -612,6 +630,8 @@ class Scheduler:
         state, rows, step_k = self.batch, work.rows, work.drafts.step_k
         requests = [self.running[row] for row in rows.tolist()]
         lag = state.lag[rows]
+        if work.automaton is not None and not work.split:
+            result = self._agreeing(work, requests, result)
         appended, done, stopped = state.advance(rows, result.output_token_ids, result.num_emitted)
         if work.grammar is not None:
             self._advance_grammars(requests, appended, done, stopped)
@@ -631,6 +651,33 @@ class Scheduler:
                                          self._controller_ids(requests), int(work.caps.max(initial=0)))
         self._finished = rows[done]
         return outputs
+
+    def _agreeing(self, work: DecodeWork, requests: list[Request], result: StepResult) -> StepResult:
+        """``result`` with the tokens of requests verified with their drafting automaton's masks cut where
+        constrained decoding could have chosen otherwise (``Grammars.agreeing_prefix``: sampled, where
+        those masks were not their grammar's; greedy, where they lacked a token it allows or the token is
+        not its): what follows is dropped as if rejected; such a request's drafts are verified with its
+        grammar's masks from then on."""
+        num_emitted, num_accepted = result.num_emitted.copy(), result.num_accepted.copy()
+        for i in np.flatnonzero(work.draft_states[:, 0] >= 0).tolist():
+            request, emitted = requests[i], int(num_emitted[i])
+            if emitted < 2:
+                continue            # (the first token's mask is the host's)
+            state, upto = request.automaton_at
+            count, differed = 1, True
+            if upto == len(request.token_ids):
+                count, differed = self.grammars.agreeing_prefix(
+                    request.matcher, request.automaton.result(), state, result.output_token_ids[i, :emitted].tolist(),
+                    greedy=not self.batch.sampling[work.rows[i], SamplingColumn.TEMPERATURE])
+            num_emitted[i] = count
+            num_accepted[i] = min(int(num_accepted[i]), count - 1)
+            if differed:
+                request.automaton_agrees = False
+                logging.getLogger(__name__).info(
+                    "request %s: its drafting automaton's masks differ from its grammar's after %d tokens; its "
+                    "drafts are verified with the grammar's masks from now on", request.request_id,
+                    len(request.token_ids) + count)
+        return dataclasses.replace(result, num_emitted=num_emitted, num_accepted=num_accepted)
 
     def _advance_grammars(self, requests: list[Request], appended: np.ndarray, done: np.ndarray,
                           stopped: np.ndarray) -> None:

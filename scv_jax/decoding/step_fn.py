@@ -66,8 +66,10 @@ def _check_split(verifier: Verifier, draft_params, controls, proposal, draft_tab
                          f"(verifier {verifier.name!r}, k={k}, draft_params given: {draft_params is not None})")
     if draft_only and proposal is not None:
         raise ValueError("decode_step: a draft_only step makes the proposal; give proposal to the step after it")
-    if draft_tables is not None and (not draft_only or controls is None or draft_states is None):
-        raise ValueError("decode_step: draft_tables need draft_only, controls and draft_states")
+    if draft_tables is not None and (controls is None or draft_states is None or proposal is not None
+                                     or not (k and draft_params is not None and verifier.name == "chain")):
+        raise ValueError("decode_step: draft_tables need controls, draft_states and a drafter's chain step at "
+                         "k > 0 that makes its proposal")
 
 
 def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: int, verifier: Verifier,
@@ -115,9 +117,11 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
             (the verifier's, ``Verifier.passed``) in the summary's place: a step split in
             two so that the host masks the drafts with the grammar before they are verified; the second
             call takes it as ``proposal`` and verifies it at the ``num_drafts`` the host kept.
-          draft_tables, draft_states: the drafting automata of constrained requests for a ``draft_only``
-            call (``grammar_automaton.DraftTables.arrays``: int32[S, C] next states, int32[G, V] token
-            classes; int32[B, 2] each request's automaton and state, -1: none), or None.
+          draft_tables, draft_states: the drafting automata of constrained requests
+            (``grammar_automaton.DraftTables.arrays``: int32[S, C] next states, int32[G, V] token
+            classes; int32[B, 2] each request's automaton and state, -1: none), or None: their drafts
+            follow them, and unless ``draft_only`` the target's logits at each position take their masks
+            too (the host then checks those masks against the grammar's: ``Scheduler.update``).
         Returns:
           (target_cache, draft_cache, ``StepSummary``), with ``logprobs`` then ``TokenLogprobs`` of the
           [B, k + 1] emitted tokens (-inf past each request's last; of the target's raw logits, as
@@ -142,6 +146,8 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
         if draft_only:
             return (target_cache, draft_cache, stages.passed(proposal)) + \
                 ((controls,) if controls is not None else ()) + ((carry,) if carry is not None else ())
+        if automaton is not None:       # verified with the automata's masks (the host checks them after)
+            inputs = inputs._replace(controls=inputs.controls._replace(automaton=automaton.along_drafts(proposal.tokens)))
         scored = stages.score(target.merge(target_params), target_cache, block_tables, inputs, proposal, k=k,
                               packed_k=packed_k, backend=backend)
         target_cache, summary, result = stages.accept(target_cache, scored, proposal, inputs, sampling, block_tables,

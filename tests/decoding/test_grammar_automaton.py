@@ -7,7 +7,9 @@ rebuild every transition; a Lark grammar has no automaton (logged); the tables h
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 import jax.numpy as jnp
 import llguidance.numpy
@@ -20,7 +22,7 @@ from scv_jax.decoding import grammar_automaton
 from scv_jax.decoding.device_step import DraftAutomaton
 from scv_jax.decoding.grammar import Grammars, allowed
 from scv_jax.decoding.grammar_automaton import (AutomatonBuilder, DraftTables, TokenAutomaton, automaton_for,
-                                                draft_key, token_classes)
+                                                draft_key, draft_regex, token_classes)
 from tests.decoding.test_structured_output import CHARS, CONSTRAINTS, make_tokenizer
 from tests.models.fixtures import TINY
 
@@ -142,3 +144,67 @@ def test_a_regex_outlines_cannot_index_drafts_freely(regex, caplog):
     with caplog.at_level(logging.INFO, logger=grammar_automaton.__name__):
         assert automaton_for(Structured(regex=regex), builder(grammars())) is None
     assert "outlines-core cannot index it" in caplog.text
+
+
+@settings(max_examples=40, deadline=None)
+@given(drafted=st.sampled_from(["(ab|ba)+1{2,4}", "[ab1]+1{2,4}", "(ab)+1{2,4}"]), greedy=st.booleans(),
+       picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=8))
+def test_the_agreeing_prefix_ends_where_the_masks_first_differ(drafted, greedy, picks):
+    """``Grammars.agreeing_prefix`` of a step's tokens (the first among llguidance's allowed tokens, the
+    next ones among the automaton's: the grammar's own regex's automaton, a wider regex's or a narrower
+    one's): the tokens before the first position after the first where the automaton's mask is not
+    llguidance's (greedy: where it lacks a token llguidance's allows, or the token is not llguidance's),
+    or through the token completing the grammar; the matcher is left where it was."""
+    g = grammars()
+    automaton = automaton_for(Structured(regex=drafted), builder(g))
+    matcher, reference = g.matcher(CONSTRAINTS["regex"]), g.matcher(CONSTRAINTS["regex"])
+    state, tokens, expected, differed = automaton.initial, [], None, False
+    for position, pick in enumerate(picks):
+        grammar_allows, drafts_allow = llguidance_allows(reference), automaton.allows(state)
+        choices = np.flatnonzero(drafts_allow if position else grammar_allows)
+        if not choices.size:
+            break
+        tokens.append(int(choices[pick % choices.size]))
+        cut = ((grammar_allows & ~drafts_allow).any() or not grammar_allows[tokens[-1]] if greedy
+               else (drafts_allow != grammar_allows).any())
+        if position and cut:
+            expected, differed = position, True
+            break
+        assert reference.consume_token(tokens[-1])
+        if reference.is_stopped():
+            expected = position + 1
+            break
+        state = automaton.advance(state, tokens[-1:])
+    count = len(tokens) if expected is None else expected
+    assert g.agreeing_prefix(matcher, automaton, automaton.initial, tokens, greedy) == (count, differed)
+    assert not (differed and drafted == "(ab|ba)+1{2,4}")
+    assert matcher.consume_tokens(tokens[:count])          # (from where it was: the start)
+
+
+@settings(max_examples=80, deadline=None)
+@given(minimum=st.sampled_from([None, -3, 0, 0.5, 1, 7]), maximum=st.sampled_from([None, -1, 2.5, 20, 500]),
+       exclusive=st.booleans(), kind=st.sampled_from(["integer", "number"]),
+       value=st.one_of(st.integers(-30, 30), st.floats(-30, 30, allow_nan=False).map(lambda x: round(x, 2) + 0.0)))
+def test_a_schemas_bounds_narrow_its_regex(minimum, maximum, exclusive, kind, value):
+    """``draft_regex`` of a schema with a bounded integer or number, in an array in an object: it matches
+    every value the bounds allow (a superset of the grammar's language); none below 0 where the lower
+    bound is at least 0; exactly the bounds' values for an integer range of at most 100 values, an
+    integer's lower bound 0 or 1 alone and a number's minimum 0 alone."""
+    bounds = {**({} if minimum is None else {"exclusiveMinimum" if exclusive else "minimum": minimum}),
+              **({} if maximum is None else {"exclusiveMaximum" if exclusive else "maximum": maximum})}
+    schema = {"type": "object", "properties": {"n": {"type": "array", "items": {"type": kind, **bounds}}},
+              "required": ["n"], "additionalProperties": False}
+    regex, _ = draft_regex(Structured(json=schema))
+    if kind == "integer":
+        value = int(value)
+    matched = re.fullmatch(regex, json.dumps({"n": [value]}, separators=(",", ":"))) is not None
+    above = minimum is None or (value > minimum if exclusive else value >= minimum)
+    below = maximum is None or (value < maximum if exclusive else value <= maximum)
+    assert matched or not (above and below)
+    if minimum is not None and minimum >= 0:
+        assert not matched or value >= 0
+    exact = ((kind == "integer" and minimum is not None and maximum is not None and 0 <= maximum - minimum < 99)
+             or (maximum is None and (kind, exclusive, minimum) in {("integer", False, 0), ("integer", False, 1),
+                                                                   ("integer", True, 0), ("number", False, 0)}))
+    if exact:
+        assert matched == (above and below)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import llguidance
 import llguidance.numpy
@@ -137,9 +138,9 @@ def test_constrained_requests_sit_out_every_other_step_in_flight(target_logits, 
                                                                  num_constrained):
     """One step in flight with constrained requests a quarter of the batch: the plain requests emit every
     step, each constrained one every other step (its grammar moves on when its step is fetched, and its
-    masks are computed while the step after runs); with half the batch constrained the steps are
-    synchronous, every request emitting every step; so are a draft model's steps with a constrained
-    request (split: drafted, masked, verified). Greedy outputs equal the oracle's and the plain
+    masks are computed while the step after runs), a draft model's too (its drafts verified with its
+    drafting automaton's masks: one call, not split); with half the batch constrained the steps are
+    synchronous, every request emitting every step. Greedy outputs equal the oracle's and the plain
     requests' autoregressive ones."""
     engine = Engine(decoders[drafter], tokenizer=tokenizer)
     assert engine.overlaps
@@ -164,7 +165,7 @@ def test_constrained_requests_sit_out_every_other_step_in_flight(target_logits, 
     assert len(window) >= 4 and all(plain <= emitted[i] for i in window)
     for request_id in constrained:
         steps = [i for i in window if request_id in emitted[i]]
-        gap = 2 if num_constrained == 1 and drafter != "model" else 1
+        gap = 2 if num_constrained == 1 else 1
         assert len(steps) >= 2 and all(b - a == gap for a, b in zip(steps, steps[1:])), (request_id, steps)
     for request_id, (prompt, name) in constrained.items():
         assert tokens(outputs, request_id) == oracle(target_logits, tokenizer, prompt, CONSTRAINTS[name])
@@ -228,6 +229,33 @@ def test_the_warmup_of_structured_steps_holds_both_calls_of_a_split_step(target,
     givens = [set(job.key[2]) for job in jobs]
     assert any({"proposal", "grammar"} <= given for given in givens)
     assert any({"draft_tables", "draft_states"} <= given and "grammar" not in given for given in givens)
+    assert any({"draft_tables", "draft_states", "grammar"} <= given for given in givens)     # one call
+
+
+@pytest.mark.parametrize("drafter", ["model", "head"])
+def test_an_automaton_other_than_the_grammar_is_caught(target_logits, tokenizer, decoders, drafter, monkeypatch,  # noqa: F811
+                                                       caplog):
+    """A drafting automaton narrower than its greedy request's grammar (no ``b`` after ``ab``): the first
+    step verified with its masks is cut where they lack a token the grammar's allow (its tokens from that
+    position dropped as rejected), logged, and the request's later drafts are verified with the grammar's
+    masks (split steps); the output is the oracle's. (A wider one is the sampled test's.)"""
+    build, built = scheduler_module.automaton_for, threading.Event()
+
+    def wider(params, builder, request_id):
+        automaton = build(Structured(regex="(ab)+1{2,4}"), builder, request_id)
+        built.set()
+        return automaton
+
+    monkeypatch.setattr(scheduler_module, "automaton_for", wider)
+    engine = Engine(decoders[drafter], tokenizer=tokenizer)
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["regex"]), "r")
+    assert built.wait(60)
+    time.sleep(0.1)                 # (its future done: the first step drafts along it)
+    with caplog.at_level("INFO", logger=scheduler_module.__name__):
+        outputs = run(engine, {})
+    assert tokens(outputs, "r") == oracle(target_logits, tokenizer, PROMPTS[0], CONSTRAINTS["regex"])
+    assert "request r: its drafting automaton's masks differ from its grammar's" in caplog.text
+    assert engine.num_free_blocks == engine.num_blocks
 
 
 class Forbidden(HostDrafter):
@@ -276,11 +304,18 @@ def _masked_distribution(target_logits, prompt, output, ok) -> np.ndarray:  # no
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 @pytest.mark.slow
-def test_sampled_tokens_follow_the_masked_target(target_logits, tokenizer, decoders, drafter):  # noqa: F811
+def test_sampled_tokens_follow_the_masked_target(target_logits, tokenizer, decoders, drafter, monkeypatch,
+                                                 caplog):  # noqa: F811
     """Tokens 1 and 2 of 320 seeded requests under ``[ab12]{2}[yes]`` (4 tokens allowed at positions 1
     and 2) against the target's distribution restricted to them (token 2's after the most frequent token
     1), beside greedy constrained and plain sampled requests in the same batches; nothing compiles
-    after ``warmup(structured_output=True)``."""
+    after ``warmup(structured_output=True)``. The draft model's automaton is ``[ab12]{2}[yes12]``: tokens
+    1 and 2 are verified with its masks in one call, token 3's position is where they differ from the
+    grammar's (caught by the host, the token dropped, the request's later steps split)."""
+    if drafter == "model":
+        build = scheduler_module.automaton_for
+        monkeypatch.setattr(scheduler_module, "automaton_for", lambda params, builder, request_id: build(
+            Structured(regex="[ab12]{2}[yes12]"), builder, request_id))
     engine = Engine(decoders[drafter], tokenizer=tokenizer)
     engine.warmup(4, SMALL.max_seq_len, structured_output=True)
     prompt = [7, 8, 7, 8, 7]                                   # the n-gram (8, 7) proposes [8, 7, 8]
@@ -291,9 +326,10 @@ def test_sampled_tokens_follow_the_masked_target(target_logits, tokenizer, decod
     count = 320
     kinds = [greedy if i % 8 == 0 else plain if i % 8 == 1 else constrained for i in range(count)]
     arrivals = {0: [(prompt, SamplingParams(**{**vars(kind), "seed": i}), str(i)) for i, kind in enumerate(kinds)]}
-    with CompileCounter() as compiles:
+    with CompileCounter() as compiles, caplog.at_level("INFO", logger=scheduler_module.__name__):
         outputs = run(engine, arrivals, max_steps=count)
     assert compiles.count == compiles.loads == 0 and engine.stats.compiled == []
+    assert (drafter == "model") == ("masks differ from its grammar's after 2 tokens" in caplog.text)
     expected_greedy = oracle(target_logits, tokenizer, prompt, constraint)
     assert all(tokens(outputs, str(i)) == expected_greedy[:3] for i in range(0, count, 8))
     sampled = [tokens(outputs, str(i)) for i in range(count) if kinds[i] is constrained]
