@@ -14,7 +14,8 @@ without its automaton (``grammar_automaton.MAX_STATES`` set to 0: its drafts are
 masks at their first invalid token), the A/B of the automaton; "draft model, split steps" is the draft
 model with every constrained step split (``scheduler.VERIFY_WITH_AUTOMATA`` False: drafts masked by the
 host before they are verified), the A/B of verifying with the automaton's masks in one call
-(and "EAGLE-3 head, split steps" the head's). Each row is the best of ``--repeats`` timed runs (this CPU is shared).
+(and "EAGLE-3 head, split steps" the head's); "... tree": EAGLE-2 trees (``TreeConfig()``), verified with
+the automaton's masks. Each row is the best of ``--repeats`` timed runs (this CPU is shared).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, StructuredOutputsParams  # noqa: E402
+from scv_jax import (DecoderConfig, Engine, SamplingParams, SpeculativeDecoder, StructuredOutputsParams,  # noqa: E402
+                     TreeConfig)
 from scv_jax.decoding import grammar_automaton, scheduler  # noqa: E402
 from scv_jax.decoding.grammar import Grammars  # noqa: E402
 from scv_jax.decoding.proposers.base import path_trie  # noqa: E402
@@ -59,7 +61,7 @@ PROMPTS = ["record = ", "def parse(data):\n    return ", "config = {'name': ", "
            "import json\nx = json.loads(", "item = dict(", "row = ", "payload = "]
 REQUESTS = 8
 MODES = ("autoregressive", "n-gram", "draft model", "draft model, split steps", "draft model, free drafts",
-         "EAGLE-3 head", "EAGLE-3 head, split steps")
+         "EAGLE-3 head", "EAGLE-3 head, split steps", "draft model tree", "EAGLE-3 head tree")
 
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list, int, int]:
@@ -98,10 +100,12 @@ def main() -> None:
     print("|---:|---|---|---:|---:|---:|---:|")
     for batch in args.batches:
         config = dict(max_seq_len=256, batch_buckets=(batch,), num_blocks=256)
-        drafters = dict(zip(MODES, (None, "ngram", draft, draft, draft, head, head)))
+        drafters = dict(zip(MODES, (None, "ngram", draft, draft, draft, head, head, draft, head)))
         reference = {}
         for mode in args.modes:
-            drafter, cfg = drafters[mode], DecoderConfig(k=0 if drafters[mode] is None else args.k, **config)
+            tree = TreeConfig() if mode.endswith("tree") else None
+            k = 0 if drafters[mode] is None else tree.max_depth if tree else args.k
+            drafter, cfg = drafters[mode], DecoderConfig(k=k, tree=tree, **config)
             grammar_automaton.MAX_STATES = 0 if mode.endswith("free drafts") else grammar_automaton.TABLE_STATES
             scheduler.VERIFY_WITH_AUTOMATA = not mode.endswith("split steps")
             engine = Engine(SpeculativeDecoder(target, drafter, config=cfg), tokenizer=tokenizer, max_num_seqs=batch)

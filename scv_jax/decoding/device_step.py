@@ -323,6 +323,22 @@ class DraftAutomaton(NamedTuple):
         _, after = jax.lax.scan(step, self.states, drafts.T)
         return self._replace(along=jnp.concatenate([jnp.full_like(self.states[:, None], -1), after.T], axis=1))
 
+    def along_tree(self, tokens: jax.Array, parents: jax.Array) -> "DraftAutomaton":
+        """The automata with ``along`` int32[B, N + 1]: -1, then the state after each node's path of a tree
+        (int32[B, N] node ``tokens`` and ``parents``, parents before children; a parent outside [-1, i):
+        -1, the node never accepted, ``tree_verifier.tree_inputs``)."""
+        batch, n = tokens.shape
+
+        def node(i, states):
+            parent = parents[:, i]
+            before = jnp.where((parent >= -1) & (parent < i), states[jnp.arange(batch), jnp.clip(parent + 1, 0, n)], -1)
+            return states.at[:, i + 1].set(self.advance(before, tokens[:, i]))
+
+        states = jnp.full((batch, n + 1), -1, jnp.int32).at[:, 0].set(self.states)
+        if n:                           # (a body indexing an empty axis does not trace)
+            states = jax.lax.fori_loop(0, n, node, states)
+        return self._replace(along=states.at[:, 0].set(-1))
+
     def allows_at(self, rows: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
         """bool[R, V]: the tokens the automata of int32[R] ``rows`` allow at their ``positions`` (``along``;
         every token for a request without an automaton, or at state -1: a draft left it)."""
@@ -333,20 +349,22 @@ class DraftAutomaton(NamedTuple):
         return (jnp.take_along_axis(moves, classes, axis=1) >= 0) | ((slots < 0) | (states < 0))[:, None]
 
     def mask(self, logits: jax.Array, states: jax.Array) -> jax.Array:
-        """float[B, V] ``logits`` with the tokens int32[B] ``states`` forbid at -inf (a row whose allowed
-        tokens the other controls already took away keeps its logits: a draft only proposes)."""
+        """float[B, ..., V] ``logits`` with the tokens int32[B, ...] ``states`` forbid at -inf (a row whose
+        allowed tokens the other controls already took away keeps its logits: a draft only proposes)."""
         vocab = logits.shape[-1]
         classes = self.token_class[jnp.clip(self.slots, 0, self.token_class.shape[0] - 1), :vocab]     # [B, V]
-        rows = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1)]                       # [B, C]
-        allowed = (jnp.take_along_axis(rows, classes, axis=1) >= 0) | (states < 0)[:, None]
+        classes = jnp.broadcast_to(classes.reshape(classes.shape[0], *(1,) * (states.ndim - 1), vocab),
+                                   (*states.shape, vocab))
+        rows = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1)]                  # [B, ..., C]
+        allowed = (jnp.take_along_axis(rows, classes, axis=-1) >= 0) | (states < 0)[..., None]
         masked = jnp.where(allowed, logits, -jnp.inf)
         return jnp.where(jnp.any(allowed & (logits > -jnp.inf), axis=-1, keepdims=True), masked, logits)
 
     def advance(self, states: jax.Array, tokens: jax.Array) -> jax.Array:
-        """int32[B]: ``states`` after int32[B] ``tokens`` (-1 stays -1; a forbidden token gives -1)."""
+        """int32[B, ...]: ``states`` after int32[B, ...] ``tokens`` (-1 stays -1; a forbidden token gives -1)."""
         vocab = self.token_class.shape[1]
-        classes = self.token_class[jnp.clip(self.slots, 0, self.token_class.shape[0] - 1),
-                                   jnp.clip(tokens, 0, vocab - 1)]
+        slots = jnp.clip(self.slots, 0, self.token_class.shape[0] - 1).reshape(-1, *(1,) * (states.ndim - 1))
+        classes = self.token_class[slots, jnp.clip(tokens, 0, vocab - 1)]
         moved = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1), classes]
         return jnp.where((states >= 0) & (tokens >= 0) & (tokens < vocab), moved, -1)
 

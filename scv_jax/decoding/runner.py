@@ -623,9 +623,9 @@ class StepRunner:
                     calls.append((self.decode_executable, {**models_k, **step, "logprobs": True}))
                 if structured_output:
                     grammar = np.full((1, k + 1, (self.vocab_size + 31) // 32), -1, np.int32)
-                    if k and self.proposer.device_chains:       # verified with the drafting automata, or split
+                    if k and self.proposer.device_drafts:   # verified with the drafting automata (chains: or split)
                         calls += _automaton_step_calls(self.decode_executable, {**models_k, **step}, grammar,
-                                                       self.vocab_size)
+                                                       self.vocab_size, split=self.proposer.device_chains)
                     else:
                         calls.append((self.decode_executable, {**models_k, **step, "grammar": grammar}))
         self.caches.put(target_cache, draft_cache)
@@ -634,15 +634,17 @@ class StepRunner:
         return calls
 
 
-def _automaton_step_calls(executable: ExecutableCache, step: dict[str, Any], grammar: np.ndarray, vocab_size: int
-                          ) -> list[tuple[ExecutableCache, dict[str, Any]]]:
-    """The warm-up calls of a constrained step with chains drafted on the device, from a step's abstract
+def _automaton_step_calls(executable: ExecutableCache, step: dict[str, Any], grammar: np.ndarray, vocab_size: int,
+                          *, split: bool) -> list[tuple[ExecutableCache, dict[str, Any]]]:
+    """The warm-up calls of a constrained step with drafts made on the device, from a step's abstract
     example arguments ``step``: the step verified with the drafting automata (and the ``grammar`` masks),
-    and a split step's two calls (``draft_only`` with the automata, then the proposal verified with the
-    ``grammar`` masks)."""
+    and with ``split`` (chains) a split step's two calls (``draft_only`` with the automata, then the
+    proposal verified with the ``grammar`` masks)."""
     tables = (jax.ShapeDtypeStruct((TABLE_STATES, max_classes(vocab_size)), np.int32),
               jax.ShapeDtypeStruct((MAX_GRAMMARS, vocab_size), np.int32))
     automata = {"draft_tables": tables, "draft_states": np.zeros((1, 2), np.int32)}
+    if not split:
+        return [(executable, {**step, **automata, "grammar": grammar})]
     drafting = {**step, **automata, "draft_only": True}
     statics = {name: drafting[name] for name in executable.static_argnames if name in drafting}
     dynamic = {name: value for name, value in drafting.items()

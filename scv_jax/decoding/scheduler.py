@@ -30,11 +30,14 @@ output) sits out the step after one it runs in (``decode_rows``): its masks foll
 host moves on only once that step is fetched; it runs again in the step after, its masks computed while the
 device runs. When constrained requests are more than a quarter of the batch, its steps run synchronously
 instead (``may_run_ahead``). Steps whose planning needs the last tokens (``may_run_ahead``) are fetched first.
-With chains drafted on the device (a draft model's or an EAGLE-3 head's, ``Proposer.device_chains``), a
-step with constrained requests is split
-(``DecodeWork.split``, synchronous): the device drafts (each constrained request along its grammar's
-drafting automaton, ``grammar_automaton``, built on a thread: free drafts until it is ready), then
-``mask_drafts`` cuts the drafts with the grammars and masks the positions the second call verifies.
+With drafts made on the device (a draft model's or an EAGLE-3 head's, ``Proposer.device_drafts``), each
+constrained request drafts along its grammar's drafting automaton (``grammar_automaton``, built on a
+thread: free drafts until it is ready), and the step verifies its drafts with the automaton's masks too;
+``update`` cuts its tokens where those masks would choose otherwise than its grammar's
+(``Grammars.agreeing_prefix``). A constrained request that cannot be verified so (no automaton yet, one
+cut before, logit controls) splits a chain step (``DecodeWork.split``, synchronous: the device drafts,
+``mask_drafts`` cuts the drafts with the grammars and masks the positions the second call verifies), and
+verifies no drafts in a tree step.
 """
 
 from __future__ import annotations
@@ -80,7 +83,8 @@ MAX_AUTOMATA = 16    # drafting automata kept for constraints seen before (``Sch
 # request sitting out every other step); more make the steps synchronous (docs/engine.md, "One step in flight")
 CONSTRAINED_SIT_OUT_SHARE = 0.25
 # one-call steps verify a draft model's or a head's constrained drafts with their drafting automata's masks
-# where they may (``Scheduler._verified_on_device``); False: every such step splits (bench_structured's A/B)
+# where they may (``Scheduler._verified_on_device``); False: every such chain step splits, trees verify none
+# (bench_structured's A/B)
 VERIFY_WITH_AUTOMATA = True
 
 
@@ -144,9 +148,11 @@ class Scheduler:
         self.batch, self._pools, self.proposer, self._controllers = batch, pools, proposer, controllers
         self.draft_ahead = draft_ahead
         self.grammars = grammars
-        # constrained requests' drafts made on the device (chains): split steps (``mask_drafts``)
-        self.splits = grammars is not None and proposer.device_chains
-        self.draft_tables = DraftTables(grammars.vocab_size) if self.splits else None
+        # constrained requests' drafts made on the device follow their drafting automata; chains not verified
+        # with them run split steps (``mask_drafts``), trees verify none
+        self.automata = grammars is not None and proposer.device_drafts
+        self.splits = self.automata and proposer.device_chains
+        self.draft_tables = DraftTables(grammars.vocab_size) if self.automata else None
         self._builder: AutomatonBuilder | None = None
         self._automata: collections.OrderedDict[str, concurrent.futures.Future] = collections.OrderedDict()
         self._builds: concurrent.futures.ThreadPoolExecutor | None = None     # (one thread, made at first use)
@@ -166,7 +172,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
-        if request.matcher is not None and self.splits:
+        if request.matcher is not None and self.automata:
             request.automaton = self._drafting_automaton(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -454,14 +460,21 @@ class Scheduler:
         k = self.proposer.depth_for(self._choose_k(kind, computed_rows, requests, budget))
         caps = np.minimum(budget - 1, k)                    # never draft past a request's budget
         constrained = np.array([i for i, r in enumerate(requests) if r.matcher is not None], np.int64)
-        if constrained.size and self.proposer.host is None and not self.splits:
-            caps[constrained] = 0           # drafts made on the device cannot be masked before they are verified
+        draft_states = None
+        if constrained.size and self.automata and not self.splits:
+            # a device tree: its constrained requests' drafts are verified with their automata or not at all
+            draft_states = self._draft_states(requests, constrained)
+            verified = self._verified_on_device(rows, requests, draft_states)
+            caps[constrained[~verified[constrained]]] = 0
+            draft_states = np.where(verified[:, None], draft_states, -1)
         views, assumed, guessing = [], None, None
         if self.proposer.host is not None:              # host drafters read the tokens
             views, assumed = self._host_views(rows, ahead)
             guessing = None if assumed is None else (ahead > 0) & (caps > 0)
         drafts = self.proposer.drafts(request_ids, views, caps, guessing)
-        grammar, split, draft_states = None, False, None
+        grammar, split = None, False
+        if not drafts.step_k:
+            draft_states = None
         if constrained.size:
             if self.splits and drafts.step_k > 0:
                 draft_states = self._draft_states(requests, constrained)

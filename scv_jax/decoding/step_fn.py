@@ -67,9 +67,10 @@ def _check_split(verifier: Verifier, draft_params, controls, proposal, draft_tab
     if draft_only and proposal is not None:
         raise ValueError("decode_step: a draft_only step makes the proposal; give proposal to the step after it")
     if draft_tables is not None and (controls is None or draft_states is None or proposal is not None
-                                     or not (k and draft_params is not None and verifier.name == "chain")):
-        raise ValueError("decode_step: draft_tables need controls, draft_states and a drafter's chain step at "
-                         "k > 0 that makes its proposal")
+                                     or not (k and draft_params is not None and verifier.name in ("chain", "tree"))
+                                     or draft_only and verifier.name != "chain"):
+        raise ValueError("decode_step: draft_tables need controls, draft_states and a drafter's chain or tree "
+                         "step at k > 0 that makes its proposal (draft_only: a chain)")
 
 
 def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: int, verifier: Verifier,
@@ -120,8 +121,9 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
           draft_tables, draft_states: the drafting automata of constrained requests
             (``grammar_automaton.DraftTables.arrays``: int32[S, C] next states, int32[G, V] token
             classes; int32[B, 2] each request's automaton and state, -1: none), or None: their drafts
-            follow them, and unless ``draft_only`` the target's logits at each position take their masks
-            too (the host then checks those masks against the grammar's: ``Scheduler.update``).
+            (a chain's or a tree's) follow them, and unless ``draft_only`` the target's logits at each
+            position (node) take their masks too (the host then checks those masks against the
+            grammar's: ``Scheduler.update``).
         Returns:
           (target_cache, draft_cache, ``StepSummary``), with ``logprobs`` then ``TokenLogprobs`` of the
           [B, k + 1] emitted tokens (-inf past each request's last; of the target's raw logits, as
@@ -147,7 +149,9 @@ def make_decode_step(target: SplitModel, draft: SplitModel | None, block_size: i
             return (target_cache, draft_cache, stages.passed(proposal)) + \
                 ((controls,) if controls is not None else ()) + ((carry,) if carry is not None else ())
         if automaton is not None:       # verified with the automata's masks (the host checks them after)
-            inputs = inputs._replace(controls=inputs.controls._replace(automaton=automaton.along_drafts(proposal.tokens)))
+            along = automaton.along_tree(proposal.tokens, proposal.parents) if verifier.name == "tree" \
+                else automaton.along_drafts(proposal.tokens)
+            inputs = inputs._replace(controls=inputs.controls._replace(automaton=along))
         scored = stages.score(target.merge(target_params), target_cache, block_tables, inputs, proposal, k=k,
                               packed_k=packed_k, backend=backend)
         target_cache, summary, result = stages.accept(target_cache, scored, proposal, inputs, sampling, block_tables,

@@ -96,10 +96,17 @@ def grow_tree(catch_up, root_logits: jax.Array, lag: jax.Array, expand, root_car
     hidden state, ``root_carry`` [B, ...] the root's; None for a draft model); the ``draft_nodes()`` best
     candidates by cumulative log-probability (ties: the earlier candidate), in rank order. Children are
     the draft's top-k: deterministic. With ``controls`` every node's logits take them over the committed
-    history (not the node's path: the target's verification alone decides what is accepted)."""
+    history (not the node's path: the target's verification alone decides what is accepted; a level's
+    children take the grammar's masks of its row, the root's only at the root), and with
+    ``controls.automaton`` each request's drafting automaton at the node's path."""
     width, batch = tree.branching, lag.shape[0]
+    automaton = None if controls is None else controls.automaton
     root = controlled(controls, root_logits[:, None])                                                # [B, 1, V]
+    if automaton is not None:
+        root = automaton.mask(root, automaton.states[:, None])
     tokens, scores = _top_children(root, jnp.zeros((batch, 1), jnp.float32), width)
+    frontier_states = None if automaton is None else \
+        automaton.advance(jnp.repeat(automaton.states[:, None], width, axis=1), tokens[:, 0])         # [B, width]
     pool_tokens, pool_scores = [tokens[:, 0]], [scores[:, 0]]
     pool_parents = [jnp.full((batch, width), -1, jnp.int32)]
     frontier = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))   # pool indices
@@ -116,13 +123,19 @@ def grow_tree(catch_up, root_logits: jax.Array, lag: jax.Array, expand, root_car
         logits, carry_out, last = expand(jnp.concatenate(expanded_tokens, axis=1),
                                          jnp.concatenate(expanded_parents, axis=1),
                                          jax.tree.map(lambda *c: jnp.concatenate(c, axis=1), *expanded_carry))
-        tokens, scores = _top_children(controlled(controls, logits[:, -width:]), frontier_scores, width)
+        children = controlled(controls, logits[:, -width:], grammar_rows=jnp.full((batch, width), level, jnp.int32))
+        if automaton is not None:
+            children = automaton.mask(children, frontier_states)
+        tokens, scores = _top_children(children, frontier_scores, width)               # [B, width, width]
         offset = sum(t.shape[1] for t in pool_tokens)
         pool_tokens.append(tokens.reshape(batch, -1))
         pool_scores.append(scores.reshape(batch, -1))
         pool_parents.append(jnp.repeat(frontier, width, axis=1))
         frontier_scores, chosen = jax.lax.top_k(scores.reshape(batch, -1), width)      # ties: lower index
         frontier, frontier_tokens = offset + chosen, tokens.reshape(batch, -1)[rows, chosen]
+        if automaton is not None:
+            frontier_states = automaton.advance(
+                jnp.repeat(frontier_states, width, axis=1)[rows, chosen], frontier_tokens)
         parents = (level - 1) * width + chosen // width       # the expanding frontier slot's place
         frontier_carry = jax.tree.map(lambda c: jnp.take_along_axis(
             c, parents.reshape(batch, width, *(1,) * (c.ndim - 2)), axis=1), carry_out)

@@ -94,6 +94,35 @@ def test_the_device_tables_are_the_host_automata(paths):
         assert np.asarray(states).tolist() == expected_states
 
 
+@settings(max_examples=20, deadline=None)
+@given(nodes=st.lists(st.tuples(st.integers(-1, VOCAB), st.integers(-2, 6)), max_size=7))
+def test_the_device_states_along_a_tree_are_the_host_automatas(nodes):
+    """``DraftAutomaton.along_tree`` of a tree (node tokens and parents, out-of-range ones included): -1
+    at the root, then each node's state after its path (a parent outside [-1, i): -1) as
+    ``TokenAutomaton.advance`` gives it; ``mask`` of [B, N + 1, V] logits at those states is ``mask``'s of
+    each [B, V] column."""
+    g = grammars()
+    build = builder(g)
+    automata = {draft_key(CONSTRAINTS[n]): automaton_for(CONSTRAINTS[n], build) for n in ("json", "regex")}
+    tables = DraftTables(VOCAB)
+    assert tables.hold(automata) == set(automata)
+    keys = list(automata)
+    slots_states = np.array([tables.state_of(key, automata[key].initial) for key in keys], np.int32)
+    device = DraftAutomaton(*tables.arrays(jnp.asarray), jnp.asarray(slots_states[:, 0]), jnp.asarray(slots_states[:, 1]))
+    tokens = np.array([[t for t, _ in nodes]] * 2, np.int32).reshape(2, len(nodes))
+    parents = np.array([[p for _, p in nodes]] * 2, np.int32).reshape(2, len(nodes))
+    along = np.asarray(device.along_tree(jnp.asarray(tokens), jnp.asarray(parents)).along)
+    for row, key in enumerate(keys):
+        states = [automata[key].initial]
+        for i, (token, parent) in enumerate(nodes):
+            before = states[parent + 1] if -1 <= parent < i else -1
+            states.append(automata[key].advance(before, [token]) if before >= 0 else -1)
+        assert along[row].tolist() == [-1] + [tables.state_of(key, h)[1] for h in states[1:]]
+    logits = device.mask(jnp.zeros((2, len(nodes) + 1, VOCAB)), jnp.asarray(along))
+    for j in range(len(nodes) + 1):
+        assert (np.asarray(logits[:, j]) == np.asarray(device.mask(jnp.zeros((2, VOCAB)), jnp.asarray(along[:, j])))).all()
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=st.lists(st.dictionaries(st.integers(0, 11), st.integers(0, 4), max_size=12), min_size=1, max_size=5))
 def test_token_classes_rebuild_every_transition(rows):

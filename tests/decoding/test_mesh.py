@@ -77,12 +77,12 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
 
 @pytest.mark.slow
 def test_demo_pair_on_meshes_decodes_as_on_one_device():
-    """The demo target has 6 query and 2 KV heads: on a model axis of 8 (or 4) each KV head is
-    replicated 4 (2) times and each query group padded to 4 heads; on (8, 1) it is data parallel only.
-    The demo EAGLE-3 head on (2, 4): the target's tokens, the head replicated but for the embedding it
-    shares (vocabulary-split like the target's), its cache over "data" only."""
-    result = _result(_start("--pair", "demo", "--meshes", "1,8", "2,4", "8,1", "--head", "2,4"))
-    for spec in ("1,8", "2,4", "8,1"):
+    """The demo target has 6 query and 2 KV heads: on a model axis of 4 each KV head is replicated twice
+    and each query group padded to 4 heads (a model axis of 8 is the qwen pair's); on (8, 1) it is data
+    parallel only. The demo EAGLE-3 head on (2, 4): the target's tokens, the head replicated but for the
+    embedding it shares (vocabulary-split like the target's), its cache over "data" only."""
+    result = _result(_start("--pair", "demo", "--meshes", "2,4", "8,1", "--head", "2,4"))
+    for spec in ("2,4", "8,1"):
         _check_mesh_run(result, spec, kv_heads=(2, 1))
     assert 0.3 < result["meshes"]["2,4"]["acceptance"] < 1.0
     head = result["head"]["2,4"]

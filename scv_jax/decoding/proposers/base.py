@@ -172,10 +172,16 @@ class Proposer:
         return length - 1
 
     @property
+    def device_drafts(self) -> bool:
+        """Whether its drafts are made on the device (a draft model's or an EAGLE head's chains or trees): a
+        constrained request's drafts then follow its drafting automaton (``grammar_automaton``)."""
+        return self.has_draft_model or self.every_step
+
+    @property
     def device_chains(self) -> bool:
         """Whether its drafts are chains of a draft model or an EAGLE head (made on the device): a step
         with constrained requests then runs split (``Scheduler.mask_drafts``)."""
-        return (self.has_draft_model or self.every_step) and self.verifier == "chain"
+        return self.device_drafts and self.verifier == "chain"
 
     def depth_for(self, k: int) -> int:
         """The most drafts a step at the chosen ``k`` may verify per request."""
