@@ -4,7 +4,8 @@ drafting automaton, the demo EAGLE-3 head), at batch 1 and 8, in one process on 
 workloads: a five-field JSON schema, and tool calls (``tool_choice`` "required" over 3 functions, the
 constraint the server builds); and the host's grammar work: compiling the schema, the masks of one step
 (``Grammars.step_masks`` along a chain of k drafts) per request and per verified position, and the
-drafting automata's tables (``grammar_automaton``): states, token classes, bytes.
+drafting automata's tables (``grammar_automaton``): states, token classes, bytes; and the host's check of
+a step verified with the automaton's masks (``Grammars.agreeing_prefix``).
 
 Run: ``JAX_PLATFORMS=cpu python benchmarks/bench_structured.py [--batches 1 8] [--max-tokens 96]
 [--tokenizer tokenizer.json] [--repeats 3]`` (``--tokenizer``: also size the automata over that vocabulary).
@@ -154,6 +155,20 @@ def host_work(tokenizer, vocab_size: int, workloads: dict, outputs: list, k: int
           f"(k = {k}, chains from its own output) {np.median(per_step) * 1e6:.0f} us median, "
           f"{sum(per_step) / positions * 1e6:.0f} us per verified position ({len(per_step)} steps); "
           f"a step of 64 such requests: {64 * np.median(per_step) * 1e3:.1f} ms")
+    automaton = grammar_automaton.automaton_for(constraint, grammar_automaton.AutomatonBuilder(
+        grammars.token_bytes(), grammars.eos_ids))
+    checks = []
+    for text in outputs:                  # a one-call step's check: k + 1 emitted tokens from each position
+        matcher, state = grammars.matcher(constraint), automaton.initial
+        for j in range(len(text) - 1):
+            start = time.perf_counter()
+            grammars.agreeing_prefix(matcher, automaton, state, list(text[j:j + k + 1]), greedy=True)
+            checks.append(time.perf_counter() - start)
+            matcher.consume_token(text[j])
+            state = automaton.advance(state, [int(text[j])])
+    print(f"host check of a step verified with the automaton (Grammars.agreeing_prefix, {k + 1} tokens): "
+          f"{np.median(checks) * 1e6:.0f} us median ({len(checks)} steps); 64 such requests: "
+          f"{64 * np.median(checks) * 1e3:.1f} ms")
     table_sizes(grammars, workloads, vocab_size, "the demo tokenizer")
 
 
