@@ -339,24 +339,26 @@ class DraftAutomaton(NamedTuple):
             states = jax.lax.fori_loop(0, n, node, states)
         return self._replace(along=states.at[:, 0].set(-1))
 
+    def _allowed(self, slots: jax.Array, states: jax.Array, vocab_size: int) -> jax.Array:
+        """bool[R, ..., V]: the tokens automata int32[R] ``slots`` allow at int32[R, ...] ``states`` (every
+        token at -1)."""
+        classes = self.token_class[jnp.clip(slots, 0, self.token_class.shape[0] - 1), :vocab_size]      # [R, V]
+        classes = jnp.broadcast_to(classes.reshape(classes.shape[0], *(1,) * (states.ndim - 1), vocab_size),
+                                   (*states.shape, vocab_size))
+        moves = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1)]                 # [R, ..., C]
+        return (jnp.take_along_axis(moves, classes, axis=-1) >= 0) | (states < 0)[..., None]
+
     def allows_at(self, rows: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
         """bool[R, V]: the tokens the automata of int32[R] ``rows`` allow at their ``positions`` (``along``;
         every token for a request without an automaton, or at state -1: a draft left it)."""
         slots = self.slots[rows]
         states = self.along[rows, jnp.clip(positions, 0, self.along.shape[1] - 1)]
-        classes = self.token_class[jnp.clip(slots, 0, self.token_class.shape[0] - 1), :vocab_size]      # [R, V]
-        moves = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1)]                      # [R, C]
-        return (jnp.take_along_axis(moves, classes, axis=1) >= 0) | ((slots < 0) | (states < 0))[:, None]
+        return self._allowed(slots, states, vocab_size) | (slots < 0)[:, None]
 
     def mask(self, logits: jax.Array, states: jax.Array) -> jax.Array:
         """float[B, ..., V] ``logits`` with the tokens int32[B, ...] ``states`` forbid at -inf (a row whose
         allowed tokens the other controls already took away keeps its logits: a draft only proposes)."""
-        vocab = logits.shape[-1]
-        classes = self.token_class[jnp.clip(self.slots, 0, self.token_class.shape[0] - 1), :vocab]     # [B, V]
-        classes = jnp.broadcast_to(classes.reshape(classes.shape[0], *(1,) * (states.ndim - 1), vocab),
-                                   (*states.shape, vocab))
-        rows = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1)]                  # [B, ..., C]
-        allowed = (jnp.take_along_axis(rows, classes, axis=-1) >= 0) | (states < 0)[..., None]
+        allowed = self._allowed(self.slots, states, logits.shape[-1])
         masked = jnp.where(allowed, logits, -jnp.inf)
         return jnp.where(jnp.any(allowed & (logits > -jnp.inf), axis=-1, keepdims=True), masked, logits)
 

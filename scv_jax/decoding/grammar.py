@@ -114,9 +114,7 @@ class Grammars:
           node i's path; rows past the kept nodes allow every token (nothing is verified there)).
         """
         fill = self._llguidance.numpy.fill_next_token_bitmask
-        words = mask_words(self.vocab_size)
-        shared = min(words, self._words)
-        masks = np.full((len(matchers), positions, words), -1, np.int32)
+        masks = np.full((len(matchers), positions, mask_words(self.vocab_size)), -1, np.int32)
         scratch = np.zeros((positions, self._words), np.int32)
         kept_tries = []
         for r, (matcher, trie) in enumerate(zip(matchers, tries)):
@@ -145,14 +143,21 @@ class Grammars:
                 tokens.append(int(token))
                 parents.append(up)
             kept_tries.append(Trie(tokens, parents))
-            rows = masks[r, :len(tokens) + 1]
-            rows[:, :shared] = scratch[:len(tokens) + 1, :shared]
-            rows[:, shared:] = 0                  # model ids past the tokenizer's
-            bits = rows.view(np.uint32)
-            for token in (*self._never, *(banned[r] if banned else ())):
-                if token < self.vocab_size:
-                    bits[:, token // 32] &= ~np.uint32(1 << (token % 32))
+            masks[r, :len(tokens) + 1] = self._model_masks(scratch[:len(tokens) + 1], banned[r] if banned else ())
         return kept_tries, masks
+
+    def _model_masks(self, filled: np.ndarray, banned: Sequence[int] = ()) -> np.ndarray:
+        """int32[R, mask_words(vocab_size)]: llguidance's masks int32[R, its words] over the model's ids (ids
+        past the tokenizer's: none), without the tokens never allowed and ``banned``."""
+        words = mask_words(self.vocab_size)
+        shared = min(words, self._words)
+        masks = np.zeros((filled.shape[0], words), np.int32)
+        masks[:, :shared] = filled[:, :shared]
+        bits = masks.view(np.uint32)
+        for token in (*self._never, *banned):
+            if token < self.vocab_size:
+                bits[:, token // 32] &= ~np.uint32(1 << (token % 32))
+        return masks
 
 
     def agreeing_prefix(self, matcher: Any, automaton: Any, state: int, tokens: Sequence[int],
@@ -167,21 +172,15 @@ class Grammars:
         there: the automaton is not the grammar for this request)."""
         fill = self._llguidance.numpy.fill_next_token_bitmask
         words = mask_words(self.vocab_size)
-        shared = min(words, self._words)
         scratch = np.zeros((1, self._words), np.int32)
         valid = np.full(words, -1, np.int32)                  # the bits of the model's ids
         if self.vocab_size % 32:
             valid[-1] = np.int32(np.uint32((1 << (self.vocab_size % 32)) - 1).view(np.int32))
-        grammar = np.zeros(words, np.int32)
         consumed, count, differed = 0, len(tokens), False
         for position, token in enumerate(tokens):
             if position:
                 fill(matcher, scratch, 0)
-                grammar[:shared] = scratch[0, :shared]
-                bits = grammar.view(np.uint32)
-                for never in self._never:
-                    if never < self.vocab_size:
-                        bits[never // 32] &= ~np.uint32(1 << (never % 32))
+                grammar = self._model_masks(scratch)[0]
                 drafted = automaton.packed(state) & valid
                 agrees = (not (grammar & ~drafted & valid).any() and allowed(grammar, token) if greedy
                           else np.array_equal(grammar & valid, drafted))

@@ -460,31 +460,27 @@ class Scheduler:
         k = self.proposer.depth_for(self._choose_k(kind, computed_rows, requests, budget))
         caps = np.minimum(budget - 1, k)                    # never draft past a request's budget
         constrained = np.array([i for i, r in enumerate(requests) if r.matcher is not None], np.int64)
-        draft_states = None
-        if constrained.size and self.automata and not self.splits:
-            # a device tree: its constrained requests' drafts are verified with their automata or not at all
+        draft_states = verified = None
+        if constrained.size and self.automata:
             draft_states = self._draft_states(requests, constrained)
             verified = self._verified_on_device(rows, requests, draft_states)
-            caps[constrained[~verified[constrained]]] = 0
-            draft_states = np.where(verified[:, None], draft_states, -1)
+            if not self.splits:     # a tree: its constrained requests' drafts are verified so or not at all
+                caps[constrained[~verified[constrained]]] = 0
         views, assumed, guessing = [], None, None
         if self.proposer.host is not None:              # host drafters read the tokens
             views, assumed = self._host_views(rows, ahead)
             guessing = None if assumed is None else (ahead > 0) & (caps > 0)
         drafts = self.proposer.drafts(request_ids, views, caps, guessing)
         grammar, split = None, False
-        if not drafts.step_k:
+        if draft_states is not None and drafts.step_k:
+            # a chain's request whose drafts only its grammar's masks can verify splits the step
+            split = self.splits and bool(((caps > 0) & ~verified)[constrained].any())
+            if not split:           # (one step shape: the tables are given with none verified too)
+                draft_states = np.where(verified[:, None], draft_states, -1)
+        else:
             draft_states = None
-        if constrained.size:
-            if self.splits and drafts.step_k > 0:
-                draft_states = self._draft_states(requests, constrained)
-                verified = self._verified_on_device(rows, requests, draft_states)
-                # a request whose drafts only its grammar's masks can verify splits the step
-                split = bool(((caps > 0) & ~verified)[constrained].any())
-                if not split:       # (one step shape: the tables are given with none verified too)
-                    draft_states = np.where(verified[:, None], draft_states, -1)
-            if not split:               # (a split step's masks follow the drafts: ``mask_drafts``)
-                drafts, grammar = self._grammar_masks(requests, constrained, drafts, caps)
+        if constrained.size and not split:      # (a split step's masks follow the drafts: ``mask_drafts``)
+            drafts, grammar = self._grammar_masks(requests, constrained, drafts, caps)
         catch_up = None
         if self.proposer.has_draft_model and drafts.step_k and state.may_lag:
             catch_up = self._catch_up(rows)
