@@ -8,11 +8,13 @@ verifiers (chains, trees) ``verifiers``.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from pallas_kernels.sampling_math import argmax_ignoring_nan
 from scv_jax.decoding.plan import MAX_CATCH_UP, SamplingColumn, StepRow
@@ -22,6 +24,7 @@ from scv_jax.ops.commit.sharded import sharded_commit_draft_kv
 from scv_jax.ops.sampling.api import filtered_probs
 from scv_jax.ops.sampling.controls import controlled_logits
 from scv_jax.sampling_params import ANY_TOKEN, MAX_BAD_WORD_LEN, MAX_BAD_WORDS
+from scv_jax.sharding.mesh import REPLICATED, REQUESTS, active_mesh, per_shard
 
 # fold_in tags of a request's per-step key
 ACCEPT_TAG, BONUS_TAG, DRAFT_TAG = 0, 1, 2
@@ -167,17 +170,32 @@ class ControlState(NamedTuple):
         controlled request's row, and its latest tokens moved along (a request's tokens after its stop or
         budget count too: it ends there)."""
         vocab = self.history.shape[1]
-        valid = (tokens >= 0) & (tokens < vocab) & controls.controlled[:, None]
+        controlled, recent = controls.controlled, controls.recent
+        mesh = active_mesh()
+        if mesh is not None:    # the step's few tokens on every device, each updating its replicated state alike
+            slots, tokens, controlled, recent = jax.lax.with_sharding_constraint(
+                (slots, tokens, controlled, recent), NamedSharding(mesh, REPLICATED))
+        valid = (tokens >= 0) & (tokens < vocab) & controlled[:, None]
         slots = jnp.clip(slots, 0, self.history.shape[0] - 1)
 
         def add() -> ControlState:
             history = self.history.at[slots[:, None], jnp.clip(tokens, 0, vocab - 1)].add(jnp.where(valid, 2, 0))
-            recent = latest(controls.recent, jnp.where(valid, tokens, -1), jnp.sum(valid, axis=1))
+            latest_tokens = latest(recent, jnp.where(valid, tokens, -1), jnp.sum(valid, axis=1))
             # rows not controlled (padding among them) write nothing: their slot may be another row's
-            rows = jnp.where(controls.controlled, slots, self.recent.shape[0])
-            return self._replace(history=history, recent=self.recent.at[rows].set(recent, mode="drop"))
+            rows = jnp.where(controlled, slots, self.recent.shape[0])
+            return self._replace(history=history, recent=self.recent.at[rows].set(latest_tokens, mode="drop"))
 
         return jax.lax.cond(jnp.any(valid), add, lambda: self)
+
+    def rows(self, slots: jax.Array) -> "ControlState":
+        """The state's rows at int32[B] ``slots`` (in range); on a mesh each data shard gathers its own
+        requests' rows from its replicated copy (no communication)."""
+        def gather(state: ControlState, slots: jax.Array) -> ControlState:
+            return jax.tree.map(lambda x: x[slots], state)
+
+        if active_mesh() is None:
+            return gather(self, slots)
+        return per_shard(gather, in_specs=(REPLICATED, REQUESTS), out_specs=REQUESTS)(self, slots)
 
 
 class LogitControls(NamedTuple):
@@ -221,15 +239,14 @@ class LogitControls(NamedTuple):
            automaton: "DraftAutomaton | None" = None) -> "LogitControls":
         controlled = (sampling[:, SamplingColumn.CONTROLLED] > 0) & request_mask
         min_tokens = jnp.where(request_mask, sampling[:, SamplingColumn.MIN_TOKENS], 0).astype(jnp.int32)
-        rows = jnp.clip(slots, 0, state.bias.shape[0] - 1)
-        history = jnp.where(controlled[:, None], state.history[rows], 0)
+        requests = state.rows(jnp.clip(slots, 0, state.bias.shape[0] - 1))
+        history = jnp.where(controlled[:, None], requests.history, 0)
         active = jnp.any(controlled | (min_tokens > 0))
         return cls(active, controlled,
-                   jnp.where(controlled[:, None], state.bias[rows], 0.0), history // 2, history % 2 == 1,
+                   jnp.where(controlled[:, None], requests.bias, 0.0), history // 2, history % 2 == 1,
                    sampling[:, SamplingColumn.PRESENCE], sampling[:, SamplingColumn.FREQUENCY],
                    jnp.where(controlled, sampling[:, SamplingColumn.REPETITION], 1.0), min_tokens, stop_ids,
-                   jnp.where(controlled[:, None, None], state.words[rows], -1), state.recent[rows], grammar,
-                   automaton)
+                   jnp.where(controlled[:, None, None], requests.words, -1), requests.recent, grammar, automaton)
 
     def apply(self, logits: jax.Array, rows: jax.Array | None = None, seen: jax.Array | None = None,
               offsets: jax.Array | None = None, previous: jax.Array | None = None,
@@ -248,32 +265,48 @@ class LogitControls(NamedTuple):
         the leading shape, the row of ``grammar`` each position takes (a tree's node; default: its offset).
         """
         lead, vocab = logits.shape[:-1], logits.shape[-1]
-        if rows is None:
-            rows = jnp.broadcast_to(jnp.arange(lead[0], dtype=jnp.int32).reshape((-1,) + (1,) * (len(lead) - 1)),
-                                    lead)
-        rows = jnp.clip(rows.reshape(-1), 0, self.bias.shape[0] - 1)
-        offsets = jnp.zeros(rows.shape, jnp.int32) if offsets is None else offsets.reshape(-1)
+        given = rows is not None
+        if given:
+            rows = jnp.clip(rows.reshape(-1), 0, self.bias.shape[0] - 1)
+        count = rows.shape[0] if given else math.prod(lead)
+
+        # each position's request's values (without ``rows`` broadcast, not gathered: a data shard's
+        # positions then read its own requests' rows, with no communication on a mesh)
+        def per_row(x: jax.Array) -> jax.Array:           # [B, ...] -> [R, ...]
+            if given:
+                return x[rows]
+            shape = lead + x.shape[1:]
+            return jnp.broadcast_to(x.reshape(lead[:1] + (1,) * (len(lead) - 1) + x.shape[1:]), shape).reshape(
+                (count,) + x.shape[1:])
+
+        def at_offsets(x: jax.Array, at: jax.Array) -> jax.Array:     # [B, T, ...] at int32[R] -> [R, ...]
+            at = jnp.clip(at, 0, x.shape[1] - 1)
+            if given:
+                return x[rows, at]
+            at = at.reshape((x.shape[0], -1) + (1,) * (x.ndim - 2))
+            return jnp.take_along_axis(x, at, axis=1).reshape((count,) + x.shape[2:])
+
+        offsets = jnp.zeros((count,), jnp.int32) if offsets is None else offsets.reshape(-1)
         grammar_rows = offsets if grammar_rows is None else grammar_rows.reshape(-1)
-        previous = self.recent[rows] if previous is None else previous.reshape(-1, MAX_BAD_WORD_LEN - 1)
+        previous = per_row(self.recent) if previous is None else previous.reshape(-1, MAX_BAD_WORD_LEN - 1)
 
         def adjust() -> jax.Array:
-            flat, index = logits.reshape(-1, vocab), jnp.arange(rows.shape[0])[:, None]
-            penalties = self.presence[rows], self.frequency[rows], self.repetition[rows]
-            bias = self.bias[rows]
-            out = controlled_logits(flat, bias, self.output_counts[rows], self.in_prompt[rows], *penalties)
+            flat, index = logits.reshape(-1, vocab), jnp.arange(count)[:, None]
+            penalties = per_row(self.presence), per_row(self.frequency), per_row(self.repetition)
+            bias, counts, in_prompt = per_row(self.bias), per_row(self.output_counts), per_row(self.in_prompt)
+            out = controlled_logits(flat, bias, counts, in_prompt, *penalties)
             if seen is not None:        # the tokens seen beyond the committed ones, again with their counts
-                tokens = seen.reshape(rows.shape[0], -1)
+                tokens = seen.reshape(count, -1)
                 valid = (tokens >= 0) & (tokens < vocab)
                 at = jnp.clip(tokens, 0, vocab - 1)
                 more = jnp.sum((tokens[:, :, None] == tokens[:, None, :]) & valid[:, None, :], axis=2)
-                bias_at = self.bias[rows[:, None], at]
-                again = controlled_logits(flat[index, at], bias_at, self.output_counts[rows[:, None], at] + more,
-                                          self.in_prompt[rows[:, None], at], *penalties)
+                again = controlled_logits(flat[index, at], bias[index, at], counts[index, at] + more,
+                                          in_prompt[index, at], *penalties)
                 out = out.at[index, jnp.where(valid, at, vocab)].set(again, mode="drop")
             # stop ids before min_tokens and bad words said: -inf (which the penalties keep), set last
-            stops = self.stop_ids[rows]
-            early = (offsets < self.min_tokens[rows])[:, None] & (stops >= 0)
-            words = self.words[rows]                                       # [R, MAX_BAD_WORDS, MAX_BAD_WORD_LEN]
+            stops = per_row(self.stop_ids)
+            early = (offsets < per_row(self.min_tokens))[:, None] & (stops >= 0)
+            words = per_row(self.words)                                    # [R, MAX_BAD_WORDS, MAX_BAD_WORD_LEN]
             ends = words[:, :, -1]
             others = words[:, :, :-1]
             said = jnp.all((others == previous[:, None, :]) | (others == ANY_TOKEN), axis=-1) & (ends >= 0)
@@ -286,11 +319,12 @@ class LogitControls(NamedTuple):
         if self.grammar is None and not verifies:
             return out
         # the grammar's masks: forbidden tokens -inf (as a -inf bias would leave them through the controls)
-        allowed = jnp.ones((rows.shape[0], vocab), jnp.bool_)
+        allowed = jnp.ones((count, vocab), jnp.bool_)
         if self.grammar is not None:
-            allowed = grammar_allows(self.grammar, rows, grammar_rows, vocab)
+            allowed = grammar_allows(at_offsets(self.grammar, grammar_rows), vocab)
         if verifies:
-            allowed &= self.automaton.allows_at(rows, grammar_rows, vocab)
+            automaton = self.automaton
+            allowed &= automaton.allows(per_row(automaton.slots), at_offsets(automaton.along, grammar_rows), vocab)
         return jnp.where(allowed.reshape(logits.shape), out, -jnp.inf).astype(logits.dtype)
 
 
@@ -348,11 +382,9 @@ class DraftAutomaton(NamedTuple):
         moves = self.next_state[jnp.clip(states, 0, self.next_state.shape[0] - 1)]                 # [R, ..., C]
         return (jnp.take_along_axis(moves, classes, axis=-1) >= 0) | (states < 0)[..., None]
 
-    def allows_at(self, rows: jax.Array, positions: jax.Array, vocab_size: int) -> jax.Array:
-        """bool[R, V]: the tokens the automata of int32[R] ``rows`` allow at their ``positions`` (``along``;
-        every token for a request without an automaton, or at state -1: a draft left it)."""
-        slots = self.slots[rows]
-        states = self.along[rows, jnp.clip(positions, 0, self.along.shape[1] - 1)]
+    def allows(self, slots: jax.Array, states: jax.Array, vocab_size: int) -> jax.Array:
+        """bool[R, V]: the tokens the automata int32[R] ``slots`` allow at int32[R] ``states`` (positions'
+        states ``along`` their drafts; every token without an automaton, or at state -1: a draft left it)."""
         return self._allowed(slots, states, vocab_size) | (slots < 0)[:, None]
 
     def mask(self, logits: jax.Array, states: jax.Array) -> jax.Array:
@@ -371,10 +403,8 @@ class DraftAutomaton(NamedTuple):
         return jnp.where((states >= 0) & (tokens >= 0) & (tokens < vocab), moved, -1)
 
 
-def grammar_allows(grammar: jax.Array, rows: jax.Array, offsets: jax.Array, vocab_size: int) -> jax.Array:
-    """bool[R, V]: the tokens int32[B, T, W] ``grammar`` masks allow at int32[R] ``rows`` and ``offsets``
-    (clipped to the T positions)."""
-    words = grammar[rows, jnp.clip(offsets, 0, grammar.shape[1] - 1)]                       # [R, W]
+def grammar_allows(words: jax.Array, vocab_size: int) -> jax.Array:
+    """bool[R, V]: the tokens int32[R, W] ``words`` (rows of the grammar's bit masks) allow."""
     token = jnp.arange(vocab_size, dtype=jnp.int32)
     return bit_set(words[:, token // 32], token)
 

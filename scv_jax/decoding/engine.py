@@ -201,7 +201,7 @@ class Engine:
 
     @property
     def supports_structured_output(self) -> bool:
-        """Whether requests may have ``structured_outputs`` (``Engine(tokenizer=...)``, one device)."""
+        """Whether requests may have ``structured_outputs`` (``Engine(tokenizer=...)``, one process)."""
         return self._scheduler.grammars is not None and self.runner.has_controls
 
     def has_unfinished(self) -> bool:
@@ -258,7 +258,8 @@ class Engine:
                              f"got {bad[0]}")
         if (params.controlled or params.min_tokens) and not runner.has_controls:
             raise ValueError("add_request: SamplingParams' penalties, logit_bias, allowed_token_ids, "
-                             "bad_words_token_ids and min_tokens need a decoder on one device (not a mesh)")
+                             "bad_words_token_ids and min_tokens need a decoder on one process (one device or a mesh "
+                             "of its devices)")
         if params.prediction and (runner.proposer.predictions is None or any(t >= vocab for t in params.prediction)):
             raise ValueError(f"add_request: SamplingParams.prediction needs an engine with a host drafter (n-gram, "
                              f"suffix or a HostDrafter; not a draft model, an EAGLE head or none) and token ids in "
@@ -270,7 +271,7 @@ class Engine:
         if params.structured_outputs is not None:
             if scheduler.grammars is None or not runner.has_controls:
                 raise ValueError("add_request: SamplingParams.structured_outputs needs Engine(tokenizer=...) and a "
-                                 "decoder on one device (not a mesh)")
+                                 "decoder on one process (one device or a mesh of its devices)")
             try:
                 matcher = scheduler.grammars.matcher(params.structured_outputs)
             except ValueError as e:

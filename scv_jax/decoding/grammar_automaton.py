@@ -66,7 +66,7 @@ class TokenAutomaton:
 
     def packed(self, state: int) -> np.ndarray:
         """int32[ceil(V / 32)] ``allows(state)`` as a bit mask (token t: bit t % 32 of word t // 32, as
-        llguidance writes masks); every token at -1 (as the device verifies: ``DraftAutomaton.allows_at``).
+        llguidance writes masks); every token at -1 (as the device verifies: ``DraftAutomaton.allows``).
         Each state's is computed once."""
         mask = self._packed.get(state)
         if mask is None:

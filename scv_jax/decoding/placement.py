@@ -12,6 +12,8 @@ On a mesh:
   * a batch's requests are assigned to data shards when they arrive (their blocks stay there) and
     each step lays the batch out shard by shard (``BatchRows``); everything is replicated over
     "model" but the heads;
+  * the logit controls' state (``ControlState``: penalties, biases, bad words; 8 bytes per request row
+    and vocabulary entry) and structured output's drafting automata are replicated on every device;
   * the step functions are traced on the mesh (``scv_jax.sharding.mesh.tracing_on``), return their
     caches with the shardings they came with and the step summary replicated, so the host fetches
     it with one transfer from one device.
@@ -178,6 +180,10 @@ class SingleDevice:
         """``array`` on the device (on a mesh: a copy on every device)."""
         return jax.device_put(array)
 
+    def create_replicated(self, create: Callable[[], Any]) -> Any:
+        """The arrays ``create()`` makes, made in place on the device (on a mesh: a copy on every device)."""
+        return jax.jit(create)()
+
     def step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (a step function returning ``(target_cache, draft_cache, *outputs)``) as it runs here."""
         return fn
@@ -249,6 +255,9 @@ class OnMesh(SingleDevice):
     def replicated(self, array: np.ndarray) -> jax.Array:
         # (from every process's own copy: a mesh may span processes)
         return jax.make_array_from_callback(array.shape, NamedSharding(self.mesh, P()), lambda index: array[index])
+
+    def create_replicated(self, create: Callable[[], Any]) -> Any:
+        return jax.jit(create, out_shardings=NamedSharding(self.mesh, P()))()
 
     def batch_buckets(self, sizes: Sequence[int]) -> tuple[int, ...]:
         """Batch sizes rounded up to multiples of the data axis (every data shard gets the same rows)."""

@@ -123,8 +123,9 @@ class StepRunner:
             cfg, self.target, self.draft, self.step_ks, self.placement, verifier, proposer.lag_after_step,
             proposer.max_lag)
         self._plans: dict[tuple, BucketPlan] = {}
-        # the logit controls' state (one device only: on a mesh requests with controls are refused)
-        self.has_controls = mesh is None
+        # the logit controls' state (replicated on a mesh), taken by each call and given back; none on a mesh
+        # over several processes (requests with controls refused there: docs/mesh.md)
+        self.has_controls = mesh is None or jax.process_count() == 1
         self._controls: ControlState | None = None
         self._control_writer = None
         self.overlaps = cfg.overlap          # one step in flight
@@ -163,10 +164,12 @@ class StepRunner:
 
     # ------------------------------------------------------------------ logit controls
     def _take_controls(self) -> ControlState:
-        """The control state for one donating call (zeros the first time, or after a call that failed
-        with it: the requests in flight were lost with the caches); give it back with ``_put_controls``."""
+        """The control state for one donating call, which gives it back (zeros the first time, or after a
+        call that failed with it: the requests in flight were lost with the caches; replicated on a mesh)."""
         state, self._controls = self._controls, None
-        return ControlState.zeros(self.largest_batch, self.vocab_size) if state is None else state
+        if state is None:
+            return self.placement.create_replicated(lambda: ControlState.zeros(self.largest_batch, self.vocab_size))
+        return state
 
     def new_carry(self) -> jax.Array | None:
         """A carry for an engine's steps (``decoding.carry``; None when steps do not overlap)."""
@@ -175,9 +178,11 @@ class StepRunner:
     def _writer(self):
         """``ControlState.write`` compiled once (ahead of time: at warm-up, or the first request with controls)."""
         if self._control_writer is None:
-            state = jax.eval_shape(lambda: ControlState.zeros(self.largest_batch, self.vocab_size))
+            self._controls = self._take_controls()
+            state = _abstract(self._controls)     # (its shardings: replicated on a mesh)
             vector = lambda dtype: jax.ShapeDtypeStruct((self.vocab_size,), dtype)  # noqa: E731
-            self._control_writer = jax.jit(ControlState.write, donate_argnums=0).lower(
+            self._control_writer = jax.jit(
+                ControlState.write, donate_argnums=0, out_shardings=jax.tree.map(lambda x: x.sharding, state)).lower(
                 state, jax.ShapeDtypeStruct((), np.int32), vector(np.float32), vector(np.int32),
                 jax.ShapeDtypeStruct(state.words.shape[1:], np.int32),
                 jax.ShapeDtypeStruct(state.recent.shape[1:], np.int32)).compile()
@@ -186,7 +191,7 @@ class StepRunner:
     def write_controls(self, batch: RequestBatch, rows: np.ndarray) -> None:
         """Writes the control-state rows of the requests admitted at ``rows`` that have controls: their
         bias, bad words of several tokens, and the history of their prompt and of their output so far (a
-        request resuming after a preemption has some). One device only (``has_controls``)."""
+        request resuming after a preemption has some)."""
         recent_len = MAX_BAD_WORD_LEN - 1
         for row in rows.tolist():
             params = batch.controls[row]
@@ -312,12 +317,11 @@ class StepRunner:
         (proposal,), carry_out = self._decode_call(plan, inputs, stats, True)
         return proposal, np.asarray(proposal.tokens)[layout.rows], carry_out
 
-    @staticmethod
-    def _automaton_inputs(work: DecodeWork, layout: BatchRows, plan: BucketPlan) -> dict[str, Any]:
+    def _automaton_inputs(self, work: DecodeWork, layout: BatchRows, plan: BucketPlan) -> dict[str, Any]:
         """A decode call's drafting automata: ``work.automaton``'s tables and ``work.draft_states`` padded."""
         states = np.full((plan.padded["batch"] or layout.size, 2), -1, np.int32)
         states[layout.rows] = work.draft_states
-        return dict(draft_tables=work.automaton.arrays(jax.device_put), draft_states=states)
+        return dict(draft_tables=work.automaton.arrays(self.placement.replicated), draft_states=states)
 
     def _decode_call(self, plan: BucketPlan, inputs: dict[str, Any], stats: GenerateStats, use_draft: bool
                      ) -> tuple[list, jax.Array | None]:
@@ -442,7 +446,7 @@ class StepRunner:
         sampling[:, [SamplingColumn.TEMPERATURE, SamplingColumn.TOP_P, SamplingColumn.REPETITION]] = 1.0
         if not 0 <= controlled <= batch_size or controlled and not self.has_controls:
             raise ValueError(f"device_seconds_per_step: controlled must be in [0, batch_size={batch_size}] (0 on a "
-                             f"mesh), got {controlled!r}")
+                             f"mesh over several processes), got {controlled!r}")
         rows[:, StepRow.SLOT] = np.arange(batch) % self.largest_batch
         sampling[:controlled, [SamplingColumn.PRESENCE, SamplingColumn.FREQUENCY, SamplingColumn.REPETITION,
                                SamplingColumn.CONTROLLED]] = (0.5, 0.5, 1.2, 1.0)
@@ -559,11 +563,12 @@ class StepRunner:
         for size in sizes:
             require_int("warmup", "batch_sizes", size, minimum=1)
         require_int("warmup", "max_len", max_len, minimum=1)
+        if structured_output and not self.has_controls:
+            raise ValueError("warmup: structured_output needs a decoder on one process (one device or a mesh of "
+                             "its devices)")
         if logprobs and self.proposer.verifier == "tree":
             raise ValueError("warmup: logprobs needs chain drafts (DecoderConfig.tree=None): a tree decoder's "
                              "requests cannot ask for log-probabilities")
-        if structured_output and not self.has_controls:
-            raise ValueError("warmup: structured_output needs a decoder on one device (not a mesh)")
         kinds = sorted({t == 0 for t in temperatures}, reverse=True)     # greedy first
         # a running batch never exceeds the largest bucket (``generate``)
         batch_bucket = self.decode_executable.bucket("batch", min(max(sizes), self.decode_executable.dims["batch"].largest))
@@ -625,7 +630,8 @@ class StepRunner:
                     grammar = np.full((1, k + 1, (self.vocab_size + 31) // 32), -1, np.int32)
                     if k and self.proposer.device_drafts:   # verified with the drafting automata (chains: or split)
                         calls += _automaton_step_calls(self.decode_executable, {**models_k, **step}, grammar,
-                                                       self.vocab_size, split=self.proposer.device_chains)
+                                                       self.vocab_size, controls.bias.sharding,
+                                                       split=self.proposer.device_chains)
                     else:
                         calls.append((self.decode_executable, {**models_k, **step, "grammar": grammar}))
         self.caches.put(target_cache, draft_cache)
@@ -635,13 +641,14 @@ class StepRunner:
 
 
 def _automaton_step_calls(executable: ExecutableCache, step: dict[str, Any], grammar: np.ndarray, vocab_size: int,
-                          *, split: bool) -> list[tuple[ExecutableCache, dict[str, Any]]]:
+                          sharding: jax.sharding.Sharding, *, split: bool) -> list[tuple[ExecutableCache, dict[str, Any]]]:
     """The warm-up calls of a constrained step with drafts made on the device, from a step's abstract
-    example arguments ``step``: the step verified with the drafting automata (and the ``grammar`` masks),
-    and with ``split`` (chains) a split step's two calls (``draft_only`` with the automata, then the
-    proposal verified with the ``grammar`` masks)."""
-    tables = (jax.ShapeDtypeStruct((TABLE_STATES, max_classes(vocab_size)), np.int32),
-              jax.ShapeDtypeStruct((MAX_GRAMMARS, vocab_size), np.int32))
+    example arguments ``step``: the step verified with the drafting automata (their tables placed with
+    ``sharding``, the placement's replicated one) and the ``grammar`` masks, and with ``split`` (chains)
+    a split step's two calls (``draft_only`` with the automata, then the proposal verified with the
+    ``grammar`` masks)."""
+    tables = (jax.ShapeDtypeStruct((TABLE_STATES, max_classes(vocab_size)), np.int32, sharding=sharding),
+              jax.ShapeDtypeStruct((MAX_GRAMMARS, vocab_size), np.int32, sharding=sharding))
     automata = {"draft_tables": tables, "draft_states": np.zeros((1, 2), np.int32)}
     if not split:
         return [(executable, {**step, **automata, "grammar": grammar})]
@@ -649,9 +656,18 @@ def _automaton_step_calls(executable: ExecutableCache, step: dict[str, Any], gra
     statics = {name: drafting[name] for name in executable.static_argnames if name in drafting}
     dynamic = {name: value for name, value in drafting.items()
                if name not in statics and name != "keep" and value is not None}
-    shapes = jax.eval_shape(functools.partial(executable.fn, **statics), **dynamic)
+    # the first call's proposal, the second call's example: traced at the smallest batch bucket (on a mesh a
+    # batch of one row cannot split over the data axis), given the example's batch
+    def batch_of(rows: int, tree: Any, name: str) -> Any:
+        pad = next((pad for pad in executable.pads.get(name, ()) if pad.dim == "batch"), None)
+        return tree if pad is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            (*x.shape[:pad.axis], rows + pad.extra, *x.shape[pad.axis + 1:]), x.dtype, sharding=sharding), tree)
+
+    smallest = {name: batch_of(executable.dims["batch"].sizes[0], value, name) for name, value in dynamic.items()}
+    traced = jax.eval_shape(functools.partial(executable.fn, **statics), **smallest)[2]
+    proposal = batch_of(len(step["rows"]), traced, "proposal")
     return [(executable, {**step, **automata, "grammar": grammar}), (executable, drafting),
-            (executable, {**step, "grammar": grammar, "proposal": shapes[2]})]
+            (executable, {**step, "grammar": grammar, "proposal": proposal})]
 
 
 def _abstract(tree: Any) -> Any:

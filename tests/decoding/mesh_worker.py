@@ -1,15 +1,17 @@
 """Runs the decoder on a mesh of CPU devices and reports what ``test_mesh.py`` asserts (one JSON line).
 
     python -m tests.decoding.mesh_worker --pair qwen --meshes 1,8 2,4:model 8,1 [--sample] [--extras]
-        [--head 2,4] [--devices 4 --process-id 0 --num-processes 2 --coordinator 127.0.0.1:PORT] [--no-expected]
+        [--head 2,4] [--structured] [--devices 4 --process-id 0 --num-processes 2 --coordinator 127.0.0.1:PORT]
+        [--no-expected]
 
 It must start its own interpreter: the CPU device count (and, for several processes,
 ``jax.distributed.initialize``) is fixed before JAX initialises. It decodes the same prompts with the
 model pair on one device and on each mesh ("data,model", ":model" places the draft on the mesh too),
-greedy (all at once and two at a time) and (``--sample``) sampled, after a warm-up, and records the
-tokens, the compiles after warm-up, the donations and the bytes each device holds. With ``--head`` (the
-demo pair) it also decodes greedily with the demo EAGLE-3 head on those meshes and checks the head
-cache's sharded row reads and writes against one device.
+greedy (all at once, two at a time, with logit controls) and (``--sample``) sampled, after a warm-up,
+and records the tokens, the compiles after warm-up, the donations and the bytes each device holds. With
+``--structured`` (the demo pair) also requests with structured output, their steps warmed up too. With
+``--head`` (the demo pair) it also decodes greedily with the demo EAGLE-3 head on those meshes and checks
+the head cache's sharded row reads and writes against one device.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import re
 import sys
+import tempfile
 import types
 
 
@@ -34,6 +38,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--extras", action="store_true",
                         help="also report the mesh errors and check the sharded commit's Pallas kernel")
     parser.add_argument("--head", nargs="*", default=(), help="data,model meshes to run the demo EAGLE-3 head on")
+    parser.add_argument("--structured", action="store_true",
+                        help="also decode requests with structured output (the demo pair's byte vocabulary)")
     parser.add_argument("--no-expected", action="store_true",
                         help="leave out the one-device run (another process of the same run reports it)")
     return parser.parse_args()
@@ -55,11 +61,13 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import scv_jax  # noqa: E402
-from scv_jax import DecoderConfig, ShardingConfig, SpeculativeDecoder  # noqa: E402
+from scv_jax import DecoderConfig, SamplingParams, ShardingConfig, SpeculativeDecoder  # noqa: E402
+from scv_jax import StructuredOutputsParams as Structured  # noqa: E402
 from scv_jax.graph.compile_counter import CompileCounter  # noqa: E402
 from scv_jax.decoding import head_step  # noqa: E402
 from scv_jax.decoding.caches import HeadCache  # noqa: E402
-from scv_jax.models import TransformerConfig, YarnRopeScaling, load_demo, load_demo_head  # noqa: E402
+from scv_jax.demo.hf_export import write_tokenizer  # noqa: E402
+from scv_jax.models import TransformerConfig, YarnRopeScaling, load_demo, load_demo_head, load_tokenizer  # noqa: E402
 from scv_jax.ops.commit.sharded import sharded_commit_draft_kv  # noqa: E402
 from scv_jax.sharding.mesh import cache_shardings, tracing_on  # noqa: E402
 from tests.models.fixtures import perturbed_copy, tiny_model  # noqa: E402
@@ -136,20 +144,53 @@ def _chunked(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.Sim
     return types.SimpleNamespace(tokens=tokens)
 
 
+def _structured(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.SimpleNamespace:
+    """Greedy ``prompts`` on an engine with the demo byte tokenizer: one under a JSON schema, one a
+    choice, one plain (drafted along the drafting automata, the host checking the accepted tokens)."""
+    folder = pathlib.Path(tempfile.mkdtemp())
+    write_tokenizer(folder)
+    engine = scv_jax.Engine(decoder, tokenizer=load_tokenizer(folder))
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}}, "required": ["id", "ok"]}
+    constraints = [Structured(json=schema), Structured(choice=["import sys", "import os"]), None]
+    for i, (prompt, constraint) in enumerate(zip(prompts, constraints)):
+        engine.add_request(prompt, SamplingParams(max_tokens=2 * MAX_NEW, structured_outputs=constraint), str(i))
+    tokens = [[] for _ in prompts]
+    for _ in range(400):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            tokens[int(out.request_id)] += out.new_token_ids
+    return types.SimpleNamespace(tokens=tokens)
+
+
 def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+    vocab = decoder.runner.vocab_size
+    controlled = [SamplingParams(max_tokens=MAX_NEW, presence_penalty=1.5, frequency_penalty=0.5,
+                                 logit_bias={1: 5.0, vocab - 1: -100.0}),
+                  SamplingParams(max_tokens=MAX_NEW, repetition_penalty=1.5, bad_words_token_ids=[[prompts[1][-1]]]),
+                  SamplingParams(max_tokens=MAX_NEW, allowed_token_ids=list(range(0, vocab, 2)))]
     out = {"greedy": decoder.generate(prompts, MAX_NEW),
            "streamed": decoder.generate(prompts, MAX_NEW, max_num_seqs=2),    # continuous batching
            "chunked": _chunked(decoder, prompts),                              # prompts over several steps
            "tight": _tight(decoder, prompts)}                                  # preemptions
+    if jax.process_count() == 1:        # (refused over several processes)
+        out["controlled"] = decoder.generate(prompts, sampling=controlled)    # penalties, bias, bad words
+    if ARGS.structured:
+        out["structured"] = _structured(decoder, prompts)
     if ARGS.sample:
         out["sampled"] = decoder.generate(prompts, MAX_NEW, temperature=1.0, seed=7)
-        # the engine's per-request parameters: greedy and filtered rows in one batch
-        from scv_jax import SamplingParams
+        # the engine's per-request parameters: greedy, filtered and penalised rows in one batch
         mix = [SamplingParams(max_tokens=MAX_NEW), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3,
-                                                                  max_tokens=MAX_NEW),
+                                                                  presence_penalty=1.0, max_tokens=MAX_NEW),
                SamplingParams(temperature=1.2, min_p=0.1, seed=4, max_tokens=MAX_NEW - 3)]
         out["mixed"] = decoder.generate(prompts, sampling=(mix * len(prompts))[:len(prompts)])
     return out
+
+
+def _graph_stats(decoder: SpeculativeDecoder) -> dict[str, dict[str, int]]:
+    return {k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)
+            for k, s in decoder.graph_stats.items()}
 
 
 def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
@@ -160,26 +201,29 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
     warmup = decoder.warmup(4, CONFIG.max_seq_len)
     if ARGS.sample:
         warmup += decoder.warmup(4, CONFIG.max_seq_len, temperatures=1.0)
+    graph = _graph_stats(decoder)
+    if ARGS.structured:      # (the steps of constrained requests: an engine's warm-up)
+        warmup += scv_jax.Engine(decoder).warmup(4, CONFIG.max_seq_len, temperatures=0.0, structured_output=True)
     with CompileCounter() as compiles:
         outputs = _generate(decoder, prompts)
     target_cache, draft_cache = decoder.runner.caches.take()
     decoder.runner.caches.put(target_cache, draft_cache)
-    collectives = [(op, max(int(np.prod([int(d) for d in dims.split(",") if d]))
-                            for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result)))
+    # (op, elements, shape) of each collective's largest result
+    collectives = [(op, *max((int(np.prod(shape)), shape) for shape in (
+                       [int(d) for d in dims.split(",") if d] for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", result))))
                    for key in decoder.runner.decode_executable.compiled_keys
                    for result, op in _COLLECTIVE.findall(decoder.runner.decode_executable.executable(key).as_text())]
     return dict(
         tokens={mode: out.tokens for mode, out in outputs.items()},
         preemptions=outputs["tight"].stats.num_preemptions, prefix_hits=outputs["tight"].stats.prefix_cache_hits,
         acceptance=outputs["greedy"].stats.acceptance_rate, warmup_compiles=warmup, overlaps=decoder.runner.overlaps,
-        compiles_after_warmup=compiles.count + compiles.loads,
-        graph={k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)
-               for k, s in decoder.graph_stats.items()},
+        compiles_after_warmup=compiles.count + compiles.loads, graph=graph,
+        structured_graph=_graph_stats(decoder) if ARGS.structured else None,
         target_state=_layout(decoder.runner.target.state(decoder.runner.target_params)),
         draft_state=_layout(decoder.runner.draft.state(decoder.runner.draft_params)),
         target_cache=_layout(target_cache), draft_cache=_layout(draft_cache),
         cache_kv_heads=[target_cache.num_kv_heads, draft_cache.num_kv_heads], free_blocks=decoder.pool.num_free,
-        collectives=collectives,
+        collectives=collectives, vocab_size=target.config.vocab_size,
         mesh_processes=[[device.process_index for device in row] for row in mesh.devices])
 
 
@@ -193,8 +237,7 @@ def _head_on_mesh(target, prompts: list[list[int]], spec: str) -> dict:
     target_cache, head_cache = decoder.runner.caches.take()
     decoder.runner.caches.put(target_cache, head_cache)
     return dict(tokens={"greedy": greedy.tokens, "streamed": streamed.tokens}, acceptance=greedy.stats.acceptance_rate,
-                graph={k: dict(unaliased=s.unaliased_donations, copied=s.copied_donations, fallbacks=s.fallbacks)
-                       for k, s in decoder.graph_stats.items()},
+                graph=_graph_stats(decoder),
                 head_state=_layout(decoder.runner.draft.state(decoder.runner.draft_params)),
                 head_cache=_layout(head_cache._asdict()), free_blocks=decoder.pool.num_free)
 
@@ -293,6 +336,12 @@ def main() -> None:
             result["adaptive_error"] = ""
         except ValueError as error:
             result["adaptive_error"] = str(error)
+        try:
+            scv_jax.Engine(target, draft, config=CONFIG, mesh=scv_jax.decoder_mesh(2, 4)).add_request(
+                prompts[0], SamplingParams(presence_penalty=1.0))
+            result["controls_error"] = ""
+        except ValueError as error:
+            result["controls_error"] = str(error)
     if ARGS.extras:
         mesh = scv_jax.decoder_mesh(2, len(jax.devices()) // 2)
         result.update(errors=_errors(mesh), sharded_commit=_sharded_commit(mesh))

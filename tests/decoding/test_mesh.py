@@ -1,6 +1,6 @@
 """The decoder on meshes of CPU devices (each run in its own interpreter, ``mesh_worker``), one step in
-flight (the default): greedy (all at once, two at a time (``max_num_seqs=2``) and through preemptions in a
-tight pool) and sampled tokens identical to one device, the shardings
+flight (the default): greedy (all at once, two at a time (``max_num_seqs=2``), through preemptions in a
+tight pool, with logit controls and with structured output) and sampled tokens identical to one device, the shardings
 (bytes per device), zero compiles after warm-up, in-place donations, clear errors, and one
 ``generate`` over two processes."""
 
@@ -43,6 +43,7 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
     data, model = (int(x) for x in shape.split(","))
     run = result["meshes"][spec]
     assert run["tokens"] == result["expected"], spec
+    assert result["expected"]["controlled"] != result["expected"]["greedy"]     # the controls took effect
     assert run["tokens"]["streamed"] == run["tokens"]["greedy"], spec
     assert run["tokens"]["chunked"] == run["tokens"]["greedy"], spec
     assert run["tokens"]["tight"] == run["tokens"]["greedy"] * 3, spec
@@ -68,11 +69,14 @@ def _check_mesh_run(result: dict, spec: str, *, kv_heads: tuple[int, int]) -> No
     # the decode steps' collectives: all-reduces and all-gathers of activations, logits and probabilities,
     # never of a cache (they are as large as a device's share of the target cache's pages / 4 at most here)
     pages = run["target_cache"]["k_pages"]["device_bytes"][0] // 4
-    kinds = {op for op, _ in run["collectives"]}
+    kinds = {op for op, _, _ in run["collectives"]}
     assert run["collectives"] and kinds <= {"all-reduce", "all-gather", "collective-permute"}, run["collectives"]
-    # (sampled steps moving a request's rows on by the carry permute a few of their per-request values)
-    assert all(size <= 4 for op, size in run["collectives"] if op == "collective-permute"), run["collectives"]
-    assert max(size for _, size in run["collectives"]) < pages, (spec, pages, run["collectives"])
+    # (the carry moving a request's rows on and the rows of the replicated logit controls gathered for a data
+    # shard's requests permute a few per-request values: the rows' bad-word tables at most, never a
+    # vocabulary-sized row)
+    assert all(size <= 8 * 16 * 8 and run["vocab_size"] not in shape
+               for op, size, shape in run["collectives"] if op == "collective-permute"), run["collectives"]
+    assert max(size for _, size, _ in run["collectives"]) < pages, (spec, pages, run["collectives"])
 
 
 @pytest.mark.slow
@@ -81,9 +85,17 @@ def test_demo_pair_on_meshes_decodes_as_on_one_device():
     and each query group padded to 4 heads (a model axis of 8 is the qwen pair's); on (8, 1) it is data
     parallel only. The demo EAGLE-3 head on (2, 4): the target's tokens, the head replicated but for the
     embedding it shares (vocabulary-split like the target's), its cache over "data" only."""
-    result = _result(_start("--pair", "demo", "--meshes", "2,4", "8,1", "--head", "2,4"))
+    result = _result(_start("--pair", "demo", "--meshes", "2,4", "8,1", "--head", "2,4", "--structured"))
     for spec in ("2,4", "8,1"):
         _check_mesh_run(result, spec, kv_heads=(2, 1))
+        # the structured steps donate in place too (but for the controls' state, which XLA copies as on one
+        # device: docs/sampling.md)
+        assert all(stats["unaliased"] == stats["fallbacks"] == 0 for stats in result["meshes"][spec]["structured_graph"].values())
+    # structured output: the JSON schema's request and the choice's follow their constraint
+    structured = result["expected"]["structured"]
+    assert bytes(structured[0]).startswith(b'{"id": ') or bytes(structured[0]).startswith(b'{"id":'), structured[0]
+    assert bytes(structured[1]) in (b"import sys", b"import os"), structured[1]
+    assert structured[2] != structured[1]
     assert 0.3 < result["meshes"]["2,4"]["acceptance"] < 1.0
     head = result["head"]["2,4"]
     assert head["tokens"] == {"greedy": result["expected"]["greedy"], "streamed": result["expected"]["greedy"]}
@@ -125,7 +137,7 @@ def test_qwen_style_pair_on_meshes_greedy_and_sampled():
 def test_two_processes_decode_as_one_device():
     """``jax.distributed.initialize`` with 2 processes of 4 CPU devices each (gloo collectives), a (2, 4)
     mesh over all 8: both processes get the one-device tokens (process 0's one-device run: the same prompts
-    and models in each process, so the second leaves it out)."""
+    and models in each process, so the second leaves it out); logit controls are refused there (one line)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -144,5 +156,6 @@ def test_two_processes_decode_as_one_device():
         run = result["meshes"]["2,4"]
         assert run["mesh_processes"] == [[0] * 4, [1] * 4]          # "model" within a process, "data" across
         assert result["adaptive_error"].startswith("DecoderConfig.adaptive: on a mesh over several processes")
+        assert result["controls_error"].startswith("add_request: SamplingParams' penalties")
         assert run["tokens"] == expected and run["compiles_after_warmup"] == 0
         assert run["target_cache"]["k_pages"]["device_bytes"] == [run["target_cache"]["k_pages"]["nbytes"] // 8] * 4
