@@ -1,7 +1,7 @@
 """Runs the decoder on a mesh of CPU devices and reports what ``test_mesh.py`` asserts (one JSON line).
 
     python -m tests.decoding.mesh_worker --pair qwen --meshes 1,8 2,4:model 8,1 [--sample] [--extras]
-        [--head 2,4] [--structured] [--devices 4 --process-id 0 --num-processes 2 --coordinator 127.0.0.1:PORT]
+        [--head 2,4] [--structured 2,4] [--devices 4 --process-id 0 --num-processes 2 --coordinator 127.0.0.1:PORT]
         [--no-expected]
 
 It must start its own interpreter: the CPU device count (and, for several processes,
@@ -9,7 +9,7 @@ It must start its own interpreter: the CPU device count (and, for several proces
 model pair on one device and on each mesh ("data,model", ":model" places the draft on the mesh too),
 greedy (all at once, two at a time, with logit controls) and (``--sample``) sampled, after a warm-up,
 and records the tokens, the compiles after warm-up, the donations and the bytes each device holds. With
-``--structured`` (the demo pair) also requests with structured output, their steps warmed up too. With
+``--structured`` meshes (the demo pair) also requests with structured output, their steps warmed up too. With
 ``--head`` (the demo pair) it also decodes greedily with the demo EAGLE-3 head on those meshes and checks
 the head cache's sharded row reads and writes against one device.
 """
@@ -38,8 +38,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--extras", action="store_true",
                         help="also report the mesh errors and check the sharded commit's Pallas kernel")
     parser.add_argument("--head", nargs="*", default=(), help="data,model meshes to run the demo EAGLE-3 head on")
-    parser.add_argument("--structured", action="store_true",
-                        help="also decode requests with structured output (the demo pair's byte vocabulary)")
+    parser.add_argument("--structured", nargs="*", default=(),
+                        help="data,model meshes (of --meshes) that also decode requests with structured output "
+                             "(the demo pair's byte vocabulary)")
     parser.add_argument("--no-expected", action="store_true",
                         help="leave out the one-device run (another process of the same run reports it)")
     return parser.parse_args()
@@ -164,7 +165,7 @@ def _structured(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.
     return types.SimpleNamespace(tokens=tokens)
 
 
-def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> dict[str, list[list[int]]]:
+def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]], structured: bool) -> dict[str, list[list[int]]]:
     vocab = decoder.runner.vocab_size
     controlled = [SamplingParams(max_tokens=MAX_NEW, presence_penalty=1.5, frequency_penalty=0.5,
                                  logit_bias={1: 5.0, vocab - 1: -100.0}),
@@ -176,7 +177,7 @@ def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> dict[str
            "tight": _tight(decoder, prompts)}                                  # preemptions
     if jax.process_count() == 1:        # (refused over several processes)
         out["controlled"] = decoder.generate(prompts, sampling=controlled)    # penalties, bias, bad words
-    if ARGS.structured:
+    if structured:
         out["structured"] = _structured(decoder, prompts)
     if ARGS.sample:
         out["sampled"] = decoder.generate(prompts, MAX_NEW, temperature=1.0, seed=7)
@@ -202,10 +203,11 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
     if ARGS.sample:
         warmup += decoder.warmup(4, CONFIG.max_seq_len, temperatures=1.0)
     graph = _graph_stats(decoder)
-    if ARGS.structured:      # (the steps of constrained requests: an engine's warm-up)
+    structured = spec in ARGS.structured
+    if structured:      # (the steps of constrained requests: an engine's warm-up)
         warmup += scv_jax.Engine(decoder).warmup(4, CONFIG.max_seq_len, temperatures=0.0, structured_output=True)
     with CompileCounter() as compiles:
-        outputs = _generate(decoder, prompts)
+        outputs = _generate(decoder, prompts, structured)
     target_cache, draft_cache = decoder.runner.caches.take()
     decoder.runner.caches.put(target_cache, draft_cache)
     # (op, elements, shape) of each collective's largest result
@@ -218,7 +220,7 @@ def _on_mesh(target, draft, prompts: list[list[int]], spec: str) -> dict:
         preemptions=outputs["tight"].stats.num_preemptions, prefix_hits=outputs["tight"].stats.prefix_cache_hits,
         acceptance=outputs["greedy"].stats.acceptance_rate, warmup_compiles=warmup, overlaps=decoder.runner.overlaps,
         compiles_after_warmup=compiles.count + compiles.loads, graph=graph,
-        structured_graph=_graph_stats(decoder) if ARGS.structured else None,
+        structured_graph=_graph_stats(decoder) if structured else None,
         target_state=_layout(decoder.runner.target.state(decoder.runner.target_params)),
         draft_state=_layout(decoder.runner.draft.state(decoder.runner.draft_params)),
         target_cache=_layout(target_cache), draft_cache=_layout(draft_cache),
@@ -327,7 +329,8 @@ def main() -> None:
     target, draft = _pair(ARGS.pair)
     prompts = _prompts(target.config.vocab_size)
     expected = {} if ARGS.no_expected else {
-        mode: out.tokens for mode, out in _generate(SpeculativeDecoder(target, draft, config=CONFIG), prompts).items()}
+        mode: out.tokens for mode, out in _generate(SpeculativeDecoder(target, draft, config=CONFIG), prompts,
+                                                    bool(ARGS.structured)).items()}
     result = dict(process=jax.process_index(), devices=len(jax.devices()), local_devices=len(jax.local_devices()),
                   expected=expected, meshes={spec: _on_mesh(target, draft, prompts, spec) for spec in ARGS.meshes})
     if ARGS.num_processes > 1:
