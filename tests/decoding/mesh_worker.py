@@ -131,18 +131,23 @@ def _tight(decoder: SpeculativeDecoder, prompts: list[list[int]]):
             pool.free(blocks)
 
 
-def _chunked(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.SimpleNamespace:
-    """Greedy ``prompts`` on an engine prefilling one ``prefill_chunk`` a step (a budget of 1 token)."""
-    engine = scv_jax.Engine(decoder, max_num_batched_tokens=1)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, scv_jax.SamplingParams(max_tokens=MAX_NEW), str(i))
-    tokens = [[] for _ in prompts]
+def _engine_tokens(engine: scv_jax.Engine, requests: list[tuple[list[int], SamplingParams]]) -> types.SimpleNamespace:
+    """Each of ``requests`` (prompt, params) added at once and stepped to its end (400 steps at most): its tokens."""
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(prompt, params, str(i))
+    tokens = [[] for _ in requests]
     for _ in range(400):
         if not engine.has_unfinished():
             break
         for out in engine.step():
             tokens[int(out.request_id)] += out.new_token_ids
     return types.SimpleNamespace(tokens=tokens)
+
+
+def _chunked(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.SimpleNamespace:
+    """Greedy ``prompts`` on an engine prefilling one ``prefill_chunk`` a step (a budget of 1 token)."""
+    return _engine_tokens(scv_jax.Engine(decoder, max_num_batched_tokens=1),
+                          [(prompt, SamplingParams(max_tokens=MAX_NEW)) for prompt in prompts])
 
 
 def _structured(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.SimpleNamespace:
@@ -154,15 +159,8 @@ def _structured(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.
     schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
                                                "ok": {"type": "boolean"}}, "required": ["id", "ok"]}
     constraints = [Structured(json=schema), Structured(choice=["import sys", "import os"]), None]
-    for i, (prompt, constraint) in enumerate(zip(prompts, constraints)):
-        engine.add_request(prompt, SamplingParams(max_tokens=2 * MAX_NEW, structured_outputs=constraint), str(i))
-    tokens = [[] for _ in prompts]
-    for _ in range(400):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            tokens[int(out.request_id)] += out.new_token_ids
-    return types.SimpleNamespace(tokens=tokens)
+    return _engine_tokens(engine, [(prompt, SamplingParams(max_tokens=2 * MAX_NEW, structured_outputs=constraint))
+                                   for prompt, constraint in zip(prompts, constraints)])
 
 
 def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]], structured: bool) -> dict[str, list[list[int]]]:
