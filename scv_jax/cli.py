@@ -319,6 +319,16 @@ def _add_serve(sub, formatter) -> None:
     pool.add_argument("--num-blocks", type=_int_at_least(1), default=None, help="KV-cache blocks of 16 positions")
     serve.add_argument("--served-model-name", metavar="NAME", help="the model name clients use (default: --model)")
     serve.add_argument("--mesh", metavar="DATA,MODEL", help="decode on a device mesh of DATA x MODEL devices")
+    serve.add_argument("--num-processes", default=None, metavar="N",
+                       help="processes (hosts) of one serving job, each running this command; 'auto': SLURM, Open "
+                            "MPI or Kubernetes tell (default: JAX_NUM_PROCESSES, else 1; docs/serving.md, "
+                            "\"Several hosts\")")
+    serve.add_argument("--process-id", type=_int_at_least(0), default=None, metavar="I",
+                       help="this process's index in the job; 0 serves HTTP (default: JAX_PROCESS_ID)")
+    serve.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                       help="process 0's address for the job's coordination (default: JAX_COORDINATOR_ADDRESS)")
+    serve.add_argument("--heartbeat-timeout", type=_int_at_least(1), default=20, metavar="SECONDS",
+                       help="with several processes: how long a silent process is waited for before the job ends")
     serve.add_argument("--no-warmup", action="store_true",
                        help="compile each step shape when first needed (a faster start, slower first requests)")
     serve.add_argument("--max-request-bytes", type=_int_at_least(1), default=16 * 2 ** 20,

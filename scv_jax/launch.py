@@ -120,15 +120,15 @@ def _memory_bytes() -> tuple[int, str]:
 
     memory = device_memory()
     if memory is not None:
-        return memory[0] - memory[1], f"free on {jax.devices()[0].device_kind}"
+        return memory[0] - memory[1], f"free on {jax.local_devices()[0].device_kind}"
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of host memory"
 
 
 def device_memory() -> tuple[int, int] | None:
-    """(bytes the default device may use, bytes in use) when it reports them (a GPU), else None (a CPU)."""
+    """(bytes this process's first device may use, bytes in use) when it reports them (a GPU), else None (a CPU)."""
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return (stats["bytes_limit"], stats.get("bytes_in_use", 0)) if "bytes_limit" in stats else None
 
 

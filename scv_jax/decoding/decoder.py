@@ -150,7 +150,7 @@ class SpeculativeDecoder:
         prompt_ids = check_prompts(prompts, self.vocab_size)
         params = self._request_params(len(prompt_ids), max_new_tokens, temperature, seed, sampling)
         engine = Engine(self, eos_token_id=check_eos(eos_token_id, self.vocab_size), max_num_seqs=max_num_seqs,
-                        progress=progress)
+                        progress=progress, lockstep=True)
         for i, (prompt, request) in enumerate(zip(prompt_ids, params)):
             try:
                 engine.add_request(prompt, request, request_id=str(i))

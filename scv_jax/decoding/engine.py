@@ -23,6 +23,13 @@ stops, blocks, admission) runs while the device computes the next; each call the
 the step before. A request that ends is known a step late: the device's work for it in the step after
 is discarded (docs/engine.md has the timeline).
 
+Several processes (a mesh over the devices of a ``jax.distributed.initialize`` job): process 0 drives
+the engine (``add_request`` / ``step`` / ``abort``) and the others call ``follow()``, which runs the same
+steps until process 0 calls ``close()``. Each step, process 0 sends what changed since the step before
+(requests added with their ids and random keys, aborts) to the followers in one message
+(``sharding.processes.StepChannel``); every process then plans the same step from the same state, so all
+dispatch the same executables (docs/serving.md, "Several hosts").
+
 Threads: drive an engine from one thread; its methods hold the runner's lock, so a second thread (or a
 second engine on the same decoder) waits its turn.
 """
@@ -30,6 +37,7 @@ second engine on the same decoder) waits its turn.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import time
 from typing import Sequence
 
@@ -49,6 +57,7 @@ from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
 from scv_jax.graph.compiler import CompileJob, Compiler
 from scv_jax.graph.persistent_cache import use_default_cache
 from scv_jax.sampling_params import MAX_STOP_IDS, SamplingParams, batch_sampling_arrays
+from scv_jax.sharding.processes import StepChannel, fail_fast, is_leader, spans_processes, watch
 
 WARMUP_TEMPERATURES = (0.0, 1.0)    # a warm-up compiles the steps of all-greedy and of sampled batches
 
@@ -120,6 +129,8 @@ class Engine:
     requests first, then prompt chunks; default ``DecoderConfig.max_num_batched_tokens``, or the
     platform's). ``tokenizer``: the model's (``scv_jax.models.Tokenizer``, or a ``tokenizers.Tokenizer``),
     for requests with ``SamplingParams.structured_outputs`` (their grammars are over its vocabulary).
+    ``lockstep``: on a mesh over several processes, every process calls the engine's methods alike itself
+    (``SpeculativeDecoder.generate`` does); by default process 0 drives it and the others ``follow()``.
 
     A request's tokens do not depend on when it arrived or what it shares the batch with: greedy ones
     exactly, sampled ones draw from their own stream (``SamplingParams.seed``) at each position (the
@@ -129,7 +140,8 @@ class Engine:
 
     def __init__(self, target, draft=None, *, config=None, mesh=None, sharding=None,
                  eos_token_id: int | Sequence[int] | None = None, max_num_seqs: int | None = None, seed: int = 0,
-                 progress: bool = False, max_num_batched_tokens: int | None = None, tokenizer=None):
+                 progress: bool = False, max_num_batched_tokens: int | None = None, tokenizer=None,
+                 lockstep: bool = False):
         runner = getattr(target, "runner", None)
         if isinstance(runner, StepRunner):             # a SpeculativeDecoder: run on its runner
             if draft is not None or config is not None or mesh is not None or sharding is not None:
@@ -170,6 +182,14 @@ class Engine:
         self._carry = runner.new_carry()                 # what each request's last step did (``decoding.carry``)
         self.stats = GenerateStats()
         self.tally = AcceptanceTally(proposer.max_depth)
+        followed = spans_processes(getattr(runner.placement, "mesh", None)) and not lockstep
+        self._channel = StepChannel.open() if followed else None     # to (or from) the other processes
+        self._changes: list[tuple] = []              # the leader's changes since its last step, for the followers
+        self.is_leader = not followed or is_leader()
+
+    def _leading(self, method: str) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"Engine.{method}: process 0 drives this engine; a follower calls follow()")
 
     # ------------------------------------------------------------------ requests
     @property
@@ -237,6 +257,12 @@ class Engine:
         """Queues a request (FIFO); it runs as soon as a batch row and its KV blocks are free. Returns
         its id (``request_id``, or a new one). Raises ValueError at once for a request that can never
         run (longer than ``DecoderConfig.max_seq_len``, the model's context or the cache) or bad input."""
+        self._leading("add_request")
+        return self._add_request(prompt_token_ids, params, request_id)
+
+    def _add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None, request_id: str | None,
+                     keys: np.ndarray | None = None) -> str:
+        """``add_request``; ``keys``: its random stream's (a follower gets the leader's)."""
         runner, vocab = self.runner, self.runner.vocab_size
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -294,40 +320,55 @@ class Engine:
                       SamplingColumn.MIN_TOKENS, SamplingColumn.CONTROLLED]] = (
                 params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_tokens,
                 params.controlled)
-            keys = (stream_keys(params.seed) if params.seed is not None
-                    else self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32).view(np.int32))
+            if keys is None:
+                keys = (stream_keys(params.seed) if params.seed is not None
+                        else self._rng.integers(0, 2 ** 32, 2, dtype=np.uint32).view(np.int32))
             scheduler.add(Request(request_id, prompt, params, sampling, keys, stops, runner.new_request_id(),
                                   [0] * runner.proposer.max_depth, matcher=matcher))
             self.stats.prompt_tokens += len(prompt)
+            self._record("add", prompt, params, request_id, keys)
         return request_id
+
+    def _record(self, *change) -> None:
+        """Keeps a change of the requests for the followers (the leader of several processes)."""
+        if self._channel is not None and self.is_leader:
+            self._changes.append(change)
 
     def abort(self, request_id: str) -> None:
         """Ends a waiting or running request now (its blocks return to the pool); the next ``step``
         reports it with finish_reason "abort". An unknown or finished id is ignored."""
+        self._leading("abort")
         with self.runner.lock:
             self._scheduler.abort(request_id)
+            self._record("abort", request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Empties the prefix cache (vLLM's ``reset_prefix_cache``); False, changing nothing, while a
         running request holds cached blocks."""
+        self._leading("reset_prefix_cache")
         with self.runner.lock:
             shards = self.runner.pool.shards
             if any(pool.num_cached_held for pool in shards):
                 return False
             for pool in shards:
                 pool.reset_prefix_cache()
+            self._record("reset_prefix_cache")
             return True
 
     def abort_all(self) -> None:
         """Aborts every waiting and running request (a loop over the engine that stops early)."""
+        self._leading("abort_all")
         with self.runner.lock:
             for request_id in list(self._scheduler.requests):
                 self._scheduler.abort(request_id)
+                self._record("abort", request_id)
 
     def finish_observing(self) -> None:
         """Tells the adaptive controller about the last step now (a run that ends learns from its last step)."""
+        self._leading("finish_observing")
         with self.runner.lock:
             self._scheduler.observe()
+            self._record("finish_observing")
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
@@ -336,6 +377,43 @@ class Engine:
         prompts are in the caches and returns an output for every request that emitted tokens or ended
         (aborts included). With one step in flight (``overlaps``) the decode step is dispatched, and the
         outputs are those of the step the call before dispatched."""
+        self._leading("step")
+        if self._channel is not None:
+            if self._channel.closed:
+                raise RuntimeError("Engine.step: the engine was closed (its followers returned)")
+            self._channel.publish(pickle.dumps((self._changes, False)))
+            self._changes = []
+        return self._step()
+
+    def close(self) -> None:
+        """Ends ``follow()`` on the other processes (the leader of several processes; elsewhere nothing):
+        the engine steps no more. Unfinished requests stay unfinished: ``abort_all`` them first."""
+        if self._channel is not None and self.is_leader and not self._channel.closed:
+            self._channel.publish(pickle.dumps((self._changes, True)))
+            self._channel.closed = True
+
+    def follow(self) -> None:
+        """Runs, on a process other than 0, the steps that process 0 runs on this engine, until it calls
+        ``close()``. Raises ``sharding.processes.ProcessFailure`` when a process of the job stopped
+        meanwhile; a process that stops while a step waits on it ends this one (status 1, one line)."""
+        if self._channel is None or self.is_leader:
+            raise RuntimeError("Engine.follow: only processes other than 0 follow, on an engine whose mesh spans "
+                               "several processes")
+        stop_watching = watch(fail_fast)
+        try:
+            while True:
+                changes, closed = pickle.loads(self._channel.receive())
+                for name, *args in changes:
+                    {"add": self._add_request, "abort": self._scheduler.abort,
+                     "reset_prefix_cache": lambda: [pool.reset_prefix_cache() for pool in self.runner.pool.shards],
+                     "finish_observing": self._scheduler.observe}[name](*args)
+                if closed:
+                    return
+                self._step()
+        finally:
+            stop_watching.set()
+
+    def _step(self) -> list[RequestOutput]:
         runner, scheduler, stats = self.runner, self._scheduler, self.stats
         with runner.lock:
             outputs = scheduler.take_ended()

@@ -4,7 +4,9 @@ of compiling them.
 
 Where: ``$SCV_JAX_CACHE_DIR`` when set (``off``, ``0`` or empty turns the cache off), else
 ``$XDG_CACHE_HOME/scv_jax`` (default ``~/.cache/scv_jax``). A user's own ``jax_compilation_cache_dir``
-(``JAX_COMPILATION_CACHE_DIR`` or ``jax.config.update``) always wins: then nothing is changed.
+(``JAX_COMPILATION_CACHE_DIR`` or ``jax.config.update``) always wins: then nothing is changed. Off in a
+job of several processes on CPU devices (an executable loaded from the cache there hangs in its first
+collective across processes).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def use_default_cache() -> str | None:
     executable, however fast it compiled); returns the directory, or None when it changes nothing."""
     import jax
 
+    if jax.process_count() > 1 and jax.default_backend() == "cpu":
+        return None     # an executable loaded from the cache by a job of several CPU processes never ends its first
+        # collective across them (gloo, jax 0.12.1): such jobs compile (tests/serving/test_multihost.py)
     cache_dir = default_cache_dir(os.environ, jax.config.jax_compilation_cache_dir)
     if cache_dir is not None:
         enable_persistent_cache(cache_dir)

@@ -97,7 +97,7 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and not self._closed
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int], params: Any, post: Post) -> None:
         with self._lock:
@@ -113,8 +113,21 @@ class EngineLoop:
         """Ends the thread after its current step, waiting up to ``timeout`` (0: not waiting); what is
         unfinished is aborted and its requests get ``Shutdown``."""
         self._stopping.set()
-        if timeout != 0:
+        if timeout != 0 and self._thread.ident is not None:
             self._thread.join(timeout)
+
+    def fail_all(self, message: str) -> None:
+        """From another thread, when the engine's thread may never return (a step waiting on a process
+        that stopped): ends every request submitted with ``EngineFailed(message)`` and the loop (the
+        engine is not called again)."""
+        with self._lock:
+            self._closed = True
+        self._stopping.set()
+        for command in self._take(block=False):
+            if isinstance(command, _Add):
+                command.post(EngineFailed(message))
+        for post in list(self._posts.values()):
+            post(EngineFailed(message))
 
     def _run(self) -> None:
         while not self._stopping.is_set():

@@ -6,6 +6,10 @@ steps meanwhile run padded to a compiled bucket; the compiler stops at shutdown)
 SIGINT / SIGTERM: uvicorn stops accepting connections and lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds; then the engine loop stops, which ends each request still running with
 a 503 (a stream: OpenAI's error object, then ``[DONE]``), and the process exits with status 0.
+
+Several processes (``serving.multihost``): process 0 serves as above, the others follow its engine; all
+compile every step before serving (a background compile would let the processes pick different
+executables), and process 0's shutdown ends them too.
 """
 
 from __future__ import annotations
@@ -114,13 +118,17 @@ def engine_config(args: argparse.Namespace, models: Models, data_shards: int = 1
     return config, max_model_len, pool
 
 
-def make_engine(args: argparse.Namespace, dirs: Checkpoints, tokenizer=None) -> Served:
+def make_engine(args: argparse.Namespace, dirs: Checkpoints, tokenizer=None, *, processes: int = 1) -> Served:
     """The ``Engine`` of ``args`` with the models of ``dirs`` (not warmed up), ``tokenizer`` for structured
-    output (None: none). Raises ValueError naming the flag for a bad one."""
+    output (None: none), over ``processes`` processes (the mesh spans them). Raises ValueError naming the
+    flag for a bad one."""
     from scv_jax.launch import check_memory, load_models
     from scv_jax.models.hf import eos_token_ids
 
     mesh_shape = parse_mesh(args.mesh) if args.mesh else None
+    if processes > 1:
+        from scv_jax.serving.multihost import check_mesh
+        check_mesh(mesh_shape)
     models = load_models(args, dirs)
     config, max_model_len, pool = engine_config(args, models, mesh_shape[0] if mesh_shape else 1)
     flag = pool.flag
@@ -186,16 +194,29 @@ def serve(args: argparse.Namespace) -> int:
     from scv_jax.serving.chat import load_chat_template
     from scv_jax.serving.engine_loop import EngineLoop
     from scv_jax.serving.metrics import ServerMetrics
+    from scv_jax.serving.multihost import check_same_flags, follow, join, release_followers, watch_job
 
+    several = join(args)
+    if several:
+        check_same_flags(args)
+        if args.no_warmup:
+            raise ValueError("--no-warmup: over several processes every step compiles before the server starts (a "
+                             "step compiled while the processes run others may never end)")
     dirs = checkpoints(args)
     tokenizer = load_tokenizer(dirs.model)
     chat_template = load_chat_template(dirs.model)
-    served = make_engine(args, dirs, tokenizer)
+    served = make_engine(args, dirs, tokenizer, processes=2 if several else 1)
     if tokenizer.vocab_size > served.vocab_size:
         raise ValueError(f"--model {args.model}: its tokenizer has {tokenizer.vocab_size} ids, the model's "
                          f"vocab_size is {served.vocab_size}")
     compiler = None
-    if not args.no_warmup:
+    if several:         # every executable before any step: each process must pick the same ones
+        print(f"compiling (one time): up to {args.max_num_seqs} requests of up to {served.max_model_len} tokens ...",
+              file=sys.stderr, flush=True)
+        served.engine.warmup(**warmup_sizes(args, served), progress=True)
+        if not served.engine.is_leader:
+            return follow(served.engine)
+    elif not args.no_warmup:
         print(f"compiling (one time): up to {args.max_num_seqs} requests of up to {served.max_model_len} tokens ...",
               file=sys.stderr, flush=True)
         compiler = served.engine.start_warmup(**warmup_sizes(args, served), progress=True)
@@ -209,11 +230,16 @@ def serve(args: argparse.Namespace) -> int:
                          tool_call_parser=args.tool_call_parser)
     server = _uvicorn_server(build_app(ctx), args.host, args.port, args.shutdown_timeout,
                              lambda: engine_loop.stop(timeout=0))
+    watching = watch_job(engine_loop.fail_all) if several else None
     try:
         server.run()
     finally:
         if compiler is not None:
             compiler.stop()       # the compile in progress ends; the queued ones are dropped
+        if watching is not None:
+            engine_loop.stop()
+            watching.set()
+            release_followers(served.engine)
     if not server.started:
         raise OSError(f"could not listen on {args.host}:{args.port} (see the message above)")
     print("scv-jax serve: stopped", file=sys.stderr, flush=True)

@@ -131,23 +131,37 @@ def _tight(decoder: SpeculativeDecoder, prompts: list[list[int]]):
             pool.free(blocks)
 
 
-def _engine_tokens(engine: scv_jax.Engine, requests: list[tuple[list[int], SamplingParams]]) -> types.SimpleNamespace:
-    """Each of ``requests`` (prompt, params) added at once and stepped to its end (400 steps at most): its tokens."""
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(prompt, params, str(i))
+def _engine_tokens(engine: scv_jax.Engine, requests: list[tuple[list[int], SamplingParams]],
+                   arrivals: dict[int, int] | None = None, aborts: dict[int, int] | None = None) -> types.SimpleNamespace:
+    """Each of ``requests`` (prompt, params) added (request i before step ``arrivals[i]``, default 0; aborted
+    before step ``aborts[i]`` if given) and stepped to its end (400 steps at most): its tokens. On a follower
+    process (the engine's mesh spans processes) it follows process 0's engine and returns no tokens."""
+    if not engine.is_leader:
+        engine.follow()
+        return types.SimpleNamespace(tokens=None)
+    arrivals, aborts = arrivals or {}, aborts or {}
     tokens = [[] for _ in requests]
-    for _ in range(400):
-        if not engine.has_unfinished():
+    for step in range(400):
+        for i, (prompt, params) in enumerate(requests):
+            if arrivals.get(i, 0) == step:
+                engine.add_request(prompt, params, str(i))
+            if aborts.get(i) == step:
+                engine.abort(str(i))
+        if step > max(arrivals.values(), default=0) and not engine.has_unfinished():
             break
         for out in engine.step():
             tokens[int(out.request_id)] += out.new_token_ids
+    engine.close()
     return types.SimpleNamespace(tokens=tokens)
 
 
 def _chunked(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.SimpleNamespace:
-    """Greedy ``prompts`` on an engine prefilling one ``prefill_chunk`` a step (a budget of 1 token)."""
-    return _engine_tokens(scv_jax.Engine(decoder, max_num_batched_tokens=1),
-                          [(prompt, SamplingParams(max_tokens=MAX_NEW)) for prompt in prompts])
+    """Greedy ``prompts`` on an engine prefilling one ``prefill_chunk`` a step (a budget of 1 token), the
+    last arriving at step 3, and a copy of the first aborted at step 2 (over several processes: process 0
+    drives the engine, the others follow)."""
+    requests = [(prompt, SamplingParams(max_tokens=MAX_NEW)) for prompt in prompts + prompts[:1]]
+    return _engine_tokens(scv_jax.Engine(decoder, max_num_batched_tokens=1), requests,
+                          arrivals={len(prompts) - 1: 3}, aborts={len(prompts): 2})
 
 
 def _structured(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> types.SimpleNamespace:
@@ -338,7 +352,7 @@ def main() -> None:
         except ValueError as error:
             result["adaptive_error"] = str(error)
         try:
-            scv_jax.Engine(target, draft, config=CONFIG, mesh=scv_jax.decoder_mesh(2, 4)).add_request(
+            scv_jax.Engine(target, draft, config=CONFIG, mesh=scv_jax.decoder_mesh(2, 4), lockstep=True).add_request(
                 prompts[0], SamplingParams(presence_penalty=1.0))
             result["controls_error"] = ""
         except ValueError as error:

@@ -46,7 +46,7 @@ def main() -> int:
 
     make_engine = server.make_engine
 
-    def patched(serve_args, dirs, tokenizer=None):
+    def patched(serve_args, dirs, tokenizer=None, **kwargs):
         if args.fake:
             from tests.serving.fake_engine import FakeEngine
             max_len = serve_args.max_model_len or 512
@@ -55,7 +55,7 @@ def main() -> int:
                                 step_seconds=float(os.environ.get("SCV_FAKE_STEP_SECONDS", "0.002")))
             served = server.Served(engine, max_len, 256)
         else:
-            served = make_engine(serve_args, dirs, tokenizer)
+            served = make_engine(serve_args, dirs, tokenizer, **kwargs)
         if args.fault_on:
             served.engine = _Faulty(served.engine, args.fault_on.encode("utf-8"))
         return served

@@ -1,0 +1,128 @@
+"""``scv-jax serve`` as one job of 2 processes x 4 CPU devices (``--mesh 2,4``, gloo collectives, traffic on
+127.0.0.1 only): concurrent and streamed greedy completions equal offline one-device decoding, seeded
+sampling repeats, SIGTERM to process 0 ends both with status 0; a follower killed mid-stream ends the stream
+with an error and the leader within 60 s; a follower started with another --dtype is refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from tests.serving.conftest import REQUEST_TIMEOUT, client
+from tests.serving.harness import ROOT, STOP_TIMEOUT, ServerProcess
+
+NAME = "tiny"
+MAX_LEN = 64
+PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def __init__(self"]
+ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+
+
+def _flags(checkpoint, port: int, process_id: int, dtype: str = "float32") -> list[str]:
+    return ["--model", str(checkpoint), "--draft", str(checkpoint), "--k", "2", "--served-model-name", NAME,
+            "--dtype", dtype, "--max-model-len", str(MAX_LEN), "--max-num-seqs", "2",
+            "--mesh", "2,4", "--num-processes", "2", "--process-id", str(process_id),
+            "--coordinator-address", f"127.0.0.1:{port}", "--heartbeat-timeout", "10"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _follower(checkpoint, port: int, log, dtype: str = "float32") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.serving.launch", "--", "serve", "--host", "127.0.0.1",
+                             "--port", "0", *_flags(checkpoint, port, 1, dtype)], cwd=ROOT, stdout=log, stderr=log,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **ENV})
+
+
+def _job(checkpoint, log_dir):
+    """(leader ServerProcess, follower Popen) of one job."""
+    port = _free_port()
+    follower_log = open(log_dir / "follower.log", "w")
+    follower = _follower(checkpoint, port, follower_log)
+    try:
+        leader = ServerProcess(_flags(checkpoint, port, 0), log_dir / "leader.log", env=ENV)
+    except BaseException:
+        follower.kill()
+        raise
+    return leader, follower
+
+
+def _offline(checkpoint, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    import scv_jax
+    from scv_jax.models import load_hf
+
+    decoder = scv_jax.SpeculativeDecoder(load_hf(checkpoint, dtype="float32"), None, config=scv_jax.DecoderConfig(
+        k=0, max_seq_len=MAX_LEN, num_blocks=64, batch_buckets=(4,)))
+    return decoder.generate(prompts, max_tokens).tokens
+
+
+@pytest.mark.slow
+def test_two_processes_serve_as_one_device(checkpoint, tokenizer, tmp_path):
+    leader, follower = _job(checkpoint, tmp_path)
+    try:
+        c = client(leader.url)
+        expected = [tokenizer.decode(t) for t in _offline(checkpoint, [tokenizer.encode(p) for p in PROMPTS], 24)]
+        texts: list = [None] * len(PROMPTS)
+
+        def run(i: int) -> None:          # concurrent: streamed and not
+            kwargs = dict(model=NAME, prompt=PROMPTS[i], max_tokens=24, temperature=0)
+            texts[i] = ("".join(ch.choices[0].text for ch in c.completions.create(stream=True, **kwargs)) if i % 2
+                        else c.completions.create(**kwargs).choices[0].text)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(2 * REQUEST_TIMEOUT)
+        assert texts == expected
+        sampled = [c.completions.create(model=NAME, prompt="def main(", max_tokens=16, temperature=1.0, seed=3)
+                   .choices[0].text for _ in range(2)]
+        assert sampled[0] == sampled[1]
+        assert leader.stop(signal.SIGTERM) == 0, leader.stderr()
+        assert follower.wait(STOP_TIMEOUT) == 0, (tmp_path / "follower.log").read_text()
+    finally:
+        follower.kill()
+        leader.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_killed_follower_ends_the_stream_with_an_error_and_the_leader(checkpoint, tmp_path):
+    leader, follower = _job(checkpoint, tmp_path)
+    try:
+        stream = client(leader.url).completions.create(model=NAME, prompt="def main(", max_tokens=MAX_LEN - 16,
+                                                       temperature=0, stream=True)
+        first = next(iter(stream))
+        assert first.choices[0].text is not None
+        follower.kill()
+        started = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        assert leader.wait() == 1 and time.monotonic() - started < 60, leader.stderr()
+        assert "of the job stopped" in leader.stderr()
+    finally:
+        follower.kill()
+        leader.stop(signal.SIGKILL)
+
+
+def test_a_follower_with_other_flags_is_refused(checkpoint, tmp_path):
+    port = _free_port()
+    with open(tmp_path / "follower.log", "w") as log:
+        follower = _follower(checkpoint, port, log, dtype="bfloat16")
+        leader = subprocess.run([sys.executable, "-m", "scv_jax", "serve", "--port", "0",
+                                 *_flags(checkpoint, port, 0)], cwd=ROOT, capture_output=True, text=True,
+                                timeout=STOP_TIMEOUT, env={**os.environ, "JAX_PLATFORMS": "cpu", **ENV})
+        assert follower.wait(STOP_TIMEOUT) == 2
+    message = "--dtype: process 0 has 'float32', process 1 has 'bfloat16'"
+    assert leader.returncode == 2 and message in leader.stderr.splitlines()[-1], leader.stderr[-2000:]
+    assert "--dtype: process 1 has 'bfloat16', process 0 has 'float32'" in (tmp_path / "follower.log").read_text()
