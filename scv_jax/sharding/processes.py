@@ -22,6 +22,7 @@ import jax
 
 POLL_SECONDS = 1.0              # how often a waiting follower and ``watch`` check that every process lives
 ACK_EVERY = 32                  # a follower reports the messages it applied every this many
+START_SECONDS = 3600            # how long the first message waits for every process to reach it (warm-ups)
 LEADER = 0
 
 _engines = itertools.count()    # the namespace of the next channel (the same order in every process)
@@ -123,13 +124,22 @@ class StepChannel:
         self._kept_from = 0         # leader: the oldest message not deleted
         self._received = 0          # follower: messages received
         self.closed = False         # leader: the last message (the engine's close) was published
+        self._started = False       # every process reached the first message
 
     @classmethod
     def open(cls) -> StepChannel:
         """The next engine's channel (call it in the same order in every process)."""
         return cls(f"scv_jax/engine{next(_engines)}")
 
+    def _start(self) -> None:
+        """Waits for every process at the first message: gloo gives up on a collective's first use (its
+        connections) when one process comes more than 30 s after the other, e.g. from a longer warm-up."""
+        self._client.wait_at_barrier(f"{self._prefix}/start", int(START_SECONDS * 1000))
+        self._started = True
+
     def publish(self, message: bytes) -> None:
+        if not self._started:
+            self._start()
         self._client.key_value_set_bytes(f"{self._prefix}/{self._sent}", message)
         self._sent += 1
         if self._sent % ACK_EVERY == 0:
@@ -150,6 +160,8 @@ class StepChannel:
 
     def receive(self) -> bytes:
         """The next message; raises ``ProcessFailure`` when a process stopped meanwhile."""
+        if not self._started:
+            self._start()
         key = f"{self._prefix}/{self._received}"
         while True:
             try:
