@@ -56,11 +56,20 @@ def join(args: argparse.Namespace) -> bool:
 
 def check_same_flags(args: argparse.Namespace) -> None:
     """Raises ValueError naming the first flag another process of the job was given differently."""
-    from scv_jax.sharding.processes import agree
+    import jax
+
+    from scv_jax.sharding.processes import agree, is_leader, wait_for_others_to_leave
 
     settings = {"--" + name.replace("_", "-"): repr(value) for name, value in sorted(vars(args).items())
                 if name not in PER_PROCESS_FLAGS and not callable(value)}
-    agree(settings)
+    try:
+        agree(settings)
+    except ValueError:      # the job ends: the followers leave it first (process 0 holds its coordination service)
+        if is_leader():
+            wait_for_others_to_leave(LEAVE_SECONDS)
+        else:
+            jax.distributed.shutdown()
+        raise
 
 
 def check_mesh(mesh_shape: tuple[int, int] | None) -> None:
