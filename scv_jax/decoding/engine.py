@@ -347,13 +347,15 @@ class Engine:
         running request holds cached blocks."""
         self._leading("reset_prefix_cache")
         with self.runner.lock:
-            shards = self.runner.pool.shards
-            if any(pool.num_cached_held for pool in shards):
+            if any(pool.num_cached_held for pool in self.runner.pool.shards):
                 return False
-            for pool in shards:
-                pool.reset_prefix_cache()
+            self._reset_prefix_cache()
             self._record("reset_prefix_cache")
             return True
+
+    def _reset_prefix_cache(self) -> None:
+        for pool in self.runner.pool.shards:
+            pool.reset_prefix_cache()
 
     def abort_all(self) -> None:
         """Aborts every waiting and running request (a loop over the engine that stops early)."""
@@ -405,7 +407,7 @@ class Engine:
                 changes, closed = pickle.loads(self._channel.receive())
                 for name, *args in changes:
                     {"add": self._add_request, "abort": self._scheduler.abort,
-                     "reset_prefix_cache": lambda: [pool.reset_prefix_cache() for pool in self.runner.pool.shards],
+                     "reset_prefix_cache": self._reset_prefix_cache,
                      "finish_observing": self._scheduler.observe}[name](*args)
                 if closed:
                     return

@@ -118,15 +118,16 @@ def engine_config(args: argparse.Namespace, models: Models, data_shards: int = 1
     return config, max_model_len, pool
 
 
-def make_engine(args: argparse.Namespace, dirs: Checkpoints, tokenizer=None, *, processes: int = 1) -> Served:
+def make_engine(args: argparse.Namespace, dirs: Checkpoints, tokenizer=None, *,
+                several_processes: bool = False) -> Served:
     """The ``Engine`` of ``args`` with the models of ``dirs`` (not warmed up), ``tokenizer`` for structured
-    output (None: none), over ``processes`` processes (the mesh spans them). Raises ValueError naming the
-    flag for a bad one."""
+    output (None: none); ``several_processes``: the job has several (the mesh must span them). Raises
+    ValueError naming the flag for a bad one."""
     from scv_jax.launch import check_memory, load_models
     from scv_jax.models.hf import eos_token_ids
 
     mesh_shape = parse_mesh(args.mesh) if args.mesh else None
-    if processes > 1:
+    if several_processes:
         from scv_jax.serving.multihost import check_mesh
         check_mesh(mesh_shape)
     models = load_models(args, dirs)
@@ -205,7 +206,7 @@ def serve(args: argparse.Namespace) -> int:
     dirs = checkpoints(args)
     tokenizer = load_tokenizer(dirs.model)
     chat_template = load_chat_template(dirs.model)
-    served = make_engine(args, dirs, tokenizer, processes=2 if several else 1)
+    served = make_engine(args, dirs, tokenizer, several_processes=several)
     if tokenizer.vocab_size > served.vocab_size:
         raise ValueError(f"--model {args.model}: its tokenizer has {tokenizer.vocab_size} ids, the model's "
                          f"vocab_size is {served.vocab_size}")

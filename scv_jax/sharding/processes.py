@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 import threading
 import time
@@ -62,6 +63,13 @@ def dead_processes() -> list[int]:
     return [p for p in everyone if p not in live]
 
 
+def check_alive() -> None:
+    """Raises ``ProcessFailure`` when a process of the job stopped."""
+    dead = dead_processes()
+    if dead:
+        raise ProcessFailure(f"process(es) {dead} of the job stopped (no heartbeat)")
+
+
 def watch(on_failure: Callable[[str], None], interval: float = POLL_SECONDS) -> threading.Event:
     """Starts a daemon thread that calls ``on_failure(message)`` once, when a process of the job stops,
     unless the returned event is set first."""
@@ -70,16 +78,11 @@ def watch(on_failure: Callable[[str], None], interval: float = POLL_SECONDS) -> 
     def run() -> None:
         while not stop.wait(interval):
             try:
-                dead = dead_processes()
+                check_alive()
             except ProcessFailure as error:
-                message = str(error)
-            else:
-                if not dead:
-                    continue
-                message = f"process(es) {dead} of the job stopped (no heartbeat)"
-            if not stop.is_set():
-                on_failure(message)
-            return
+                if not stop.is_set():
+                    on_failure(str(error))
+                return
 
     threading.Thread(target=run, name="scv-jax-process-watch", daemon=True).start()
     return stop
@@ -168,9 +171,7 @@ class StepChannel:
                 message = self._client.blocking_key_value_get_bytes(key, int(POLL_SECONDS * 1000))
                 break
             except Exception:       # noqa: BLE001 (a deadline: nothing yet; a stopped process shows below)
-                dead = dead_processes()
-                if dead:
-                    raise ProcessFailure(f"process(es) {dead} of the job stopped (no heartbeat)") from None
+                check_alive()
         self._received += 1
         if self._received % ACK_EVERY == 0:
             self._client.key_value_set(f"{self._prefix}/ack/{jax.process_index()}", str(self._received),
@@ -181,7 +182,5 @@ class StepChannel:
 def fail_fast(message: str) -> None:
     """Ends this process at once with status 1 after one line on stderr (a watch's answer where nothing
     is left to do cleanly: a step waiting on a stopped process never returns)."""
-    import os
-
     print(f"scv-jax: {message}; exiting", file=sys.stderr, flush=True)
     os._exit(1)
