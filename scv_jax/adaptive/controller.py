@@ -270,6 +270,12 @@ class AdaptiveController:
         self._last_k = k
         return k
 
+    def time_step(self, batch_size: int, k: int, step_seconds: float) -> None:
+        """Records the wall time of a step ``update`` recorded untimed (``step_seconds=None``): its time
+        learned later (over several processes every controller learns process 0's time a step late)."""
+        require_int("AdaptiveController.time_step", "batch_size", batch_size, minimum=1)
+        self._table.time(batch_size, k, float(step_seconds))
+
     def _sorted_ids(self, request_ids: Any, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         """``request_ids`` checked and sorted, and the order that sorts them; the last call's answer when
         they hold the same values again (compared by content: a static batch's ids, given anew each step)."""

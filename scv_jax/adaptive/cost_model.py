@@ -52,7 +52,14 @@ class StepCostTable:
         if column is None:
             return
         self._row(self._tries, batch_size, 0)[column] += 1
-        if seconds is None:
+        if seconds is not None:
+            self.time(batch_size, k, seconds)
+
+    def time(self, batch_size: int, k: int, seconds: float) -> None:
+        """Records that a step of ``k`` drafts at ``batch_size``, counted by ``observe`` (untimed then),
+        took ``seconds``."""
+        column = self._column.get(k)
+        if column is None:
             return
         if not (math.isfinite(seconds) and seconds > 0):
             raise ValueError(f"StepCostTable.observe: seconds must be a positive finite number, got {seconds!r}")

@@ -182,9 +182,14 @@ class Engine:
         self._carry = runner.new_carry()                 # what each request's last step did (``decoding.carry``)
         self.stats = GenerateStats()
         self.tally = AcceptanceTally(proposer.max_depth)
-        followed = spans_processes(getattr(runner.placement, "mesh", None)) and not lockstep
+        several = spans_processes(getattr(runner.placement, "mesh", None))
+        if several and lockstep and cfg.adaptive:
+            raise ValueError("DecoderConfig.adaptive: over several processes process 0 decides k, so the steps run "
+                             "on an Engine that process 0 drives and the others follow(), not in generate")
+        followed = several and not lockstep
         self._channel = StepChannel.open() if followed else None     # to (or from) the other processes
         self._changes: list[tuple] = []              # the leader's changes since its last step, for the followers
+        self._timings: list[tuple] = []              # the leader's step times since its last step (``take_timing``)
         self.is_leader = not followed or is_leader()
 
     def _leading(self, method: str) -> None:
@@ -383,15 +388,22 @@ class Engine:
         if self._channel is not None:
             if self._channel.closed:
                 raise RuntimeError("Engine.step: the engine was closed (its followers returned)")
-            self._channel.publish(pickle.dumps((self._changes, False)))
-            self._changes = []
+            self._channel.publish(pickle.dumps((self._changes, self._timings, False)))
+            self._learn_timings(self._timings)
+            self._changes, self._timings = [], []
         return self._step()
+
+    def _learn_timings(self, timings: list[tuple]) -> None:
+        """The adaptive controllers learn the step times process 0 measured (each process at the same step)."""
+        with self.runner.lock:
+            for timing in timings:
+                self._scheduler.time_step(*timing)
 
     def close(self) -> None:
         """Ends ``follow()`` on the other processes (the leader of several processes; elsewhere nothing):
         the engine steps no more. Unfinished requests stay unfinished: ``abort_all`` them first."""
         if self._channel is not None and self.is_leader and not self._channel.closed:
-            self._channel.publish(pickle.dumps((self._changes, True)))
+            self._channel.publish(pickle.dumps((self._changes, self._timings, True)))
             self._channel.closed = True
 
     def follow(self) -> None:
@@ -404,11 +416,12 @@ class Engine:
         stop_watching = watch(fail_fast)
         try:
             while True:
-                changes, closed = pickle.loads(self._channel.receive())
+                changes, timings, closed = pickle.loads(self._channel.receive())
                 for name, *args in changes:
                     {"add": self._add_request, "abort": self._scheduler.abort,
                      "reset_prefix_cache": self._reset_prefix_cache,
                      "finish_observing": self._scheduler.observe}[name](*args)
+                self._learn_timings(timings)
                 if closed:
                     return
                 self._step()
@@ -466,6 +479,10 @@ class Engine:
         fetched = self._fetched = time.perf_counter()
         live = scheduler.live(pending.work)
         outputs = scheduler.update(pending.work, result)
+        if self._channel is not None:       # the controllers learn process 0's time of the step with its next step
+            timing = scheduler.take_timing()
+            if timing is not None and self.is_leader:
+                self._timings.append(timing)
         top_up = scheduler.top_up()
         if top_up is not None:
             runner.prefill(top_up, scheduler.batch, self.stats, wait=wait)

@@ -205,9 +205,6 @@ class OnMesh(SingleDevice):
         if not isinstance(self.sharding, ShardingConfig):
             raise TypeError(f"SpeculativeDecoder: sharding must be a ShardingConfig, got {type(sharding).__name__}")
         self.data, self.model = self.mesh.shape[DATA], self.mesh.shape[MODEL]
-        if config.adaptive and jax.process_count() > 1:
-            raise ValueError("DecoderConfig.adaptive: on a mesh over several processes every process must run the "
-                             "same steps, and adaptive k follows each process's own step timings; use a fixed k")
         if config.num_blocks % self.data:
             raise ValueError(f"DecoderConfig.num_blocks ({config.num_blocks}) must be a multiple of the mesh's data "
                              f"axis ({self.data}): each data shard holds num_blocks / {self.data} blocks")

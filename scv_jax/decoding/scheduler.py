@@ -68,6 +68,8 @@ class Controller(Protocol):
 
     def update(self, drafts, accepted, seconds, batch, ids, *, k: int | None = None) -> None: ...
 
+    def time_step(self, batch: int, k: int, seconds: float) -> None: ...
+
 
 class BlockPools(Protocol):
     """The KV block pools, one per data shard (``placement.ShardedBlockPool``)."""
@@ -610,6 +612,21 @@ class Scheduler:
         if seen is not None:
             self._controllers[seen.kind].update(seen.offered, seen.accepted, seen.seconds, seen.batch, seen.ids,
                                                 k=seen.k)
+
+    def take_timing(self) -> tuple[str, int, int, float] | None:
+        """The time of the step ``update`` just observed, as (kind, batch, k, seconds), taken out of its
+        observation (None: no observation or no time). Over several processes a process's own step times
+        differ from the others': each controller must learn the same time at the same step, so process 0's
+        reaches every process with its next step's changes (``time_step``)."""
+        seen = self._observed
+        if seen is None or seen.seconds is None:
+            return None
+        self._observed = dataclasses.replace(seen, seconds=None)
+        return seen.kind, seen.batch, seen.k, seen.seconds
+
+    def time_step(self, kind: str, batch: int, k: int, seconds: float) -> None:
+        """Tells ``kind``'s controller the time of a step it observed untimed (``take_timing``)."""
+        self._controllers[kind].time_step(batch, k, seconds)
 
     def while_device_runs(self, work: DecodeWork, computed_rows: int) -> None:
         """While the device runs ``work``: the controller learns from the last step fetched and chooses the

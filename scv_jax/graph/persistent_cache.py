@@ -5,8 +5,8 @@ of compiling them.
 Where: ``$SCV_JAX_CACHE_DIR`` when set (``off``, ``0`` or empty turns the cache off), else
 ``$XDG_CACHE_HOME/scv_jax`` (default ``~/.cache/scv_jax``). A user's own ``jax_compilation_cache_dir``
 (``JAX_COMPILATION_CACHE_DIR`` or ``jax.config.update``) always wins: then nothing is changed. Off in a
-job of several processes on CPU devices (an executable loaded from the cache there hangs in its first
-collective across processes).
+job of several processes on CPU devices, the user's JAX cache too (an executable loaded from the cache
+there, another process's, hangs in its first collective across processes).
 """
 
 from __future__ import annotations
@@ -50,8 +50,14 @@ def use_default_cache() -> str | None:
     import jax
 
     if jax.process_count() > 1 and jax.default_backend() == "cpu":
-        return None     # an executable loaded from the cache by a job of several CPU processes never ends its first
-        # collective across them (gloo, jax 0.12.1): such jobs compile (tests/serving/test_multihost.py)
+        # an executable one process of a job of several CPU processes loads from the cache (the other's,
+        # written a moment before) never ends its first collective across them (gloo, jax 0.12.1): such
+        # jobs compile, even with the user's own JAX cache directory
+        if jax.config.jax_enable_compilation_cache:
+            jax.config.update("jax_enable_compilation_cache", False)
+            from jax.experimental.compilation_cache import compilation_cache
+            compilation_cache.reset_cache()
+        return None
     cache_dir = default_cache_dir(os.environ, jax.config.jax_compilation_cache_dir)
     if cache_dir is not None:
         enable_persistent_cache(cache_dir)

@@ -4,7 +4,7 @@ OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``).
 Every field of OpenAI's completions and chat completions and of vLLM's extensions to them is declared:
 one this server implements is honoured; one it does not is marked ``Unsupported``: accepted at the
 values that ask for nothing (e.g. ``"echo": false``, ``"priority": 0``), a 400 naming it
-otherwise. scv-jax adds one field of its own, ``num_speculative_tokens`` (``SamplingParams``'). A field
+otherwise; so are the few SGLang fields that the SGLang and vLLM routers add to every request. scv-jax adds one field of its own, ``num_speculative_tokens`` (``SamplingParams``'). A field
 none of them defines is left in ``unknown_fields`` (the server refuses it, or ignores it when told to).
 """
 
@@ -123,6 +123,10 @@ class BaseRequest(BaseModel):
     return_token_ids: Annotated[bool | None, _only(False)] = None
     kv_transfer_params: Annotated[_Json, _only()] = None
     vllm_xargs: Annotated[_Json, _only({})] = None
+    # SGLang's, sent at these values by the SGLang and vLLM routers (docs/serving.md, "Replicas behind a
+    # router"), not implemented
+    no_stop_trim: Annotated[bool | None, _only(False)] = None
+    return_hidden_states: Annotated[bool | None, _only(False)] = None
     # scv-jax, honoured: the most drafts per step for this request (None: the engine's k; 0: it never drafts)
     num_speculative_tokens: int | None = None
 
@@ -220,6 +224,9 @@ class ChatRequest(BaseRequest):
     mm_processor_kwargs: Annotated[_Json, _only({}, why=_MULTIMODAL)] = None
     structural_tag: Annotated[str | None, _only(why="structural tags are not implemented (use tools)")] = None
     include_reasoning: bool | None = None     # accepted: the served model does not reason
+    # SGLang's (sent by the routers, as above)
+    separate_reasoning: bool | None = None    # accepted: the served model does not reason
+    stream_reasoning: bool | None = None      # accepted: the served model does not reason
 
     def check(self) -> None:
         super().check()

@@ -227,6 +227,21 @@ def test_each_k_never_timed_at_a_batch_is_run_there_first():
     assert sorted(_steps(ctrl, True, 3, batch=16)) == [0, 2, 4]      # another bucket: timed again
 
 
+@given(st.lists(st.tuples(st.booleans(), st.floats(0.001, 0.1)), min_size=1, max_size=40))
+def test_a_step_timed_later_teaches_what_it_would_have_taught_at_once(steps):
+    """``update`` untimed then ``time_step`` (several processes: process 0's time, a step late) leaves the
+    controller as ``update`` with the time does, when the time comes before the next decision."""
+    at_once, later = AdaptiveController(allowed_k=(0, 2, 4)), AdaptiveController(allowed_k=(0, 2, 4))
+    for accepts, seconds in steps:
+        k = at_once.next_k(4)
+        assert later.next_k(4) == k
+        drafts, accepted = np.full(4, k), np.full(4, k if accepts else 0)
+        at_once.update(drafts, accepted, seconds, 4, k=k)
+        later.update(drafts, accepted, None, 4, k=k)
+        later.time_step(4, k, seconds)
+    assert np.array_equal(at_once.step_seconds(4), later.step_seconds(4), equal_nan=True)
+
+
 # ----------------------------------------------------------------- errors
 @pytest.mark.parametrize("kwargs, match", [
     ({"k_min": 5, "k_max": 2}, "k_min"),

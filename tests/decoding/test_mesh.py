@@ -149,7 +149,8 @@ def test_qwen_style_pair_on_meshes_greedy_and_sampled():
 def test_two_processes_decode_as_one_device():
     """``jax.distributed.initialize`` with 2 processes of 4 CPU devices each (gloo collectives), a (2, 4)
     mesh over all 8: both processes get the one-device tokens (process 0's one-device run: the same prompts
-    and models in each process, so the second leaves it out); logit controls are refused there (one line)."""
+    and models in each process, so the second leaves it out); logit controls are refused there (one line); an adaptive engine that process 0
+    drives runs the same steps on both (generate refuses adaptive k there)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -168,7 +169,11 @@ def test_two_processes_decode_as_one_device():
         assert (result["process"], result["devices"], result["local_devices"]) == (i, 8, 4)
         run = result["meshes"]["2,4"]
         assert run["mesh_processes"] == [[0] * 4, [1] * 4]          # "model" within a process, "data" across
-        assert result["adaptive_error"].startswith("DecoderConfig.adaptive: on a mesh over several processes")
+        # adaptive k: process 0 decides it, every process runs the same steps (each k as many times)
+        assert result["adaptive_error"].startswith("DecoderConfig.adaptive: over several processes process 0")
+        assert result["adaptive"]["k_histogram"] == results[0]["adaptive"]["k_histogram"]
+        assert len(result["adaptive"]["k_histogram"]) > 1, result["adaptive"]
+        assert result["adaptive"]["tokens"] == (None if i else expected["greedy"])
         assert result["controls_error"].startswith("add_request: SamplingParams' penalties")
         # the chunked run's engine: process 0 drives it (adding and aborting requests), process 1 follows
         assert run["tokens"] == {**expected, "chunked": None if i else expected["chunked"]}

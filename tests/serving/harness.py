@@ -7,6 +7,7 @@ import os
 import pathlib
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +16,13 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 START_TIMEOUT = 240      # loading + warm-up on 2 shared CPU cores
 STOP_TIMEOUT = 60
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ import openai
 import pytest
 
 from tests.serving.conftest import REQUEST_TIMEOUT, client
-from tests.serving.harness import ROOT, STOP_TIMEOUT, ServerProcess
+from tests.serving.harness import ROOT, STOP_TIMEOUT, ServerProcess, free_port
 
 NAME = "tiny"
 MAX_LEN = 64
@@ -25,32 +24,29 @@ PROMPTS = ["def main(", "import os\nimport sys\n", "class Foo:\n    def __init__
 ENV = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
 
 
-def _flags(checkpoint, port: int, process_id: int, dtype: str = "float32") -> list[str]:
-    return ["--model", str(checkpoint), "--draft", str(checkpoint), "--k", "2", "--served-model-name", NAME,
-            "--dtype", dtype, "--max-model-len", str(MAX_LEN), "--max-num-seqs", "2",
+def _flags(checkpoint, port: int, process_id: int, dtype: str = "float32", draft: bool = True) -> list[str]:
+    """``serve``'s flags for process ``process_id``; ``draft``: the checkpoint drafts for itself (k = 2), else
+    no drafter (fewer, cheaper steps to compile)."""
+    return ["--model", str(checkpoint), *(["--draft", str(checkpoint), "--k", "2"] if draft else []),
+            "--served-model-name", NAME, "--dtype", dtype, "--max-model-len", str(MAX_LEN), "--max-num-seqs", "2",
             "--mesh", "2,4", "--num-processes", "2", "--process-id", str(process_id),
             "--coordinator-address", f"127.0.0.1:{port}", "--heartbeat-timeout", "10"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _follower(checkpoint, port: int, log, dtype: str = "float32") -> subprocess.Popen:
+def _follower(checkpoint, port: int, log, dtype: str = "float32", draft: bool = True) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.serving.launch", "--", "serve", "--host", "127.0.0.1",
-                             "--port", "0", *_flags(checkpoint, port, 1, dtype)], cwd=ROOT, stdout=log, stderr=log,
+                             "--port", "0", *_flags(checkpoint, port, 1, dtype, draft)], cwd=ROOT, stdout=log,
+                            stderr=log,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **ENV})
 
 
-def _job(checkpoint, log_dir):
+def _job(checkpoint, log_dir, draft: bool = True):
     """(leader ServerProcess, follower Popen) of one job."""
-    port = _free_port()
+    port = free_port()
     follower_log = open(log_dir / "follower.log", "w")
-    follower = _follower(checkpoint, port, follower_log)
+    follower = _follower(checkpoint, port, follower_log, draft=draft)
     try:
-        leader = ServerProcess(_flags(checkpoint, port, 0), log_dir / "leader.log", env=ENV)
+        leader = ServerProcess(_flags(checkpoint, port, 0, draft=draft), log_dir / "leader.log", env=ENV)
     except BaseException:
         follower.kill()
         raise
@@ -97,7 +93,7 @@ def test_two_processes_serve_as_one_device(checkpoint, tokenizer, tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_follower_ends_the_stream_with_an_error_and_the_leader(checkpoint, tmp_path):
-    leader, follower = _job(checkpoint, tmp_path)
+    leader, follower = _job(checkpoint, tmp_path, draft=False)
     try:
         stream = client(leader.url).completions.create(model=NAME, prompt="def main(", max_tokens=MAX_LEN - 16,
                                                        temperature=0, stream=True)
@@ -116,7 +112,7 @@ def test_a_killed_follower_ends_the_stream_with_an_error_and_the_leader(checkpoi
 
 
 def test_a_follower_with_other_flags_is_refused(checkpoint, tmp_path):
-    port = _free_port()
+    port = free_port()
     with open(tmp_path / "follower.log", "w") as log:
         follower = _follower(checkpoint, port, log, dtype="bfloat16")
         leader = subprocess.run([sys.executable, "-m", "scv_jax", "serve", "--port", "0",

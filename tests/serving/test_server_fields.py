@@ -55,6 +55,7 @@ REFUSED = [
         ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " *"),
         ("priority", 1), ("request_id", "mine"), ("logits_processors", ["m.P"]), ("return_token_ids", True),
         ("return_tokens_as_token_ids", True), ("kv_transfer_params", {"a": 1}), ("vllm_xargs", {"a": 1}),
+        ("no_stop_trim", True), ("return_hidden_states", True),          # SGLang's, that the routers send
     ]
 ] + [(COMPLETIONS, "suffix", "end"), (COMPLETIONS, "add_special_tokens", False),
      (COMPLETIONS, "prompt_embeds", "AAAA")] + [(CHAT, field, value) for field, value in [
@@ -79,11 +80,13 @@ DEFAULTS = dict(n=1, best_of=1, echo=False, presence_penalty=0, frequency_penalt
                 response_format={"type": "text"}, repetition_penalty=1, length_penalty=1.0, use_beam_search=False,
                 min_tokens=0, skip_special_tokens=True, spaces_between_special_tokens=True, bad_words=[],
                 truncate_prompt_tokens=None, priority=0, logits_processors=[], vllm_xargs={}, user="u",
-                cache_salt="s", stream_options=None, include_stop_str_in_output=False)
+                cache_salt="s", stream_options=None, include_stop_str_in_output=False, no_stop_trim=False,
+                return_hidden_states=False)
 CHAT_DEFAULTS = dict(tools=[], tool_choice="none", functions=[], function_call="auto", parallel_tool_calls=True,
                      reasoning_effort=None, modalities=["text"], metadata={}, store=False, service_tier="auto",
                      continue_final_message=False, add_special_tokens=False, chat_template_kwargs={},
-                     include_reasoning=True, safety_identifier="s", prompt_cache_key="k")
+                     include_reasoning=True, safety_identifier="s", prompt_cache_key="k", separate_reasoning=True,
+                     stream_reasoning=True)
 
 
 def test_fields_at_their_defaults_are_accepted(server):
