@@ -83,7 +83,7 @@ def _decode(args: argparse.Namespace) -> dict:
     prompts = [[(7 * i + j) % vocab for j in range(5 + i % 4)] for i in range(args.batch)]
     config = scv_jax.DecoderConfig(k=4 if not args.dry_run else 2, max_seq_len=128, batch_buckets=(args.batch,))
     engine = scv_jax.Engine(target, draft, config=config, mesh=scv_jax.decoder_mesh(2, 1))
-    engine.warmup(args.batch, config.max_seq_len)
+    engine.warmup(args.batch, config.max_seq_len, temperatures=0.0)     # (greedy requests)
     if not engine.is_leader:
         engine.follow()
         return {}

@@ -177,7 +177,7 @@ def _adaptive(target, draft, prompts: list[list[int]]) -> tuple[dict, str]:
     except ValueError as e:
         error = str(e)
     engine = scv_jax.Engine(decoder)
-    engine.warmup(4, config.max_seq_len)    # every k before the first step (docs/mesh.md: a step compiled later hangs)
+    engine.warmup(4, config.max_seq_len, temperatures=0.0)    # every k first (docs/mesh.md: one compiled later hangs)
     run = _engine_tokens(engine, [(prompt, SamplingParams(max_tokens=MAX_NEW)) for prompt in prompts])
     return dict(tokens=run.tokens, k_histogram=engine.stats.k_histogram), error
 
