@@ -177,8 +177,9 @@ def main() -> int:
     lines += ["", "| (2, 1) mesh of 2 CPU devices | tokens/s | ms per step | vs one process | same tokens |",
               "|---|---:|---:|---:|---|"]
     for name, run in (("one process", one), ("two processes (data across them)", two)):
+        same = "yes" if run["tokens"] == one["tokens"] else "NO"
         lines.append(f"| {name} | {run['tokens_per_s']:.1f} | {run['ms_per_step']:.2f} | "
-                     f"{run['tokens_per_s'] / one['tokens_per_s']:.2f}x | {'yes' if run['tokens'] == one['tokens'] else 'NO'} |")
+                     f"{run['tokens_per_s'] / one['tokens_per_s']:.2f}x | {same} |")
     table = "\n".join(lines)
     print(table)
     if args.append:

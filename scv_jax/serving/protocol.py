@@ -4,7 +4,8 @@ OpenAI's JSON shape (``{"error": {"message", "type", "param", "code"}}``).
 Every field of OpenAI's completions and chat completions and of vLLM's extensions to them is declared:
 one this server implements is honoured; one it does not is marked ``Unsupported``: accepted at the
 values that ask for nothing (e.g. ``"echo": false``, ``"priority": 0``), a 400 naming it
-otherwise; so are the few SGLang fields that the SGLang and vLLM routers add to every request. scv-jax adds one field of its own, ``num_speculative_tokens`` (``SamplingParams``'). A field
+otherwise; so are the few SGLang fields that the SGLang and vLLM routers add to every request. scv-jax
+adds one field of its own, ``num_speculative_tokens`` (``SamplingParams``'). A field
 none of them defines is left in ``unknown_fields`` (the server refuses it, or ignores it when told to).
 """
 

@@ -149,8 +149,8 @@ def test_qwen_style_pair_on_meshes_greedy_and_sampled():
 def test_two_processes_decode_as_one_device():
     """``jax.distributed.initialize`` with 2 processes of 4 CPU devices each (gloo collectives), a (2, 4)
     mesh over all 8: both processes get the one-device tokens (process 0's one-device run: the same prompts
-    and models in each process, so the second leaves it out); logit controls are refused there (one line); an adaptive engine that process 0
-    drives runs the same steps on both (generate refuses adaptive k there)."""
+    and models in each process, so the second leaves it out); logit controls are refused there (one line); an
+    adaptive engine that process 0 drives runs the same steps on both (generate refuses adaptive k there)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
