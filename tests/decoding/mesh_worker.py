@@ -385,6 +385,8 @@ def main() -> None:
         except ValueError as error:
             result["head_error"] = str(error)
     print(json.dumps(result), flush=True)
+    if ARGS.num_processes > 1:
+        jax.distributed.shutdown()      # every process leaves the job together (its barrier) before exiting
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ SHARDED_PARAMETERS = ("blocks/attn/q/kernel", "blocks/attn/k/kernel", "blocks/at
 
 
 def _start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tests.decoding.mesh_worker", *args], cwd=ROOT, text=True,
+    return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "tests.decoding.mesh_worker", *args], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
