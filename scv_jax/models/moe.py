@@ -16,6 +16,13 @@ SwiGLU (``TransformerConfig.swiglu_limit``; ``swiglu``).
 The outputs are put back in (token, slot) order and summed with the routing weights. A token's
 output depends on that token alone, so prefill, draft scoring and verification (every forward of
 ``Transformer``) compute the same thing for it whatever else is in the batch.
+
+Expert parallelism: traced on a decoder's mesh (``scv_jax.sharding.mesh.tracing_on``) whose "model" axis
+divides the experts, each "model" shard holds E / model of them (``scv_jax.sharding.params``) and runs the
+block under ``jax.shard_map`` on the activations it already holds (replicated over "model" after the
+attention's all-reduce, so dispatch moves nothing): every token's routing, its pairs with the shard's own
+experts (the others sorted last, outside every group, and left out of the sum), and one all-reduce over
+"model" of the float32 [N, d] partial sums, the same collective as a dense MLP's.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from scv_jax.models.config import TransformerConfig
+from scv_jax.sharding.mesh import DATA, MODEL, REPLICATED, active_mesh, per_shard
 
 GPT_OSS_ALPHA = 1.702          # gpt-oss's sigmoid slope in its clamped SwiGLU
 
@@ -67,8 +76,9 @@ def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Ar
 def experts_ragged(x: jax.Array, experts: jax.Array, w: ExpertWeights, limit: float | None = None) -> jax.Array:
     """Each token's chosen experts' SwiGLU outputs, by grouped matmul.
 
-    x: [N, d]; experts: int32[N, k] (in [0, E)); ``w``: the layer's ``ExpertWeights``; ``limit``: as
-    ``swiglu``. Returns [N, k, d] (x's dtype): row (n, j) is expert ``experts[n, j]`` applied to x[n].
+    x: [N, d]; experts: int32[N, k] (in [0, E]); ``w``: the layer's ``ExpertWeights``; ``limit``: as
+    ``swiglu``. Returns [N, k, d] (x's dtype): row (n, j) is expert ``experts[n, j]`` applied to x[n]
+    (zeros where ``experts[n, j]`` is E: a pair left out, sorted after every group).
 
     The N * k (token, slot) pairs are sorted by expert, each of the three products is one
     ``jax.lax.ragged_dot`` over the sorted rows (group sizes: the number of pairs per expert, 0 for
@@ -84,10 +94,11 @@ def experts_ragged(x: jax.Array, experts: jax.Array, w: ExpertWeights, limit: fl
 
     def project(inputs: jax.Array, weight: jax.Array, bias: jax.Array | None) -> jax.Array:
         out = jax.lax.ragged_dot(inputs, weight, sizes)
-        return out if bias is None else out + bias[row_expert].astype(out.dtype)
+        return out if bias is None else out + jnp.take(bias, row_expert, axis=0, mode="clip").astype(out.dtype)
 
     hidden = swiglu(project(rows, w.gate, w.gate_bias), project(rows, w.up, w.up_bias), limit)
     out = project(hidden.astype(x.dtype), w.down, w.down_bias)   # [N * k, d], sorted by expert
+    out = jnp.where((row_expert < num_experts)[:, None], out, 0)  # pairs left out: zero, whatever a bias adds
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(num_tokens, k, -1)
 
 
@@ -103,13 +114,37 @@ def moe_forward(x: jax.Array, router: jax.Array, w: ExpertWeights, k: int, norma
                 router_bias: jax.Array | None = None, limit: float | None = None) -> jax.Array:
     """The MoE block on x [..., d] (router [d, E] and ``router_bias`` [E] or None; experts ``w`` as in
     ``experts_ragged``) -> [..., d] in x's dtype: the routing-weighted sum (float32) of each token's k
-    experts' outputs."""
+    experts' outputs. Traced on a mesh whose "model" axis divides E: expert-parallel (module docstring)."""
+    mesh, num_experts = active_mesh(), w.gate.shape[0]
+    if mesh is None or mesh.shape[MODEL] == 1 or num_experts % mesh.shape[MODEL]:
+        return partial_sum(x, router, w, k, normalize, router_bias=router_bias, limit=limit).astype(x.dtype)
+    per_model_shard = num_experts // mesh.shape[MODEL]
+
+    def shard(x: jax.Array, router: jax.Array, router_bias: jax.Array | None, w: ExpertWeights) -> jax.Array:
+        partial = partial_sum(x, router, w, k, normalize, router_bias=router_bias, limit=limit,
+                              first_expert=jax.lax.axis_index(MODEL) * per_model_shard)
+        return jax.lax.psum(partial, MODEL).astype(x.dtype)
+
+    tokens = P(DATA) if x.shape[0] % mesh.shape[DATA] == 0 else REPLICATED
+    return per_shard(shard, in_specs=(tokens, REPLICATED, REPLICATED, P(MODEL)), out_specs=tokens)(
+        x, router, router_bias, w)
+
+
+def partial_sum(x: jax.Array, router: jax.Array, w: ExpertWeights, k: int, normalize: bool, *,
+                router_bias: jax.Array | None = None, limit: float | None = None,
+                first_expert: jax.Array | int = 0) -> jax.Array:
+    """float32[..., d]: the part of ``moe_forward`` (same arguments, router [d, E] over all experts) from
+    the experts ``w`` holds, experts ``first_expert`` .. ``first_expert + len(w.gate) - 1``: each token's
+    routing-weighted sum over those of its chosen experts (all of them when ``w`` holds every expert)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, experts = _routing(flat, router, router_bias, k, normalize)
-    outputs = experts_ragged(flat, experts, w, limit)
+    held = w.gate.shape[0]
+    local = experts - first_expert
+    local = jnp.where((local >= 0) & (local < held), local, held)     # another shard's expert: left out
+    outputs = experts_ragged(flat, local, w, limit)
     combined = jnp.einsum("nk,nkd->nd", weights, outputs.astype(jnp.float32))
-    return combined.astype(x.dtype).reshape(shape)
+    return combined.reshape(shape)
 
 
 def moe_dense_reference(x: jax.Array, router: jax.Array, w: ExpertWeights, k: int, normalize: bool, *,

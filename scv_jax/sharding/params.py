@@ -5,8 +5,9 @@ all-reduces (after o and after down), which XLA's SPMD partitioner inserts from 
 attention is local to a shard's heads (gpt-oss's sinks split with them). Norms are replicated (Qwen3's q/k norms too: one scale
 shared by all heads). The embedding and the LM head are vocabulary-parallel (rows / columns split
 over "model", when the vocabulary divides) or replicated. Everything is replicated over "data".
-A mixture of experts' router and expert weights (``scv_jax.models.moe``) are replicated: every
-shard runs the whole MoE block on the (replicated) activations; no expert or tensor parallelism yet.
+A mixture of experts is expert-parallel: its experts (``experts_*`` [layers, E, ...]) are split over
+"model", E / model on each shard, and its router replicated; each shard applies its own experts to the
+tokens routed to them and one all-reduce sums the shards' parts (``scv_jax.models.moe``).
 
 KV heads: with at least as many KV heads as shards, each shard holds ``kv_heads / model`` of them;
 with fewer, each KV head is replicated ``model / kv_heads`` times (vLLM's rule) so every shard holds
@@ -34,7 +35,9 @@ _ROWS = P(None, MODEL, None)         # [layers, d_in, d_out] split by input rows
 _LAYER_SPECS = {"attn/q/kernel": _COLUMNS, "attn/k/kernel": _COLUMNS, "attn/v/kernel": _COLUMNS,
                 "attn/q/bias": P(None, MODEL), "attn/k/bias": P(None, MODEL), "attn/v/bias": P(None, MODEL),
                 "attn/sinks": P(None, MODEL), "attn/o/kernel": _ROWS, "mlp/gate/kernel": _COLUMNS, "mlp/up/kernel": _COLUMNS,
-                "mlp/down/kernel": _ROWS}
+                "mlp/down/kernel": _ROWS,
+                **{f"mlp/experts_{name}": P(None, MODEL) for name in ("gate", "up", "down", "gate_bias", "up_bias",
+                                                                        "down_bias")}}   # [layers, E, ...] by expert
 _VOCAB_SPECS = {"embed/embedding": P(MODEL, None), "lm_head/kernel": P(None, MODEL)}
 
 
@@ -64,7 +67,10 @@ class HeadLayout:
             raise ValueError(f"{who}: num_kv_heads ({kv}) cannot be split over the mesh's model axis "
                              f"({model_size}): KV heads are divided among the shards, or replicated when "
                              "fewer, so one must be a multiple of the other")
-        if not config.num_experts and config.ffn_dim % model_size:       # MoE: experts replicated
+        if config.num_experts and config.num_experts % model_size:
+            raise ValueError(f"{who}: num_experts ({config.num_experts}) must be a multiple of the mesh's model "
+                             f"axis ({model_size}) (the experts are split over it)")
+        if not config.num_experts and config.ffn_dim % model_size:
             raise ValueError(f"{who}: ffn_dim ({config.ffn_dim}) must be a multiple of the mesh's model axis "
                              f"({model_size}) (gate/up columns and down rows are split over it)")
         group = heads // kv

@@ -77,11 +77,13 @@ from tests.models.fixtures import perturbed_copy, tiny_model  # noqa: E402
 # Qwen2-style: q/k/v biases, 2 KV heads (fewer than a model axis of 4 or 8: replicated); an LM head of its
 # own (the demo pair ties theirs), so that greedy decoding of random weights does not repeat one token; and
 # gpt-oss's attention: sinks (split over "model" with their heads), an output bias, a windowed layer and a
-# full one, YaRN
+# full one, YaRN; and gpt-oss's mixture of experts (router and expert biases, the clamped SwiGLU): 8 experts,
+# split over "model" (one or two a shard)
 QWEN_TINY = TransformerConfig(vocab_size=64, num_layers=2, d_model=64, num_heads=8, num_kv_heads=2, head_dim=8,
                               ffn_dim=128, qkv_bias=True, tie_embeddings=False, attention_sinks=True,
                               attention_out_bias=True, sliding_window=6, sliding_layers=(True, False),
-                              rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=16))
+                              rope_scaling=YarnRopeScaling(factor=4.0, original_max_position_embeddings=16),
+                              num_experts=8, num_experts_per_tok=2, moe_ffn_dim=32, moe_bias=True, swiglu_limit=7.0)
 CONFIG = DecoderConfig(k=3, block_size=8, num_blocks=64, max_seq_len=64, prefill_chunk=16, batch_buckets=(4,),
                        context_buckets=(8,))
 MAX_NEW = 12
@@ -314,6 +316,8 @@ def _errors(mesh) -> dict[str, str]:
             vocab_size=64, num_heads=6, num_kv_heads=3, ffn_dim=128), seed=0), config=CONFIG, mesh=mesh),
         "ffn_dim": lambda: SpeculativeDecoder(tiny_model(TransformerConfig(
             vocab_size=64, num_heads=8, num_kv_heads=2, ffn_dim=90), seed=0), config=CONFIG, mesh=mesh),
+        "num_experts": lambda: SpeculativeDecoder(tiny_model(TransformerConfig(
+            vocab_size=64, num_heads=8, num_kv_heads=2, num_experts=6), seed=0), config=CONFIG, mesh=mesh),
         "num_blocks": lambda: SpeculativeDecoder(target, config=DecoderConfig(num_blocks=63), mesh=mesh),
         "too_many_devices": lambda: scv_jax.decoder_mesh(2, len(jax.devices())),
     }

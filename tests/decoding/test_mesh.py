@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).parents[2]
 SHARDED_PARAMETERS = ("blocks/attn/q/kernel", "blocks/attn/k/kernel", "blocks/attn/v/kernel", "blocks/attn/q/bias",
                       "blocks/attn/k/bias", "blocks/attn/v/bias", "blocks/attn/o/kernel", "blocks/mlp/gate/kernel",
                       "blocks/mlp/up/kernel", "blocks/mlp/down/kernel", "blocks/attn/sinks", "embed/embedding",
-                      "lm_head/kernel")
+                      "lm_head/kernel", *(f"blocks/mlp/experts_{name}" for name in ("gate", "up", "down", "gate_bias",
+                                                                                   "up_bias", "down_bias")))
 
 
 def _start(*args: str) -> subprocess.Popen:
@@ -127,9 +128,10 @@ def test_demo_pair_on_meshes_decodes_as_on_one_device():
 @pytest.mark.slow
 def test_qwen_style_pair_on_meshes_greedy_and_sampled():
     """q/k/v biases, an untied LM head (vocabulary-parallel), gpt-oss's attention (sinks split with their
-    heads, an output bias, a windowed and a full layer, YaRN), 2 KV heads on model axes of 8 and 4 (the
-    draft tensor-parallel too on (2, 4)); sampling with the same seed gives the one-device tokens. (A
-    data-only mesh is the demo pair's case.)"""
+    heads, an output bias, a windowed and a full layer, YaRN) and mixture of experts (8 experts split over
+    "model": expert-parallel), 2 KV heads on model axes of 8 and 4 (the draft tensor-parallel too on
+    (2, 4)); sampling with the same seed gives the one-device tokens. (A data-only mesh and a dense MLP are
+    the demo pair's case.)"""
     result = _result(_start("--pair", "qwen", "--meshes", "1,8", "2,4:model", "--sample", "--extras"))
     for spec in ("1,8", "2,4:model"):
         _check_mesh_run(result, spec, kv_heads=(2, 2))
@@ -141,6 +143,8 @@ def test_qwen_style_pair_on_meshes_greedy_and_sampled():
                                     "got ('batch', 'tensor')")
     assert "num_kv_heads (3) cannot be split over the mesh's model axis (4)" in errors["kv_heads"]
     assert "ffn_dim (90) must be a multiple of the mesh's model axis (4)" in errors["ffn_dim"]
+    assert "num_experts (6) must be a multiple of the mesh's model axis (4) (the experts are split" in \
+        errors["num_experts"]
     assert "DecoderConfig.num_blocks (63) must be a multiple of the mesh's data axis (2)" in errors["num_blocks"]
     assert "data * model = 2 * 8 = 16 devices, but only 8 are available" in errors["too_many_devices"]
 

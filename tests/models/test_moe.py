@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 import scv_jax
 from scv_jax.models import PackedTokens, Transformer, TransformerConfig
-from scv_jax.models.moe import ExpertWeights, experts_ragged, moe_dense_reference, moe_forward, route, swiglu
+from scv_jax.models.moe import (ExpertWeights, experts_ragged, moe_dense_reference, moe_forward, partial_sum, route,
+                                swiglu)
 from scv_jax.sharding.params import HeadLayout, parameter_spec, place_transformer, tensor_parallel_split
 from tests.models.fixtures import commit_prefix, tiny_model
 
@@ -68,6 +69,29 @@ def test_ragged_moe_equals_dense_reference(n, d, f, e, data, routing, normalize,
                                               normalize=normalize, limit=1.0 if gpt_oss else None))
     assert got.shape == (n, d)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(1.0, np.abs(want).max()))
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 9), shards=st.sampled_from([1, 2, 3, 4]), per_shard=st.integers(1, 3), data=st.data(),
+       gpt_oss=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_expert_parallel_parts_sum_to_the_whole_block(n, shards, per_shard, data, gpt_oss, seed):
+    """Expert parallelism's arithmetic (what each "model" shard computes before the all-reduce): the
+    ``partial_sum`` of each shard's experts (``first_expert`` = shard * E / shards), summed over the
+    shards, is ``moe_forward`` on every expert; a shard whose experts no token chose adds exactly zero."""
+    e = shards * per_shard
+    k = data.draw(st.integers(1, e), label="k")
+    x, router, router_bias, w = _weights(seed, n, 6, 4, e, biases=gpt_oss)
+    options = dict(router_bias=router_bias, limit=1.0 if gpt_oss else None)
+    whole = np.asarray(moe_forward(jnp.asarray(x), router, w, k, True, **options))
+    parts = [np.asarray(partial_sum(jnp.asarray(x), router, ExpertWeights(*(None if a is None else
+                                                                           a[s * per_shard:(s + 1) * per_shard]
+                                                                           for a in w)),
+                                    k, True, **options, first_expert=s * per_shard)) for s in range(shards)]
+    np.testing.assert_allclose(sum(parts), whole, rtol=2e-5, atol=2e-5 * max(1.0, np.abs(whole).max()))
+    _, chosen = route(jnp.asarray(x) @ router + (0 if router_bias is None else router_bias), k, True)
+    for s, part in enumerate(parts):
+        if not np.any((np.asarray(chosen) >= s * per_shard) & (np.asarray(chosen) < (s + 1) * per_shard)):
+            assert not part.any()
 
 
 @settings(max_examples=20, deadline=None)
@@ -137,14 +161,20 @@ def test_moe_model_paged_and_packed_forwards_give_the_full_logits():
     np.testing.assert_allclose(np.asarray(out.logits)[1:-1][::-1], full[7:], rtol=1e-4, atol=1e-4)
 
 
-def test_moe_parameters_are_replicated_on_a_mesh():
-    """The sharding code accepts a MoE model: router and experts replicated (``parameter_spec``), the
-    laid-out model computes the same logits, and its parameters can be placed on a mesh."""
-    odd = TransformerConfig(**{**MOE.to_dict(), "ffn_dim": 90, "num_kv_heads": 4})      # ffn_dim unused by MoE
-    HeadLayout.split(odd, 4, "test")
-    for name in ("blocks/mlp/router/kernel", "blocks/mlp/experts_gate", "blocks/mlp/experts_down"):
-        assert parameter_spec(name, MOE, 2, vocab_parallel=True) == P()
-    model = tiny_model(MOE, seed=1)
+def test_moe_experts_are_split_over_the_model_axis():
+    """The sharding code accepts a MoE model: experts split over "model" by expert, router replicated
+    (``parameter_spec``; a number of experts the axis does not divide is refused naming it), the laid-out
+    model computes the same logits, and its parameters can be placed on a mesh. (Decoding on meshes:
+    tests/decoding/test_mesh.py's qwen-style pair, a gpt-oss-style MoE.)"""
+    odd = TransformerConfig(**{**MOE.to_dict(), "ffn_dim": 90, "num_kv_heads": 5, "num_heads": 5})   # ffn_dim unused
+    HeadLayout.split(odd, 5, "test")
+    with pytest.raises(ValueError, match=r"^test: num_experts \(5\) must be a multiple of the mesh's model axis "
+                                         r"\(2\) \(the experts are split over it\)$"):
+        HeadLayout.split(MOE, 2, "test")
+    assert parameter_spec("blocks/mlp/router/kernel", MOE, 5, vocab_parallel=True) == P()
+    for name in ("blocks/mlp/experts_gate", "blocks/mlp/experts_down", "blocks/mlp/experts_down_bias"):
+        assert parameter_spec(name, MOE, 5, vocab_parallel=True) == P(None, "model")
+    model = tiny_model(TransformerConfig(**{**MOE.to_dict(), "num_experts": 4}), seed=1)
     laid_out = nnx.merge(*tensor_parallel_split(model, 2, "test"))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 32, (2, 5)), jnp.int32)
     np.testing.assert_allclose(np.asarray(laid_out(tokens)), np.asarray(model(tokens)), rtol=2e-5, atol=2e-5)
