@@ -270,10 +270,13 @@ def _check_commit(kernel: str, sizes: Sizes, layout: str, cache_dtype: str, scal
     return "bit-exact"
 
 
-def _check_attention(kernel: str, sizes: Sizes, layout: str, cache_dtype: str, scale_mode, q_dtype: str) -> str:
+def _check_attention(kernel: str, sizes: Sizes, layout: str, cache_dtype: str, scale_mode, q_dtype: str,
+                     sinks: bool = False) -> str:
     batch, context, tokens = sizes.check_attention_size
     inputs = bench_attention.make_inputs(sizes.attention_shape, batch, context, tokens, cache_dtype, layout=layout,
                                          scale_mode=scale_mode, q_dtype=jnp.dtype(q_dtype), ragged=True, seed=7)
+    if sinks:   # gpt-oss: a sink logit per query head, N(0, 4)
+        inputs["sinks"] = 2 * jax.random.normal(jax.random.key(8), inputs["q"].shape[2:3], jnp.float32)
     got = np.asarray(scv_jax.paged_attention(**inputs, backend=kernel), np.float32)
     # The reference's float32 products in float32: XLA's default precision runs them as TF32 on a GPU
     # (~1e-3 relative), coarser than the kernel's hi/lo-split products.
@@ -312,6 +315,8 @@ def native_checks(kernel: str, sizes: Sizes) -> list[dict]:
     for config in sizes.attention_checks:
         checks.append(("attention {} {} scale={} q={}".format(*config),
                        lambda config=config: _check_attention(kernel, sizes, *config)))
+    checks.append(("attention NHD bfloat16 scale=None q=bfloat16 sinks",
+                   lambda: _check_attention(kernel, sizes, "NHD", "bfloat16", None, "bfloat16", sinks=True)))
     results = []
     for name, check in checks:
         if sizes.checks is not None and name not in sizes.checks:

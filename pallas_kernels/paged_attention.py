@@ -54,8 +54,10 @@ Design (Hopper, tensor cores, one warpgroup per CTA):
     the chain (no ``tree_bits``) compiles exactly as before. Not with a sliding window (there the key
     offsets would be depths). To do once timed: TMA the words instead of scalar loads.
   * **Combine.** One XLA fusion merges the splits' partials (max of m, exp2-weighted sums of l and
-    acc), divides and unpacks the rows to ``[B, T, heads, head_dim]`` in q's dtype. The partials hold
-    only the real rows (T * G rounded up to 8), staged through SMEM and written with one TMA copy, so
+    acc), divides and unpacks the rows to ``[B, T, heads, head_dim]`` in q's dtype. Attention sinks
+    (gpt-oss: one more logit per query head, of value zero) join there: the sink is one more term of
+    the max and of the denominator, and adds nothing to acc, so the kernel body never sees them. The
+    partials hold only the real rows (T * G rounded up to 8), staged through SMEM and written with one TMA copy, so
     they stay small next to the K/V read.
 
 Supported (``unsupported_reason``): head_dim 64, 128, 192 or 256 (rows of 128-byte multiples; Mosaic
@@ -491,12 +493,20 @@ def _pack_extra(staged: jax.Array | None, staged_lens: jax.Array, new: jax.Array
     return jnp.stack(bf16_parts(extra.transpose(0, 2, 1, 3), plan.extra_terms), axis=2)
 
 
-def _combine(out: jax.Array, m: jax.Array, l: jax.Array, plan: Plan, dtype) -> jax.Array:
-    """Merges the splits' partials and unpacks the rows to [B, T, heads, d] in ``dtype``."""
+def _combine(out: jax.Array, m: jax.Array, l: jax.Array, plan: Plan, dtype, sinks: jax.Array | None) -> jax.Array:
+    """Merges the splits' partials (and the ``sinks`` [heads], or None) and unpacks the rows to
+    [B, T, heads, d] in ``dtype``."""
     if plan.row_blocks == 1:
         m, l = m[..., :plan.rows_out], l[..., :plan.rows_out]
-    weight = jnp.exp2(m - m.max(axis=2, keepdims=True))                      # [B, kv, splits, rows]
+    top = m.max(axis=2)                                                      # [B, kv, rows]
+    if sinks is not None:   # row r holds query head kv * G + r % G; the kernel's logits are in base 2
+        sink_rows = (sinks.astype(jnp.float32) * LOG2E).reshape(plan.kv_heads, plan.group)[
+            :, np.arange(m.shape[-1]) % plan.group]                          # [kv, rows]
+        top = jnp.maximum(top, sink_rows)
+    weight = jnp.exp2(m - top[:, :, None])                                   # [B, kv, splits, rows]
     norm = (l * weight).sum(axis=2)
+    if sinks is not None:
+        norm = norm + jnp.exp2(sink_rows - top)
     acc = (out * weight[..., None]).sum(axis=2)
     rows = acc / jnp.where(norm > 0, norm, 1.0)[..., None]                 # [B, kv, rows, d]
     batch = rows.shape[0]
@@ -510,8 +520,8 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            staged_values: jax.Array | None, staged_lens: jax.Array | None,
                            new_keys: jax.Array, new_values: jax.Array, *, layout: str,
                            scale_mode: str | None, sliding_window: int | None = None,
-                           tree_bits: jax.Array | None = None, num_splits: int | None = None,
-                           interpret: bool = False) -> jax.Array:
+                           tree_bits: jax.Array | None = None, sinks: jax.Array | None = None,
+                           num_splits: int | None = None, interpret: bool = False) -> jax.Array:
     """Attention of ``q`` over the paged cache, the staged entries and the new tokens (causal).
 
     Args:
@@ -530,6 +540,7 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       tree_bits: None (the chain: new token n <= t is visible to query t), or int32[B, T, words]: query
         t sees new token n iff bit n % 32 of word n // 32 is set (``tree_mask.ancestor_bits``); not with
         ``sliding_window``.
+      sinks: None, or [heads] float: head h's softmax has one more logit, ``sinks[h]``, whose value is zero.
       num_splits: split-K factor (None: chosen from the shapes, see ``make_plan``).
     Returns:
       [B, T, heads, head_dim] in q's dtype.
@@ -565,4 +576,4 @@ def paged_attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         interpret=interpret_params(interpret),
     )(layer, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32), staged_lens, *scales, *tree,
       _pack_queries(q, plan), k_pages, v_pages, extra_k, extra_v)
-    return _combine(out, m, l, plan, q.dtype)
+    return _combine(out, m, l, plan, q.dtype, sinks)

@@ -28,16 +28,15 @@ OP = "paged_attention"
 INPUT_DTYPES: tuple[np.dtype, ...] = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
-def _kernel_unsupported(*, sinks: bool = False, **facts: Any) -> str:
-    if sinks:
-        return "attention sinks (the kernel's softmax has no extra logit per head yet)"
+def _kernel_unsupported(**facts: Any) -> str:
     from pallas_kernels.paged_attention import unsupported_reason
     return unsupported_reason(**facts)
 
 
 def _attention_kernel(q, cache: PagedKVCache, layer, block_tables, context_lens, staged_keys, staged_values,
                       staged_lens, new_keys, new_values, *, sliding_window: int | None,
-                      new_token_parents: jax.Array | None = None, sinks: None = None, interpret: bool) -> jax.Array:
+                      new_token_parents: jax.Array | None = None, sinks: jax.Array | None = None,
+                      interpret: bool) -> jax.Array:
     from pallas_kernels.paged_attention import paged_attention_kernel, precise_products
     extra = (staged_keys, staged_values, new_keys, new_values)
     precise = precise_products(q.dtype, cache.dtype, tuple(x.dtype for x in extra if x is not None))
@@ -53,7 +52,7 @@ def _attention_kernel(q, cache: PagedKVCache, layer, block_tables, context_lens,
                                   layout=cache.layout, scale_mode=cache.scale_mode, sliding_window=sliding_window,
                                   tree_bits=None if new_token_parents is None else ancestor_bits(
                                       ancestor_mask(new_token_parents)),
-                                  interpret=interpret)
+                                  sinks=sinks, interpret=interpret)
 
 
 registry.register(OP, registry.Implementation("pallas", _attention_kernel, _kernel_unsupported),
@@ -119,7 +118,7 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
         In the decoder's layout the pending token is new token 0 (parent -1) and tree node i is new
         token i + 1 with parent ``tree_parents[i] + 1``.
       sinks: None, or [heads] float32/float16/bfloat16: each query head's sink logit (attention sinks;
-        the XLA path only).
+        every implementation).
       backend: "auto", "pallas", "xla" or "interpret" (``scv_jax.ops.registry``).
     Returns:
       [B, T, heads, head_dim] in q's dtype. Padded requests (context 0, no staged entries, any block
@@ -175,7 +174,7 @@ def paged_attention(q, cache: PagedKVCache, layer, block_tables, context_lens, *
     impl = registry.select(OP, backend, head_dim=head_dim, block_size=cache.block_size, layout=cache.layout,
                            scale_mode=cache.scale_mode, cache_dtype=cache.dtype, q_dtype=np.dtype(jnp.result_type(q)),
                            extra_dtypes=extra_dtypes, kv_heads=kv_heads, tree=new_token_parents is not None,
-                           sliding_window=sliding_window, sinks=sinks is not None)
+                           sliding_window=sliding_window)
     if batch == 0 or tokens == 0:
         return jnp.zeros(np.shape(q), jnp.result_type(q))
     as_jax = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731

@@ -180,7 +180,8 @@ def cases(draw, kernel: bool = False) -> Case:
         batch=draw(st.integers(1, 3)), tokens=draw(st.integers(1, 9)),
         staged=draw(st.sampled_from([None, 0, 1, 4, 8])), max_blocks=draw(st.integers(0, 128 // block_size)),
         q_dtype=draw(st.sampled_from(["bfloat16", "float32", "float16"])),
-        window=draw(st.sampled_from([None, None, 1, 5, 40])), seed=draw(st.integers(0, 2**31)))
+        window=draw(st.sampled_from([None, None, 1, 5, 40])), sinks=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31)))
 
 
 @settings(max_examples=12)
@@ -197,11 +198,8 @@ def test_xla_with_sinks_matches_oracle(case):
     check(dataclasses.replace(case, sinks=True), "xla")
 
 
-def test_sinks_take_the_xla_path_and_bad_sinks_are_named():
+def test_bad_sinks_are_named():
     inputs = make_inputs(Case(sinks=True))
-    check(Case(sinks=True), "auto")
-    with pytest.raises(ValueError, match="attention sinks"):
-        scv_jax.paged_attention(**inputs, backend="interpret")
     with pytest.raises(ValueError, match="sinks must be \\[heads\\]"):
         scv_jax.paged_attention(**{**inputs, "sinks": jnp.zeros(3)}, backend="xla")
 
@@ -244,22 +242,24 @@ def test_kernel_matches_oracle_random(backend, case):
 
 
 # Hand-picked: every layout, cache dtype and scale mode, G 1/4/8, head_dim 64/128, block sizes 8..128,
-# T 1/5/9 (T * G = 72 takes two row blocks), staged 0..k, no staging buffer, float32 (hi/lo products).
+# T 1/5/9 (T * G = 72 takes two row blocks), staged 0..k, no staging buffer, float32 (hi/lo products),
+# attention sinks (merged with the partials).
 KERNEL_CASES = [
     Case("NHD", "bfloat16", None, 16, 2, 4, 128, tokens=5, staged=4),
-    Case("HND", "bfloat16", None, 32, 1, 8, 64, tokens=9, staged=8, max_blocks=3),
+    Case("HND", "bfloat16", None, 32, 1, 8, 64, tokens=9, staged=8, max_blocks=3, sinks=True),
     Case("NHD", "float8_e4m3fn", "token_head", 16, 2, 1, 64, tokens=1, staged=None),
     Case("HND", "float8_e5m2", "head", 8, 2, 4, 64, tokens=9, staged=1, max_blocks=9),
     Case("NHD", "float8_e4m3fn", "tensor", 64, 1, 4, 128, tokens=3, staged=0, max_blocks=2, q_dtype="float32"),
     Case("HND", "float16", None, 128, 2, 2, 64, tokens=2, staged=3, max_blocks=1),
     Case("NHD", "float32", None, 16, 1, 4, 64, tokens=4, staged=2, q_dtype="float32"),
     Case("HND", "float8_e4m3fn", "token_head", 16, 2, 4, 64, tokens=5, staged=4, max_blocks=9, window=70),
-    Case("NHD", "bfloat16", None, 8, 1, 8, 64, tokens=9, staged=3, max_blocks=12, window=6),
+    Case("NHD", "bfloat16", None, 8, 1, 8, 64, tokens=9, staged=3, max_blocks=12, window=6, sinks=True),
 ]
 
 
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c.layout}-{c.cache_dtype}-{c.scale_mode}-"
-                         f"b{c.block_size}g{c.group}d{c.head_dim}t{c.tokens}w{c.window}-{c.q_dtype}")
+                         f"b{c.block_size}g{c.group}d{c.head_dim}t{c.tokens}w{c.window}-{c.q_dtype}"
+                         + ("-sinks" if c.sinks else ""))
 @with_kernel
 def test_kernel_cases(backend, case):
     assert kernel_supports(case)
@@ -268,12 +268,13 @@ def test_kernel_cases(backend, case):
 
 @with_kernel
 def test_kernel_split_k_matches_oracle(backend):
-    """Split-K partials (including empty splits of short requests) combine to the one-split result (the
-    kernel itself takes in-flight K/V as they are: the op rounds them first, ``in_flight_kv``)."""
+    """Split-K partials (including empty splits of short requests) combine to the one-split result, with
+    and without attention sinks (the kernel itself takes in-flight K/V as they are: the op rounds them
+    first, ``in_flight_kv``)."""
     from pallas_kernels.paged_attention import paged_attention_kernel
-    for window in (None, 100):
+    for window, sinks in ((None, False), (100, True)):
         case = Case("NHD", "float8_e4m3fn", "token_head", 16, 1, 4, 64, batch=2, tokens=2, staged=2, max_blocks=12,
-                    q_dtype="float32", window=window)
+                    q_dtype="float32", window=window, sinks=sinks)
         inputs = make_inputs(case)
         cache, layer = inputs["cache"], inputs["layer"]
         staged_keys, staged_values, new_keys, new_values = in_flight_kv(
@@ -282,7 +283,7 @@ def test_kernel_split_k_matches_oracle(backend):
                 inputs["block_tables"], inputs["context_lens"], staged_keys, staged_values, inputs["staged_lens"],
                 new_keys, new_values)
         split = paged_attention_kernel(*args, layout=case.layout, scale_mode=case.scale_mode, sliding_window=window,
-                                       num_splits=3, interpret=backend == "interpret")
+                                       sinks=inputs.get("sinks"), num_splits=3, interpret=backend == "interpret")
         np.testing.assert_allclose(np.asarray(split), oracle(inputs), atol=1e-4)
 
 
