@@ -162,7 +162,7 @@ class Engine:
         self.progress = progress
         proposer = runner.proposer
         batch = RequestBatch(largest, cfg.max_seq_len + runner.step_ks[-1] + 2, cfg.block_size, cfg.max_blocks_per_seq,
-                             runner.pool.shards, runner.prefix_root, proposer.lookahead)
+                             runner.pool.shards, runner.prefix_root, proposer.lookahead, runner.kv_span)
         grammars = None
         if tokenizer is not None:
             to_json = getattr(tokenizer, "to_json", None) or getattr(tokenizer, "to_str", None)

@@ -97,13 +97,17 @@ class RequestBatch:
         from the request's pool as its positions need them (``ensure``), the first ones possibly cached
         blocks of its prefix; shards: int64[S] the data shard of each request's pool, ``pools[shard]``
         (0 on one device).
+      span: the farthest back any layer of the models attends (their largest sliding window, when every
+        layer has one), or None; released: int64[S] each request's first blocks, outside every layer's
+        window from its next query on, that it gave back to its pool (``release_behind``; -1 in
+        ``blocks``).
       prefix_root: the hash block hashes chain from (``block_pool.prefix_root``), None when prefix
         caching is off; hashes: each row's chained hashes of its blocks cached so far (``register``);
         lookahead: the tokens after a block hashed with it (``block_pool.chain_hashes``; an EAGLE head's: 1).
     """
 
     def __init__(self, num_slots: int, capacity: int, block_size: int, max_blocks: int, pools: Sequence[BlockPool],
-                 prefix_root: bytes | None = None, lookahead: int = 0):
+                 prefix_root: bytes | None = None, lookahead: int = 0, span: int | None = None):
         self.tokens = np.zeros((num_slots, capacity), np.int32)
         self.length, self.prompt_len, self.budget = (np.zeros(num_slots, np.int64) for _ in range(3))
         self.lag = np.ones(num_slots, np.int64)
@@ -115,6 +119,8 @@ class RequestBatch:
         self.may_lag = False
         self.blocks = np.full((num_slots, max_blocks), -1, np.int32)
         self.num_blocks = np.zeros(num_slots, np.int64)
+        self.span = span
+        self.released = np.zeros(num_slots, np.int64)
         self.shards = np.zeros(num_slots, np.int64)
         self.pools = list(pools)
         self.prefix_root = prefix_root
@@ -210,13 +216,32 @@ class RequestBatch:
     def finish(self, rows: np.ndarray) -> None:
         """Ends (or preempts) the requests of ``rows``: their blocks go back to the pool, the rows are free."""
         for row in rows.tolist():
-            count = int(self.num_blocks[row])
-            self.pools[self.shards[row]].free(self.blocks[row, :count].tolist())
+            count, released = int(self.num_blocks[row]), int(self.released[row])
+            self.pools[self.shards[row]].free(self.blocks[row, released:count].tolist())
             self.blocks[row, :count] = -1
-            self.num_blocks[row] = 0
+            self.num_blocks[row] = self.released[row] = 0
             self.controls[row] = None
             self.hashes[row] = []
         self.active = self.active[~np.isin(self.active, rows)]
+
+    def release_behind(self, rows: np.ndarray, first_query: np.ndarray) -> None:
+        """Gives back to their pools the blocks of ``rows`` that hold only positions no query from
+        ``first_query`` (int64[len(rows)], the lowest position any cache of each request has yet to fill) on
+        attends to: those before every layer's window (``span``); with prefix caching, only blocks already
+        cached, which stay cached until the pool needs them. No-op when some layer attends to every
+        earlier position (``span`` None)."""
+        if self.span is None:
+            return
+        dead = np.maximum(first_query - self.span + 1, 0) // self._block_size
+        for row, upto in zip(rows.tolist(), dead.tolist()):
+            if self.prefix_root is not None:
+                upto = min(upto, len(self.hashes[row]))
+            start = int(self.released[row])
+            if upto <= start:
+                continue
+            self.pools[self.shards[row]].free(self.blocks[row, start:upto].tolist())
+            self.blocks[row, start:upto] = -1
+            self.released[row] = upto
 
     def register(self, rows: np.ndarray, committed: np.ndarray) -> None:
         """Caches the blocks of ``rows`` now full of verified tokens in every cache (those below

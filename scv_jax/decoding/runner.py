@@ -66,6 +66,21 @@ def is_temperature(value: Any) -> bool:
     return isinstance(value, (int, float, np.floating)) and math.isfinite(value) and value >= 0
 
 
+def kv_span(target, draft_model) -> int | None:
+    """How far back (in positions) any layer of ``target`` and of ``draft_model`` (a draft model or an EAGLE
+    head sharing its block tables, or None) attends: their largest sliding window when every layer of both
+    has one (``config.layer_windows``), else None (some layer attends to every earlier position)."""
+    spans = []
+    for model in (target, draft_model):
+        if model is None:
+            continue
+        windows = getattr(model.config, "layer_windows", None)
+        if not windows or None in windows:
+            return None
+        spans.append(max(windows))
+    return max(spans)
+
+
 class PendingStep(NamedTuple):
     """A dispatched decode step: its work, batch layout, device outputs and timestamps."""
 
@@ -83,7 +98,8 @@ class StepRunner:
 
     ``target``: a ``PagedModel``; ``draft_model``: the draft model or None; ``proposer``: the drafter's
     host half (its static k values and verifier); ``vocab_size``; ``max_position_embeddings``: the
-    models' context (None: unknown); ``mesh``/``sharding``: as ``SpeculativeDecoder``.
+    models' context (None: unknown); ``mesh``/``sharding``: as ``SpeculativeDecoder``. ``kv_span``: how
+    far back any layer attends (``kv_span``), or None.
     """
 
     def __init__(self, target, draft_model, proposer: Proposer, config: DecoderConfig, *, vocab_size: int,
@@ -111,6 +127,7 @@ class StepRunner:
         self.caches = ModelCaches(cfg.num_blocks, cfg.block_size, cfg.cache_dtype, target_placed.cache_dims,
                                   draft_placed.cache_dims, factory=self.placement.new_cache,
                                   draft_features=(draft_model.config.d_model, draft_model.config.dtype) if head else None)
+        self.kv_span = kv_span(target, draft_model)
         self.step_ks = proposer.step_ks
         self.packed_ks = self._packed_draft_counts()
         if head:

@@ -386,7 +386,8 @@ class Scheduler:
     def prefill(self) -> PrefillWork | None:
         """This step's prompt chunks: the requests being prefilled, in admission order, each the rest of
         its prompt or as many whole ``prefill_chunk``s as the step's budget has room for; None when none
-        is being prefilled. Counts the chunks as computed, allocates their blocks and caches those they fill."""
+        is being prefilled. Counts the chunks as computed, allocates their blocks and caches those they fill;
+        gives back those no query from the chunks on attends to (``RequestBatch.release_behind``)."""
         state = self.batch
         rows = state.prefilling
         if not rows.size:
@@ -405,6 +406,8 @@ class Scheduler:
         state.computed[rows] += work.count
         state.ensure(rows, state.computed[rows])
         state.register(rows, state.computed[rows])
+        state.release_behind(rows, np.minimum(work.begin,
+                                              self.proposer.committed(state.length[rows], state.lag[rows])))
         return work
 
     # ------------------------------------------------------------------ a step
@@ -665,6 +668,8 @@ class Scheduler:
         state.may_lag |= step_k == 0
         outputs = self._outputs(work, requests, appended, done, stopped, result)
         self._register(rows)
+        state.release_behind(rows, np.minimum(state.computed[rows],
+                                              self.proposer.committed(state.length[rows], state.lag[rows])))
         if work.kind in self._controllers:
             # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
             # a short one) as a rejection at that position: E(k) is then what a step of k really emits

@@ -173,6 +173,22 @@ def test_greedy_generation_matches_transformers(name):
     assert 0.0 < out.stats.acceptance_rate < 1.0
 
 
+@pytest.mark.slow
+def test_blocks_outside_every_window_are_given_back():
+    """Mistral attends within 12 positions on every layer (its draft, a copy, too): a request's blocks
+    wholly before its next queries' windows go back to the pool, so two requests of 46 tokens (7 blocks of 8
+    each) run side by side in 10 blocks with no preemption, twice (the second time from the prefix cache,
+    whose released blocks stay cached until the pool needs them), and still give transformers' tokens."""
+    target = model("mistral")
+    decoder = SpeculativeDecoder(target, perturbed_copy(target, noise=0.1),
+                                 config=DecoderConfig(**{**vars(DECODE), "num_blocks": 10}))
+    assert decoder.runner.kv_span == 12
+    for _ in range(2):
+        out = decoder.generate(expected("mistral")["prompts"], NEW_TOKENS)
+        assert out.tokens == expected("mistral")["continuations"]
+        assert out.stats.num_preemptions == 0
+
+
 prompt_lists = st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), min_size=2, max_size=2)
 
 

@@ -313,6 +313,31 @@ def test_stale_non_finite_bytes_past_the_context_stay_out(backend):
         np.testing.assert_allclose(got, oracle(inputs), **tolerance(case, backend))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # masked inf scores (interpret)
+@pytest.mark.parametrize("backend", ["xla", KERNEL])
+def test_blocks_before_every_window_may_hold_anything(backend):
+    """With a sliding window, a request's blocks wholly before its first query's window (the engine gives
+    them back to the pool: ``RequestBatch.release_behind``) may point at any block holding anything (here
+    one NaN/inf block no request uses): the output is the one over the original table."""
+    case = Case("NHD", "bfloat16", None, 16, 2, 4, 64, batch=3, tokens=3, staged=2, max_blocks=6, window=20, seed=3)
+    inputs = make_inputs(case)
+    cache = inputs["cache"]
+    tables, context = np.asarray(inputs["block_tables"]), np.asarray(inputs["context_lens"])
+    first_query = context + np.asarray(inputs["staged_lens"])
+    dead = np.arange(case.max_blocks)[None] < ((first_query - case.window + 1) // case.block_size)[:, None]
+    assert dead.sum() >= 4
+    spare = int(np.setdiff1d(np.arange(case.num_blocks), tables)[0])        # a block in no table
+    poisoned = {n: np.asarray(getattr(cache, n)).copy() for n in ("k_pages", "v_pages")}
+    for pages in poisoned.values():
+        pages[:, spare] = np.inf
+        pages[:, spare, ::2] = np.nan
+    moved = {**inputs, "cache": cache.replace(**{n: jnp.asarray(p) for n, p in poisoned.items()}),
+             "block_tables": jnp.asarray(np.where(dead, spare, tables), jnp.int32)}
+    got = np.asarray(scv_jax.paged_attention(**moved, backend=backend), np.float64)
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, oracle(inputs), **tolerance(case, backend))
+
+
 @pytest.mark.parametrize("backend", ["xla", KERNEL])
 def test_bad_data_is_clamped_and_finite(backend):
     """Block ids outside the cache, negative and oversized lengths, -1 tables: clamped, never NaN."""
