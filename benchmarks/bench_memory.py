@@ -10,24 +10,31 @@ at once; the benchmark runs that admission as a cap on the running requests (``m
 
     python benchmarks/bench_memory.py --append
 
+``--window W``: both models attend within W positions on every layer (the demo pair's weights; the
+tokens differ from the full models'), and the requests end after 300-400 tokens: blocks kept for a
+request's whole context against blocks behind every window given back (``RequestBatch.release_behind``),
+both on demand, on one decoder.
+
 ``--dry-run``: 6 requests of 8 tokens on a small pool, nothing appended (a check that the script runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
 
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scv_jax import DecoderConfig, Engine, SamplingParams, SpeculativeDecoder  # noqa: E402
 from scv_jax.demo.e2e import benchmark_prompts  # noqa: E402
 from scv_jax.demo.report import append_markdown, results_header  # noqa: E402
-from scv_jax.models import load_demo  # noqa: E402
+from scv_jax.models import Transformer, load_demo  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
 BLOCK_SIZE = DecoderConfig.block_size
@@ -40,6 +47,13 @@ def workload(num: int, max_tokens: int, stop: tuple[int, int], seed: int) -> lis
     prompts = [p[:n] for p, n in zip(benchmark_prompts(num, 64, seed=seed), lengths.tolist())]
     ends = rng.integers(stop[0], stop[1] + 1, num)
     return [(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True), int(e)) for p, e in zip(prompts, ends)]
+
+
+def windowed(model: Transformer, window: int) -> Transformer:
+    """``model``'s weights, every layer attending within ``window`` positions."""
+    copy = Transformer(dataclasses.replace(model.config, sliding_window=window, sliding_layers=None), rngs=nnx.Rngs(0))
+    nnx.update(copy, nnx.state(model))
+    return copy
 
 
 def run(engine: Engine, requests, max_steps: int) -> dict[str, float]:
@@ -75,24 +89,34 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--window", type=int, default=None,
+                        help="every layer attends within this many positions: blocks kept vs given back")
     parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args()
-    stop = (80, 120)
+    stop = (80, 120) if args.window is None else (300, 400)
     if args.dry_run:
         args.num_requests, args.max_tokens, args.pool_requests, args.max_num_seqs, stop = 6, 24, 2, 4, (6, 8)
+        args.window = args.window and 8
     max_len = 64 + args.max_tokens
     worst = -(-max_len // BLOCK_SIZE)
     num_blocks = args.pool_requests * worst
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 32) if b < args.max_num_seqs) + (args.max_num_seqs,)
     target, draft = load_demo()
+    if args.window is not None:
+        target, draft = windowed(target, args.window), windowed(draft, args.window)
     config = DecoderConfig(k=args.k, num_blocks=num_blocks, max_seq_len=max_len, batch_buckets=buckets)
     decoder = SpeculativeDecoder(target, draft, config=config)
     requests = workload(args.num_requests, args.max_tokens, stop, args.seed)
-    modes = {f"reserved up front ({args.pool_requests} at once)": args.pool_requests,
-             f"on demand (max_num_seqs {args.max_num_seqs})": args.max_num_seqs}
-    rows = []
-    for name, cap in modes.items():
+    if args.window is None:      # mode: (max_num_seqs, the blocks behind the windows given back)
+        modes = {f"reserved up front ({args.pool_requests} at once)": (args.pool_requests, False),
+                 f"on demand (max_num_seqs {args.max_num_seqs})": (args.max_num_seqs, False)}
+    else:
+        modes = {f"window {args.window}, every block kept": (args.max_num_seqs, False),
+                 f"window {args.window}, blocks behind it given back": (args.max_num_seqs, True)}
+    span, rows = decoder.runner.kv_span, []
+    for name, (cap, release) in modes.items():
+        decoder.runner.kv_span = span if release else None      # what a new Engine's requests release by
         figures = run(Engine(decoder, max_num_seqs=cap), requests, max_steps=100_000)
         print(f"{name}: {figures}", file=sys.stderr, flush=True)
         rows.append(f"| {name} | {figures['most']} | {figures['mean']:.1f} | {figures['preemptions']} | "
@@ -100,12 +124,15 @@ def main() -> None:
     table = ("| mode | running at most | running, mean over steps | preemptions | output tokens | "
              "output tok/s (compiles excluded) | wall s | of it compiling s |\n|---|---|---|---|---|---|---|---|\n"
              + "\n".join(rows))
+    pair = "demo pair" if args.window is None else f"demo pair's weights, every layer windowed (W = {args.window})"
     text = (f"{args.num_requests} requests (prompts 16-64 tokens) asking for max_tokens {args.max_tokens}, each ending "
             f"after {stop[0]}-{stop[1]} tokens; a pool of {num_blocks} blocks of {BLOCK_SIZE} = {args.pool_requests} "
-            f"worst cases; demo pair, draft model k = {args.k}, greedy.\n\n{table}\n")
+            f"worst cases; {pair}, draft model k = {args.k}, greedy.\n\n{table}\n")
     print(text)
     if args.append and not args.dry_run:
-        append_markdown(RESULTS, results_header("KV blocks on demand vs reserved up front (bench_memory.py)",
+        title = ("KV blocks on demand vs reserved up front" if args.window is None
+                 else "Blocks behind every sliding window given back")
+        append_markdown(RESULTS, results_header(f"{title} (bench_memory.py)",
                                                 "python benchmarks/bench_memory.py " + " ".join(sys.argv[1:])) + text)
 
 

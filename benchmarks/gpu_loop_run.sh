@@ -53,7 +53,9 @@ fi
 step host_step 60 env JAX_PLATFORMS=cpu "$PY" bench_host_step.py "${host_args[@]}" "${append[@]}"
 step controller 40 "$PY" bench_controller.py "${controller_args[@]}" "${append[@]}"
 step e2e_model 150 env JAX_PLATFORMS=$device "$PY" bench_e2e.py "${e2e_args[@]}" "${append[@]}"
-step e2e_ngram 110 env JAX_PLATFORMS=$device "$PY" bench_e2e.py --ngram "${e2e_args[@]}" "${append[@]}"
+if [ "$DRY" != 1 ]; then      # (the dry run checks bench_e2e once: the same script as e2e_model's)
+    step e2e_ngram 110 env JAX_PLATFORMS=$device "$PY" bench_e2e.py --ngram "${e2e_args[@]}" "${append[@]}"
+fi
 if [ "${SUITE:-0}" = 1 ]; then
     step gpu_suite 240 "$PY" gpu_suite.py --out "$OUT/suite" "${suite_args[@]}"
 fi

@@ -71,7 +71,7 @@ def test_ragged_moe_equals_dense_reference(n, d, f, e, data, routing, normalize,
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(1.0, np.abs(want).max()))
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=6, deadline=None)       # each example compiles its shapes (~1.5 s)
 @given(n=st.integers(1, 9), shards=st.sampled_from([1, 2, 3, 4]), per_shard=st.integers(1, 3), data=st.data(),
        gpt_oss=st.booleans(), seed=st.integers(0, 2 ** 16))
 def test_expert_parallel_parts_sum_to_the_whole_block(n, shards, per_shard, data, gpt_oss, seed):
