@@ -174,6 +174,24 @@ def test_greedy_generation_matches_transformers(name):
 
 
 @pytest.mark.slow
+def test_moe_target_through_trees_chunks_preemptions_and_the_prefix_cache():
+    """The Qwen3-MoE fixture verified as a tree (a small MoE draft model), its prompts prefilled 4 tokens a
+    chunk, four requests in a pool that holds fewer (preemptions), twice (the second time from the prefix
+    cache): every request gets transformers' continuation."""
+    target = model("qwen3_moe")
+    draft = Transformer(TransformerConfig(vocab_size=VOCAB, num_layers=1, d_model=16, num_heads=2, num_kv_heads=1,
+                                          head_dim=8, ffn_dim=32, num_experts=3, num_experts_per_tok=2, moe_ffn_dim=8),
+                        rngs=nnx.Rngs(5))
+    tree = scv_jax.TreeConfig(max_depth=2, branching=2, max_nodes=4)
+    config = DecoderConfig(**{**vars(DECODE), "tree": tree, "num_blocks": 10, "prefill_chunk": 4})
+    decoder = SpeculativeDecoder(target, draft, config=config)
+    prompts, continuations = expected("qwen3_moe")["prompts"] * 2, expected("qwen3_moe")["continuations"] * 2
+    first, second = (decoder.generate(prompts, NEW_TOKENS) for _ in range(2))
+    assert first.tokens == second.tokens == continuations
+    assert first.stats.num_preemptions > 0 and second.stats.prefix_cache_hits > 0
+
+
+@pytest.mark.slow
 def test_blocks_outside_every_window_are_given_back():
     """Mistral attends within 12 positions on every layer (its draft, a copy, too): a request's blocks
     wholly before its next queries' windows go back to the pool, so two requests of 46 tokens (7 blocks of 8
