@@ -256,11 +256,14 @@ def divergence_is_near_tie(name: str, prompt: list[int], first: list[int], secon
 
 @settings(max_examples=4)
 @given(prompts=prompt_lists)
-@pytest.mark.parametrize("name", DECODED)
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "gpt_oss"])
 @pytest.mark.slow
 def test_bfloat16_speculative_equals_autoregressive_up_to_near_ties(name, prompts):
     """The README's bfloat16 statement: speculative and autoregressive greedy outputs (same target,
-    same bfloat16 weights and cache) differ only where the top logits are tied within bf16 rounding."""
+    same bfloat16 weights and cache) differ only where the top logits are tied within bf16 rounding. On a
+    dense model, a mixture of experts and gpt-oss (sinks, windows, biases, clamp): the other architectures'
+    decoding paths are these (each one's bfloat16 forward: ``test_bfloat16_model``), and every bfloat16
+    decoder compiles its own executables."""
     autoregressive, speculative = decoders(name, "bfloat16")
     for prompt, a, b in zip(prompts, autoregressive.generate(prompts, NEW_TOKENS).tokens,
                             speculative.generate(prompts, NEW_TOKENS).tokens):
