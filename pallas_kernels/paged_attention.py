@@ -57,8 +57,8 @@ Design (Hopper, tensor cores, one warpgroup per CTA):
     acc), divides and unpacks the rows to ``[B, T, heads, head_dim]`` in q's dtype. Attention sinks
     (gpt-oss: one more logit per query head, of value zero) join there: the sink is one more term of
     the max and of the denominator, and adds nothing to acc, so the kernel body never sees them. The
-    partials hold only the real rows (T * G rounded up to 8), staged through SMEM and written with one TMA copy, so
-    they stay small next to the K/V read.
+    partials hold only the real rows (T * G rounded up to 8), staged through SMEM and written with one
+    TMA copy, so they stay small next to the K/V read.
 
 Supported (``unsupported_reason``): head_dim 64, 128, 192 or 256 (rows of 128-byte multiples; Mosaic
 GPU's layout inference rejects 80 and 96 in jax 0.12, which then run on XLA), block sizes 8, 16, 32

@@ -406,8 +406,7 @@ class Scheduler:
         state.computed[rows] += work.count
         state.ensure(rows, state.computed[rows])
         state.register(rows, state.computed[rows])
-        state.release_behind(rows, np.minimum(work.begin,
-                                              self.proposer.committed(state.length[rows], state.lag[rows])))
+        self._release_behind(rows, work.begin)
         return work
 
     # ------------------------------------------------------------------ a step
@@ -668,8 +667,7 @@ class Scheduler:
         state.may_lag |= step_k == 0
         outputs = self._outputs(work, requests, appended, done, stopped, result)
         self._register(rows)
-        state.release_behind(rows, np.minimum(state.computed[rows],
-                                              self.proposer.committed(state.length[rows], state.lag[rows])))
+        self._release_behind(rows, state.computed[rows])
         if work.kind in self._controllers:
             # the controller's acceptance counts a draft the drafter could not offer (no n-gram match,
             # a short one) as a rejection at that position: E(k) is then what a step of k really emits
@@ -732,6 +730,13 @@ class Scheduler:
         token, a draft model's cache or an EAGLE head's lags (``Proposer.committed``)."""
         state = self.batch
         state.register(rows, self.proposer.committed(state.length[rows], state.lag[rows]))
+
+    def _release_behind(self, rows: np.ndarray, target_next: np.ndarray) -> None:
+        """Gives back the blocks of ``rows`` behind every window of their next queries: the target's from
+        ``target_next`` (int64[len(rows)]), a draft cache's from what it holds (``Proposer.committed``)."""
+        state = self.batch
+        state.release_behind(rows, np.minimum(target_next, self.proposer.committed(state.length[rows],
+                                                                                   state.lag[rows])))
 
     def top_up(self) -> PrefillWork | None:
         """With prefix caching and a draft model or an EAGLE head: the draft-only prefill of the positions
