@@ -127,13 +127,13 @@ def test_demo_pair_on_meshes_decodes_as_on_one_device():
 def test_qwen_style_pair_on_meshes_greedy_and_sampled():
     """q/k/v biases, an untied LM head (vocabulary-parallel), gpt-oss's attention (sinks split with their
     heads, an output bias, a windowed and a full layer, YaRN) and mixture of experts (8 experts split over
-    "model": expert-parallel), 2 KV heads on model axes of 8 and 4 (the draft tensor-parallel too on
-    (2, 4)); sampling with the same seed gives the one-device tokens. (A data-only mesh and a dense MLP are
-    the demo pair's case.)"""
-    result = _result(_start("--pair", "qwen", "--meshes", "1,8", "2,4:model", "--sample", "--extras"))
-    for spec in ("1,8", "2,4:model"):
-        _check_mesh_run(result, spec, kv_heads=(2, 2))
-    assert 0.2 < result["meshes"]["2,4:model"]["acceptance"] < 0.9            # partial acceptance exercised
+    "model": expert-parallel), 2 KV heads on a model axis of 4, the draft tensor-parallel too, on a (1, 4)
+    mesh (one pool: the prefix cache's hits; a data axis is the demo pair's and the two processes' case);
+    sampling with the same seed gives the one-device tokens. (A dense MLP is the demo pair's case. One mesh:
+    each further one costs the suite ~50 s.)"""
+    result = _result(_start("--pair", "qwen", "--meshes", "1,4:model", "--sample", "--extras"))
+    _check_mesh_run(result, "1,4:model", kv_heads=(2, 2))
+    assert 0.2 < result["meshes"]["1,4:model"]["acceptance"] < 0.9            # partial acceptance exercised
     assert result["expected"]["sampled"] != result["expected"]["greedy"]
     assert result["sharded_commit"] == {"xla": True, "interpret": True}
     errors = result["errors"]
