@@ -57,7 +57,7 @@ from scv_jax.decoding.stats import AcceptanceTally, GenerateStats
 from scv_jax.graph.compiler import CompileJob, Compiler
 from scv_jax.graph.persistent_cache import use_default_cache
 from scv_jax.sampling_params import MAX_STOP_IDS, SamplingParams, batch_sampling_arrays
-from scv_jax.sharding.processes import StepChannel, fail_fast, is_leader, spans_processes, watch
+from scv_jax.sharding.processes import StepChannel, fail_fast, is_leader, wait_for_all, watch
 
 WARMUP_TEMPERATURES = (0.0, 1.0)    # a warm-up compiles the steps of all-greedy and of sampled batches
 
@@ -182,12 +182,13 @@ class Engine:
         self._carry = runner.new_carry()                 # what each request's last step did (``decoding.carry``)
         self.stats = GenerateStats()
         self.tally = AcceptanceTally(proposer.max_depth)
-        several = spans_processes(getattr(runner.placement, "mesh", None))
+        several = runner.spans_processes
         if several and lockstep and cfg.adaptive:
             raise ValueError("DecoderConfig.adaptive: over several processes process 0 decides k, so the steps run "
                              "on an Engine that process 0 drives and the others follow(), not in generate")
         followed = several and not lockstep
         self._channel = StepChannel.open() if followed else None     # to (or from) the other processes
+        self._meet_first = several and lockstep           # (a followed engine's channel meets at its first message)
         self._changes: list[tuple] = []              # the leader's changes since its last step, for the followers
         self._timings: list[tuple] = []              # the leader's step times since its last step (``take_timing``)
         self.is_leader = not followed or is_leader()
@@ -227,7 +228,7 @@ class Engine:
     @property
     def supports_structured_output(self) -> bool:
         """Whether requests may have ``structured_outputs`` (``Engine(tokenizer=...)``, one process)."""
-        return self._scheduler.grammars is not None and self.runner.has_controls
+        return self._scheduler.grammars is not None and not self.runner.spans_processes
 
     def has_unfinished(self) -> bool:
         """Whether a request waits or runs, or an abort is still to be reported by ``step``."""
@@ -287,10 +288,6 @@ class Engine:
                          if bad[0] in ids)
             raise ValueError(f"add_request: SamplingParams.{field} must hold token ids in [0, vocab_size={vocab}), "
                              f"got {bad[0]}")
-        if (params.controlled or params.min_tokens) and not runner.has_controls:
-            raise ValueError("add_request: SamplingParams' penalties, logit_bias, allowed_token_ids, "
-                             "bad_words_token_ids and min_tokens need a decoder on one process (one device or a mesh "
-                             "of its devices)")
         if params.prediction and (runner.proposer.predictions is None or any(t >= vocab for t in params.prediction)):
             raise ValueError(f"add_request: SamplingParams.prediction needs an engine with a host drafter (n-gram, "
                              f"suffix or a HostDrafter; not a draft model, an EAGLE head or none) and token ids in "
@@ -300,7 +297,7 @@ class Engine:
         scheduler = self._scheduler
         matcher = None
         if params.structured_outputs is not None:
-            if scheduler.grammars is None or not runner.has_controls:
+            if scheduler.grammars is None or runner.spans_processes:
                 raise ValueError("add_request: SamplingParams.structured_outputs needs Engine(tokenizer=...) and a "
                                  "decoder on one process (one device or a mesh of its devices)")
             try:
@@ -385,6 +382,9 @@ class Engine:
         (aborts included). With one step in flight (``overlaps``) the decode step is dispatched, and the
         outputs are those of the step the call before dispatched."""
         self._leading("step")
+        if self._meet_first:        # lockstep over several processes: every process starts its steps together
+            wait_for_all()
+            self._meet_first = False
         if self._channel is not None:
             if self._channel.closed:
                 raise RuntimeError("Engine.step: the engine was closed (its followers returned)")
@@ -441,7 +441,7 @@ class Engine:
             if admitted.size and runner.prefix_root is not None:
                 stats.prefix_cache_queries += int(batch.length[admitted].sum())
                 stats.prefix_cache_hits += int(batch.computed[admitted].sum())
-            if admitted.size and runner.has_controls:
+            if admitted.size:
                 runner.write_controls(batch, admitted)
             prefill = scheduler.prefill()
             if prefill is not None:

@@ -40,6 +40,7 @@ from scv_jax.ops.commit.kv_cache import PagedKVCache
 from scv_jax.ops.sampling.api import TokenLogprobs
 from scv_jax.sharding.mesh import DATA, MODEL, cache_shardings, check_mesh, replicated_heads, tracing_on
 from scv_jax.sharding.params import place_head, place_transformer, tensor_parallel_config
+from scv_jax.sharding.processes import lower_alike, spans_processes
 from scv_jax.verify.summary import HostStepResult, StepSummary
 
 DRAFT_PLACEMENTS = ("replicated", "model")
@@ -201,6 +202,8 @@ class OnMesh(SingleDevice):
 
     def __init__(self, mesh: Any, config: DecoderConfig, sharding: ShardingConfig | None):
         self.mesh = check_mesh(mesh)
+        if spans_processes(self.mesh):
+            lower_alike()
         self.sharding = sharding or ShardingConfig()
         if not isinstance(self.sharding, ShardingConfig):
             raise TypeError(f"SpeculativeDecoder: sharding must be a ShardingConfig, got {type(sharding).__name__}")

@@ -50,6 +50,7 @@ from scv_jax.graph.executable_cache import ExecutableCache
 from scv_jax.graph.stats import GraphModeStats
 from scv_jax.ops.registry import cuda_available
 from scv_jax.sampling_params import MAX_BAD_WORD_LEN
+from scv_jax.sharding.processes import spans_processes
 
 PREFILL_PROGRESS_SECONDS = 2.0   # a prefill running longer than this reports its progress on stderr
 BACKGROUND_SWITCH_INTERVAL = 5e-4   # background compiles yield the interpreter lock (``Compiler.switch_interval``)
@@ -140,9 +141,7 @@ class StepRunner:
             cfg, self.target, self.draft, self.step_ks, self.placement, verifier, proposer.lag_after_step,
             proposer.max_lag)
         self._plans: dict[tuple, BucketPlan] = {}
-        # the logit controls' state (replicated on a mesh), taken by each call and given back; none on a mesh
-        # over several processes (requests with controls refused there: docs/mesh.md)
-        self.has_controls = mesh is None or jax.process_count() == 1
+        # the logit controls' state (replicated on a mesh), taken by each call and given back
         self._controls: ControlState | None = None
         self._control_writer = None
         self.overlaps = cfg.overlap          # one step in flight
@@ -160,6 +159,11 @@ class StepRunner:
     def uses_draft(self, k: int) -> bool:
         """Whether a decode step at ``k`` runs the drafter's device half (a draft model or head)."""
         return self.draft is not None and (k > 0 or self.proposer.every_step)
+
+    @property
+    def spans_processes(self) -> bool:
+        """Whether the decoder's mesh holds devices of several processes."""
+        return spans_processes(getattr(self.placement, "mesh", None))
 
     @property
     def largest_batch(self) -> int:
@@ -348,8 +352,7 @@ class StepRunner:
         carry_out = None
         if self.overlaps:
             *outputs, carry_out = outputs
-        if self.has_controls:
-            *outputs, self._controls = outputs
+        *outputs, self._controls = outputs
         return outputs, carry_out
 
     def _decode_inputs(self, work: DecodeWork, batch: RequestBatch, layout: BatchRows, plan: BucketPlan, width: int,
@@ -366,8 +369,7 @@ class StepRunner:
         if layout.scattered:
             inputs["request_mask"] = np.zeros(size, np.bool_)
             inputs["request_mask"][layout.rows] = True
-        if self.has_controls:
-            inputs["controls"] = self._take_controls()
+        inputs["controls"] = self._take_controls()
         if self.overlaps:
             inputs["carry"] = self.new_carry() if carry_in is None else carry_in
         if work.grammar is not None:
@@ -405,7 +407,7 @@ class StepRunner:
         if plan is None:
             given = _DECODE_ALWAYS + (("draft_params", "draft_cache") if self.uses_draft(k) else ()) \
                 + (("drafts",) if self.proposer.host is not None else ()) + (("request_mask",) if masked else ()) \
-                + (("controls",) if self.has_controls else ()) + (("grammar",) if grammar else ()) \
+                + ("controls",) + (("grammar",) if grammar else ()) \
                 + (("carry",) if self.overlaps else ()) + (("draft_tables", "draft_states") if automaton else ()) \
                 + (("proposal",) if proposal else ())
             plan = self._plans[key] = self.decode_executable.plan_sizes(
@@ -461,9 +463,9 @@ class StepRunner:
         rows[:, StepRow.BUDGET], rows[:, StepRow.CARRIED] = k + 1, 0
         sampling = np.zeros((batch, SamplingColumn.WIDTH), np.float32)
         sampling[:, [SamplingColumn.TEMPERATURE, SamplingColumn.TOP_P, SamplingColumn.REPETITION]] = 1.0
-        if not 0 <= controlled <= batch_size or controlled and not self.has_controls:
-            raise ValueError(f"device_seconds_per_step: controlled must be in [0, batch_size={batch_size}] (0 on a "
-                             f"mesh over several processes), got {controlled!r}")
+        if not 0 <= controlled <= batch_size:
+            raise ValueError(f"device_seconds_per_step: controlled must be in [0, batch_size={batch_size}], "
+                             f"got {controlled!r}")
         rows[:, StepRow.SLOT] = np.arange(batch) % self.largest_batch
         sampling[:controlled, [SamplingColumn.PRESENCE, SamplingColumn.FREQUENCY, SamplingColumn.REPETITION,
                                SamplingColumn.CONTROLLED]] = (0.5, 0.5, 1.2, 1.0)
@@ -478,13 +480,11 @@ class StepRunner:
         stats, use_draft = GenerateStats(), self.uses_draft(k)
 
         def call():
-            if self.has_controls:
-                args["controls"] = self._take_controls()
+            args["controls"] = self._take_controls()
             summary, *rest = self._call(self.decode_executable, stats, use_draft=use_draft, plan=plan, **args)
             if self.overlaps:
                 *rest, args["carry"] = rest
-            if self.has_controls:
-                self._controls = rest[-1]
+            self._controls = rest[-1]
             return summary
 
         with self.lock:
@@ -561,8 +561,7 @@ class StepRunner:
 
     def _compile_controls(self) -> None:
         """The logit controls' writer, compiled before any step (not on the first request's)."""
-        if self.has_controls:
-            self._writer()
+        self._writer()
 
     def warmup_jobs(self, batch_sizes: int | Sequence[int], max_len: int, *,
                     temperatures: float | Sequence[float] = 0.0, logprobs: bool = False,
@@ -580,7 +579,7 @@ class StepRunner:
         for size in sizes:
             require_int("warmup", "batch_sizes", size, minimum=1)
         require_int("warmup", "max_len", max_len, minimum=1)
-        if structured_output and not self.has_controls:
+        if structured_output and self.spans_processes:
             raise ValueError("warmup: structured_output needs a decoder on one process (one device or a mesh of "
                              "its devices)")
         if logprobs and self.proposer.verifier == "tree":
@@ -614,7 +613,7 @@ class StepRunner:
         """(executable, abstract example arguments with a ``keep`` filter) of each group of warm-up buckets."""
         cfg = self.config
         target_cache, draft_cache = self.caches.take()
-        controls = self._take_controls() if self.has_controls else None
+        controls = self._take_controls()
         tables = np.zeros((1, 1), np.int32)
         models = _abstract(dict(target_params=self.target_params, target_cache=target_cache, backend=cfg.backend,
                                 **self.placement.warmup_args()))
@@ -632,8 +631,7 @@ class StepRunner:
                 step = dict(block_tables=tables, rows=np.zeros((1, StepRow.WIDTH), np.int32),
                             sampling=np.zeros((1, SamplingColumn.WIDTH), np.float32), k=k, greedy=greedy,
                             keep=lambda s, k=k: s["k"] == k and fits(s))
-                if self.has_controls:
-                    step["controls"] = _abstract(controls)
+                step["controls"] = _abstract(controls)
                 if self.overlaps:
                     step["carry"] = _abstract(self.new_carry())
                 if self.proposer.host is not None:
@@ -652,8 +650,7 @@ class StepRunner:
                     else:
                         calls.append((self.decode_executable, {**models_k, **step, "grammar": grammar}))
         self.caches.put(target_cache, draft_cache)
-        if self.has_controls:
-            self._controls = controls
+        self._controls = controls
         return calls
 
 

@@ -27,6 +27,7 @@ START_SECONDS = 3600            # how long the first message waits for every pro
 LEADER = 0
 
 _engines = itertools.count()    # the namespace of the next channel (the same order in every process)
+_meetings = itertools.count()   # the barrier of the next ``wait_for_all`` (the same order in every process)
 
 
 class ProcessFailure(RuntimeError):
@@ -46,6 +47,18 @@ def _client():
 def spans_processes(mesh) -> bool:
     """Whether ``mesh`` holds devices of more than one process."""
     return mesh is not None and len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def lower_alike() -> None:
+    """Makes every process compile a program to the same executable. JAX writes Python call stacks into the
+    program's source locations, and they differ with each process's history (a function's lowering JAX
+    cached during other work, e.g. a one-device run on process 0 only); XLA keys the collectives of a run
+    by its executable, so the processes' executables, different only in those locations, waited for each
+    other forever (two CPU processes, gloo). Locations keep their innermost frame, its file without
+    its folder (a user's own ``jax_hlo_source_file_canonicalization_regex`` stays)."""
+    jax.config.update("jax_include_full_tracebacks_in_locations", False)
+    if jax.config.jax_hlo_source_file_canonicalization_regex is None:
+        jax.config.update("jax_hlo_source_file_canonicalization_regex", ".*/")
 
 
 def is_leader() -> bool:
@@ -114,6 +127,14 @@ def agree(settings: dict[str, str], timeout: float = 300.0) -> None:
                 raise ValueError(f"{name}: process {me} has {settings.get(name)}, process {other} has "
                                  f"{theirs.get(name)}; every process of the job must be started with the same "
                                  "settings")
+
+
+def wait_for_all() -> None:
+    """Waits until every process of the job reached its own call (the n-th call of each process meets the
+    n-th of the others: call it in the same order in every process; ``START_SECONDS`` at most). Gloo gives
+    up on a collective's first use (its connections) when one process comes more than 30 s after the
+    other, e.g. from a longer warm-up or other work before."""
+    _client().wait_at_barrier(f"scv_jax/meeting{next(_meetings)}", int(START_SECONDS * 1000))
 
 
 class StepChannel:

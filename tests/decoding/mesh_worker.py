@@ -178,8 +178,7 @@ def _adaptive(target, draft, prompts: list[list[int]]) -> tuple[dict, str]:
         error = ""
     except ValueError as e:
         error = str(e)
-    engine = scv_jax.Engine(decoder)
-    engine.warmup(4, config.max_seq_len, temperatures=0.0)    # every k first (docs/mesh.md: one compiled later hangs)
+    engine = scv_jax.Engine(decoder)          # (not warmed up: each k compiles when the controller first picks it)
     run = _engine_tokens(engine, [(prompt, SamplingParams(max_tokens=MAX_NEW)) for prompt in prompts])
     return dict(tokens=run.tokens, k_histogram=engine.stats.k_histogram), error
 
@@ -206,9 +205,8 @@ def _generate(decoder: SpeculativeDecoder, prompts: list[list[int]], structured:
     out = {"greedy": decoder.generate(prompts, MAX_NEW),
            "streamed": decoder.generate(prompts, MAX_NEW, max_num_seqs=2),    # continuous batching
            "chunked": _chunked(decoder, prompts),                              # prompts over several steps
-           "tight": _tight(decoder, prompts)}                                  # preemptions
-    if jax.process_count() == 1:        # (refused over several processes)
-        out["controlled"] = decoder.generate(prompts, sampling=controlled)    # penalties, bias, bad words
+           "tight": _tight(decoder, prompts),                                  # preemptions
+           "controlled": decoder.generate(prompts, sampling=controlled)}       # penalties, bias, bad words
     if structured:
         out["structured"] = _structured(decoder, prompts)
     if ARGS.sample:
@@ -369,12 +367,6 @@ def main() -> None:
                   expected=expected, meshes={spec: _on_mesh(target, draft, prompts, spec) for spec in ARGS.meshes})
     if ARGS.num_processes > 1:
         result["adaptive"], result["adaptive_error"] = _adaptive(target, draft, prompts)
-        try:
-            scv_jax.Engine(target, draft, config=CONFIG, mesh=scv_jax.decoder_mesh(2, 4), lockstep=True).add_request(
-                prompts[0], SamplingParams(presence_penalty=1.0))
-            result["controls_error"] = ""
-        except ValueError as error:
-            result["controls_error"] = str(error)
     if ARGS.extras:
         mesh = scv_jax.decoder_mesh(2, len(jax.devices()) // 2)
         result.update(errors=_errors(mesh), sharded_commit=_sharded_commit(mesh))

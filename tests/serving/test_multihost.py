@@ -1,7 +1,8 @@
 """``scv-jax serve`` as one job of 2 processes x 4 CPU devices (``--mesh 2,4``, gloo collectives, traffic on
-127.0.0.1 only): concurrent and streamed greedy completions equal offline one-device decoding, seeded
-sampling repeats, SIGTERM to process 0 ends both with status 0; a follower killed mid-stream ends the stream
-with an error and the leader within 60 s; a follower started with another --dtype is refused."""
+127.0.0.1 only): concurrent and streamed greedy completions equal offline one-device decoding (one with
+penalties too), seeded sampling repeats, SIGTERM to process 0 ends both with status 0; a follower killed
+mid-stream ends the stream with an error and the leader within 60 s; a follower started with another
+--dtype is refused."""
 
 from __future__ import annotations
 
@@ -53,13 +54,15 @@ def _job(checkpoint, log_dir, draft: bool = True):
     return leader, follower
 
 
-def _offline(checkpoint, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def _offline(checkpoint, prompts: list[list[int]], max_tokens: int, **controls: float) -> list[list[int]]:
+    """Greedy one-device tokens, with ``controls`` (``SamplingParams`` fields) for every prompt if given."""
     import scv_jax
     from scv_jax.models import load_hf
 
     decoder = scv_jax.SpeculativeDecoder(load_hf(checkpoint, dtype="float32"), None, config=scv_jax.DecoderConfig(
         k=0, max_seq_len=MAX_LEN, num_blocks=64, batch_buckets=(4,)))
-    return decoder.generate(prompts, max_tokens).tokens
+    sampling = [scv_jax.SamplingParams(max_tokens=max_tokens, **controls)] * len(prompts)
+    return decoder.generate(prompts, sampling=sampling).tokens
 
 
 @pytest.mark.slow
@@ -84,6 +87,10 @@ def test_two_processes_serve_as_one_device(checkpoint, tokenizer, tmp_path):
         sampled = [c.completions.create(model=NAME, prompt="def main(", max_tokens=16, temperature=1.0, seed=3)
                    .choices[0].text for _ in range(2)]
         assert sampled[0] == sampled[1]
+        penalties = dict(presence_penalty=1.5, frequency_penalty=0.5)     # the controls over two processes
+        penalised = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, **penalties)
+        assert penalised.choices[0].text == tokenizer.decode(
+            _offline(checkpoint, [tokenizer.encode(PROMPTS[0])], 24, **penalties)[0]) != expected[0]
         assert leader.stop(signal.SIGTERM) == 0, leader.stderr()
         assert follower.wait(STOP_TIMEOUT) == 0, (tmp_path / "follower.log").read_text()
     finally:
