@@ -188,7 +188,9 @@ class Engine:
                              "on an Engine that process 0 drives and the others follow(), not in generate")
         followed = several and not lockstep
         self._channel = StepChannel.open() if followed else None     # to (or from) the other processes
+        self._scheduler.automata_from_leader = followed      # when to draft along an automaton: the leader says
         self._meet_first = several and lockstep           # (a followed engine's channel meets at its first message)
+        self._lockstep_processes = several and lockstep
         self._changes: list[tuple] = []              # the leader's changes since its last step, for the followers
         self._timings: list[tuple] = []              # the leader's step times since its last step (``take_timing``)
         self.is_leader = not followed or is_leader()
@@ -227,8 +229,10 @@ class Engine:
 
     @property
     def supports_structured_output(self) -> bool:
-        """Whether requests may have ``structured_outputs`` (``Engine(tokenizer=...)``, one process)."""
-        return self._scheduler.grammars is not None and not self.runner.spans_processes
+        """Whether requests may have ``structured_outputs`` (``Engine(tokenizer=...)``; over several processes
+        an engine that process 0 drives: each process's drafting automata are built on its own thread, and
+        the leader tells the followers at which step its were ready)."""
+        return self._scheduler.grammars is not None and not self._lockstep_processes
 
     def has_unfinished(self) -> bool:
         """Whether a request waits or runs, or an abort is still to be reported by ``step``."""
@@ -297,9 +301,9 @@ class Engine:
         scheduler = self._scheduler
         matcher = None
         if params.structured_outputs is not None:
-            if scheduler.grammars is None or runner.spans_processes:
-                raise ValueError("add_request: SamplingParams.structured_outputs needs Engine(tokenizer=...) and a "
-                                 "decoder on one process (one device or a mesh of its devices)")
+            if scheduler.grammars is None or self._lockstep_processes:
+                raise ValueError("add_request: SamplingParams.structured_outputs needs Engine(tokenizer=...), and "
+                                 "over several processes an engine that process 0 drives (not lockstep=True)")
             try:
                 matcher = scheduler.grammars.matcher(params.structured_outputs)
             except ValueError as e:
@@ -388,6 +392,9 @@ class Engine:
         if self._channel is not None:
             if self._channel.closed:
                 raise RuntimeError("Engine.step: the engine was closed (its followers returned)")
+            with self.runner.lock:      # drafting automata built since the last step: used from this one on
+                for request_id in self._scheduler.ready_automata():
+                    self._record("automaton", request_id)
             self._channel.publish(pickle.dumps((self._changes, self._timings, False)))
             self._learn_timings(self._timings)
             self._changes, self._timings = [], []
@@ -419,6 +426,7 @@ class Engine:
                 changes, timings, closed = pickle.loads(self._channel.receive())
                 for name, *args in changes:
                     {"add": self._add_request, "abort": self._scheduler.abort,
+                     "automaton": self._scheduler.automaton_ready,
                      "reset_prefix_cache": self._reset_prefix_cache,
                      "finish_observing": self._scheduler.observe}[name](*args)
                 self._learn_timings(timings)

@@ -579,9 +579,6 @@ class StepRunner:
         for size in sizes:
             require_int("warmup", "batch_sizes", size, minimum=1)
         require_int("warmup", "max_len", max_len, minimum=1)
-        if structured_output and self.spans_processes:
-            raise ValueError("warmup: structured_output needs a decoder on one process (one device or a mesh of "
-                             "its devices)")
         if logprobs and self.proposer.verifier == "tree":
             raise ValueError("warmup: logprobs needs chain drafts (DecoderConfig.tree=None): a tree decoder's "
                              "requests cannot ask for log-probabilities")

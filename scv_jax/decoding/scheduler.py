@@ -108,6 +108,7 @@ class Request:
     drafted: int = 0
     matcher: Any = None             # its structured output's grammar state (an llguidance LLMatcher), at token_ids
     automaton: Any = None           # its drafting automaton being built (a Future of a ``TokenAutomaton`` or None)
+    automaton_ready: bool = False   # its steps draft with that automaton (``Scheduler.ready_automata``)
     automaton_at: tuple[int, int] | None = None   # (its automaton's state, after that many of token_ids)
     automaton_agrees: bool = True   # no step found its automaton's masks other than its grammar's
     prediction_accepted: int = 0    # drafts from its prediction verified and accepted
@@ -171,6 +172,9 @@ class Scheduler:
         self._unverified: UnverifiedProposals | None = None
         self._finished = np.zeros(0, np.int64)            # rows that finished in the last update, until retire
         self.in_flight: DecodeWork | None = None          # the step dispatched and not yet fetched (overlap)
+        # an engine over several processes: its leader's step() decides which automata are ready (every process
+        # then drafts along them from the same step); else each step uses those built by its planning
+        self.automata_from_leader = False
 
     # ------------------------------------------------------------------ requests
     def add(self, request: Request) -> None:
@@ -204,6 +208,23 @@ class Scheduler:
         except Exception:
             logging.getLogger(__name__).exception("request %s: its drafting automaton failed to build", request_id)
             return None
+
+    def ready_automata(self) -> list[str]:
+        """Lets the requests whose drafting automaton was built since the last call draft along it from the
+        step planned next; returns their ids (what a followed engine's followers learn: ``automaton_ready``)."""
+        ready = [request.request_id for request in self.requests.values()
+                 if request.automaton is not None and not request.automaton_ready and request.automaton.done()]
+        for request_id in ready:
+            self.requests[request_id].automaton_ready = True
+        return ready
+
+    def automaton_ready(self, request_id: str) -> None:
+        """(A follower.) Request ``request_id``'s drafting automaton was ready on the leader at this step:
+        waits for this process's own build of it, so every process plans the same steps."""
+        request = self.requests.get(request_id)
+        if request is not None and request.automaton is not None:
+            request.automaton.result()
+            request.automaton_ready = True
 
     def abort(self, request_id: str) -> None:
         """Ends a waiting or running request now; ``take_ended`` reports it. Unknown ids are ignored."""
@@ -513,8 +534,10 @@ class Scheduler:
         """int32[B, 2] each request's drafting automaton and state in ``draft_tables`` (-1: none), its
         automaton moved over the tokens it emitted since (-1 for good once one is outside it)."""
         states = np.full((len(requests), 2), -1, np.int32)
+        if not self.automata_from_leader:
+            self.ready_automata()
         # (an automaton still being built: the request drafts freely meanwhile)
-        automata = {i: requests[i].automaton.result() if requests[i].automaton.done() else None
+        automata = {i: requests[i].automaton.result() if requests[i].automaton_ready else None
                     for i in constrained.tolist()}
         keys = {i: draft_key(requests[i].params.structured_outputs) for i, a in automata.items() if a is not None}
         held = self.draft_tables.hold({key: automata[i] for i, key in keys.items()})

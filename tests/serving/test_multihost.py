@@ -1,12 +1,13 @@
 """``scv-jax serve`` as one job of 2 processes x 4 CPU devices (``--mesh 2,4``, gloo collectives, traffic on
 127.0.0.1 only): concurrent and streamed greedy completions equal offline one-device decoding (one with
-penalties too), seeded sampling repeats, SIGTERM to process 0 ends both with status 0; a follower killed
-mid-stream ends the stream with an error and the leader within 60 s; a follower started with another
---dtype is refused."""
+penalties, one under a regex too), seeded sampling repeats, SIGTERM to process 0 ends both with status 0;
+a follower killed mid-stream ends the stream with an error and the leader within 60 s; a follower started
+with another --dtype is refused."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -65,6 +66,23 @@ def _offline(checkpoint, prompts: list[list[int]], max_tokens: int, **controls: 
     return decoder.generate(prompts, sampling=sampling).tokens
 
 
+def _offline_constrained(checkpoint, tokenizer, prompt: str, regex: str, max_tokens: int) -> str:
+    """The one-device greedy text of ``prompt`` under ``regex`` (an engine with the tokenizer)."""
+    import scv_jax
+    from scv_jax.models import load_hf
+
+    engine = scv_jax.Engine(load_hf(checkpoint, dtype="float32"), None, tokenizer=tokenizer,
+                            config=scv_jax.DecoderConfig(k=0, max_seq_len=MAX_LEN, num_blocks=64, batch_buckets=(4,)))
+    engine.add_request(tokenizer.encode(prompt), scv_jax.SamplingParams(
+        max_tokens=max_tokens, structured_outputs=scv_jax.StructuredOutputsParams(regex=regex)), "r")
+    tokens: list[int] = []
+    for _ in range(4 * max_tokens):
+        if not engine.has_unfinished():
+            break
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    return tokenizer.decode(tokens)
+
+
 @pytest.mark.slow
 def test_two_processes_serve_as_one_device(checkpoint, tokenizer, tmp_path):
     leader, follower = _job(checkpoint, tmp_path)
@@ -91,6 +109,11 @@ def test_two_processes_serve_as_one_device(checkpoint, tokenizer, tmp_path):
         penalised = c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0, **penalties)
         assert penalised.choices[0].text == tokenizer.decode(
             _offline(checkpoint, [tokenizer.encode(PROMPTS[0])], 24, **penalties)[0]) != expected[0]
+        regex = "[0-9]{3}-[a-z]{2}"      # structured output: drafted along its automaton on both processes
+        constrained = c.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                           extra_body={"guided_regex": regex}).choices[0].text
+        assert re.fullmatch(regex, constrained), constrained
+        assert constrained == _offline_constrained(checkpoint, tokenizer, PROMPTS[1], regex, 24)
         assert leader.stop(signal.SIGTERM) == 0, leader.stderr()
         assert follower.wait(STOP_TIMEOUT) == 0, (tmp_path / "follower.log").read_text()
     finally:
