@@ -189,8 +189,8 @@ class Engine:
         followed = several and not lockstep
         self._channel = StepChannel.open() if followed else None     # to (or from) the other processes
         self._scheduler.automata_from_leader = followed      # when to draft along an automaton: the leader says
-        self._meet_first = several and lockstep           # (a followed engine's channel meets at its first message)
         self._lockstep_processes = several and lockstep
+        self._meet_first = self._lockstep_processes       # (a followed engine's channel meets at its first message)
         self._changes: list[tuple] = []              # the leader's changes since its last step, for the followers
         self._timings: list[tuple] = []              # the leader's step times since its last step (``take_timing``)
         self.is_leader = not followed or is_leader()

@@ -534,8 +534,9 @@ class Scheduler:
         """int32[B, 2] each request's drafting automaton and state in ``draft_tables`` (-1: none), its
         automaton moved over the tokens it emitted since (-1 for good once one is outside it)."""
         states = np.full((len(requests), 2), -1, np.int32)
-        if not self.automata_from_leader:
-            self.ready_automata()
+        if not self.automata_from_leader:       # one process: the constrained requests' automata built by now
+            for i in constrained.tolist():
+                requests[i].automaton_ready = requests[i].automaton.done()
         # (an automaton still being built: the request drafts freely meanwhile)
         automata = {i: requests[i].automaton.result() if requests[i].automaton_ready else None
                     for i in constrained.tolist()}
